@@ -31,9 +31,6 @@ from torch import Tensor, nn
 from .hooks import NULL_HOOK, StageHook
 
 SHARED_SCALES = ("paper", "official")
-# Upper bound on the elements of one chunk of per-query gathered routed keys (B·H·C·s·k·d);
-# keeps the attention stage's memory linear in N (2^24 float32 = 64 MiB).
-_GATHER_CHUNK_ELEMENTS = 1 << 24
 
 
 def _valid_tokens(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tensor:
@@ -206,38 +203,80 @@ def attention(q: Tensor, shared_values: Tensor, affinity: Tensor, experts: Tenso
     ``"official"`` uses c = 1/d as the authors' code does (shared keys pre-scaled by d^-1/2,
     then scaled again in the kernel). Masked entries carry ``-inf`` logits.
 
+    Computed expert-grouped, as MoE dispatch: the B·H·N·s (query, expert) pairs are sorted by
+    expert and packed into blocks of C = ⌈N·s/m⌉ queries of one expert (an expert with more
+    queries takes several blocks, so there are at most 2·B·H·m blocks); each block is one
+    ``(C × d) @ (d × k)`` matrix product against its expert's keys, never a per-query copy of
+    the keys. The shared block and the s routed blocks of a query are then merged exactly by
+    their log-sum-exp, which equals one softmax over all m + s·k entries.
+    Peak extra memory: O(B·H·(N·s·(k + d + dv) + N·m)) elements — linear in N.
+
     Args: ``q`` ``(B, H, N, d)``; ``shared_values`` ``(B, H, m, dv)``; ``affinity``
     ``(B, H, N, m)`` and ``experts`` ``(B, H, N, s)`` from ``route``; the three outputs of
     ``gather``.
-    Returns: ``(B, H, N, dv)``. Queries are processed in chunks so the per-query gathered
-    routed keys take at most ~2^24 elements at a time.
+    Returns: ``(B, H, N, dv)``.
     """
     B, H, N, d = q.shape
     m, kk, dv = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
     s = experts.shape[-1]
+    BH = B * H
     scale = d ** -0.5
+    neg_inf = float("-inf")
+
+    # Shared branch, in query order: (max, sum of exp, unnormalised output) per query.
     shared_logits = affinity * (scale if shared_scale == "paper" else 1.0 / d)
-    expert_ok = torch.isfinite(affinity.gather(-1, experts))  # empty landmarks are -inf
-    flat_keys = expert_keys.reshape(B, H, m, kk * d)
-    flat_values = expert_values.reshape(B, H, m, kk * dv)
-    out = q.new_empty(B, H, N, dv)
-    chunk = max(1, _GATHER_CHUNK_ELEMENTS // max(1, B * H * s * kk * (d + dv)))
-    for start in range(0, N, chunk):
-        sl = slice(start, min(N, start + chunk))
-        ex = experts[:, :, sl]
-        c = ex.shape[2]
-        idx = ex.reshape(B, H, c * s, 1)
-        keys = flat_keys.gather(2, idx.expand(-1, -1, -1, kk * d)).reshape(B, H, c, s, kk, d)
-        values = flat_values.gather(2, idx.expand(-1, -1, -1, kk * dv)).reshape(
-            B, H, c, s * kk, dv)
-        ok = expert_key_valid.gather(2, idx.expand(-1, -1, -1, kk)).reshape(B, H, c, s, kk)
-        ok = ok & expert_ok[:, :, sl, :, None]
-        routed = torch.einsum("bhcd,bhcskd->bhcsk", q[:, :, sl], keys) * scale
-        routed = routed.masked_fill(~ok, float("-inf")).reshape(B, H, c, s * kk)
-        weights = torch.softmax(torch.cat([shared_logits[:, :, sl], routed], dim=-1), dim=-1)
-        out[:, :, sl] = weights[..., :m] @ shared_values + torch.einsum(
-            "bhcr,bhcrd->bhcd", weights[..., m:], values)
-    return out
+    shared_max = shared_logits.amax(-1, keepdim=True)  # finite: every row has a live landmark
+    shared_p = torch.exp(shared_logits - shared_max)
+    shared_sum = shared_p.sum(-1, keepdim=True)
+    shared_out = shared_p @ shared_values
+
+    # Routed branch, expert-grouped. Entry r = ((b·H + h)·N + n)·s + j.
+    group = (torch.arange(BH, device=q.device).view(B, H, 1, 1) * m + experts).reshape(-1)
+    entry_ok = torch.isfinite(affinity.gather(-1, experts)).reshape(-1)  # empty landmark: -inf
+    order = torch.argsort(group, stable=True)
+    group_sorted = group[order]
+    counts = torch.bincount(group, minlength=BH * m)
+    cap = max(1, -(-N * s // m))
+    blocks = (counts + cap - 1) // cap
+    group_start = torch.cumsum(counts, 0) - counts
+    block_start = torch.cumsum(blocks, 0) - blocks
+    rank = torch.arange(order.numel(), device=q.device) - group_start[group_sorted]
+    block_id = block_start[group_sorted] + torch.div(rank, cap, rounding_mode="floor")
+    slot = rank % cap
+    num_blocks = int(blocks.sum())
+    block_group = torch.repeat_interleave(torch.arange(BH * m, device=q.device), blocks)
+
+    query_row = torch.div(order, s, rounding_mode="floor")  # row of q.view(BH·N, d)
+    q_blocks = q.new_zeros(num_blocks, cap, d).index_put(
+        (block_id, slot), q.reshape(BH * N, d)[query_row])
+    keys = expert_keys.reshape(BH * m, kk, d)[block_group]
+    values = expert_values.reshape(BH * m, kk, dv)[block_group]
+    key_ok = expert_key_valid.reshape(BH * m, kk)[block_group]
+    logits = torch.bmm(q_blocks, keys.transpose(1, 2)) * scale
+    logits = logits.masked_fill(~key_ok[:, None, :], neg_inf)
+    block_max = logits.amax(-1, keepdim=True)
+    block_max = torch.where(torch.isfinite(block_max), block_max, torch.zeros_like(block_max))
+    p = torch.exp(logits - block_max)
+    block_sum = p.sum(-1, keepdim=True)
+    block_out = torch.bmm(p, values)
+
+    # Back to entry order r, then to (B, H, N, s).
+    def unpack(t: Tensor) -> Tensor:
+        flat = t[block_id, slot]
+        return flat.new_empty(flat.shape).index_copy(0, order, flat)
+
+    ok = entry_ok.view(B, H, N, s, 1)
+    routed_max = unpack(block_max).view(B, H, N, s, 1).masked_fill(~ok, neg_inf)
+    routed_sum = unpack(block_sum).view(B, H, N, s, 1)
+    routed_out = unpack(block_out).view(B, H, N, s, dv)
+
+    # Log-sum-exp merge of the shared block and the s routed blocks = one joint softmax.
+    top = torch.maximum(shared_max, routed_max.amax(-2))  # (B, H, N, 1)
+    w_shared = torch.exp(shared_max - top)
+    w_routed = torch.exp(routed_max - top[..., None])  # 0 for masked experts
+    numer = w_shared * shared_out + (w_routed * routed_out).sum(-2)
+    denom = w_shared * shared_sum + (w_routed * routed_sum).sum(-2)
+    return numer / denom
 
 
 _topk_stage = topk
