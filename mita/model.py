@@ -1,0 +1,229 @@
+"""The long-sequence encoder classifier and its checkpoint format.
+
+Token embedding + sinusoidal position encoding (computed on the fly, so any N up to
+``max_len`` = 1,048,576 works) → ``depth`` pre-norm blocks (attention + FFN) → mean pooling
+over valid tokens → LayerNorm → linear head. ``attention="dense"|"mita"`` only swaps the
+attention module; both variants have the same parameters, so one checkpoint serves both.
+
+A checkpoint is a folder with ``config.json`` (the ``ModelConfig`` fields plus the SHA-256 of
+the weights) and ``model.safetensors``. Pickles are never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .attention import SHARED_SCALES, DenseAttention, MiTAAttention
+from .hooks import NULL_HOOK, StageHook
+
+ATTENTIONS = ("dense", "mita")
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model hyper-parameters; round-trips through ``config.json``."""
+
+    vocab_size: int = 16
+    num_classes: int = 10
+    pad_id: int = 0
+    dim: int = 64
+    depth: int = 2
+    num_heads: int = 2
+    ffn_dim: int = 128
+    max_len: int = 1_048_576
+    attention: str = "mita"
+    num_landmarks: int = 16  # m
+    topk: int = 16  # k
+    route_topk: int = 1  # s
+    shared_scale: str = "paper"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_classes", "dim", "depth", "num_heads", "ffn_dim",
+                     "max_len", "num_landmarks", "topk", "route_topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"config field 'attention' must be one of {ATTENTIONS}, "
+                             f"got {self.attention!r}")
+        if self.shared_scale not in SHARED_SCALES:
+            raise ValueError(f"config field 'shared_scale' must be one of {SHARED_SCALES}, "
+                             f"got {self.shared_scale!r}")
+        if self.dim % self.num_heads or self.dim % 2:
+            raise ValueError(f"config field 'dim' ({self.dim}) must be even and divisible by "
+                             f"num_heads ({self.num_heads})")
+        if self.route_topk > self.num_landmarks:
+            raise ValueError("config field 'route_topk' exceeds 'num_landmarks'")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"config field 'pad_id' must be in [0, {self.vocab_size})")
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelConfig:
+        """Raises ValueError naming unknown fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
+    """``(n, dim)`` sinusoidal encoding (Vaswani et al., 2017, §3.5): sin on even, cos on odd
+    channels, wavelengths 2π…10000·2π. Computed on the fly; no table caps N."""
+    pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+                     * (-math.log(10000.0) / dim))
+    angles = pos * freq
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1).to(dtype)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(LN(x)), then x + FFN(LN(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
+        if cfg.attention == "dense":
+            self.attn = DenseAttention(cfg.dim, cfg.num_heads)
+        else:
+            self.attn = MiTAAttention(cfg.dim, cfg.num_heads, cfg.num_landmarks, cfg.topk,
+                                      cfg.route_topk, cfg.shared_scale)
+        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None,
+                hook: StageHook = NULL_HOOK) -> Tensor:
+        x = x + self.attn(self.norm1(x), key_padding_mask, hook)
+        with hook.stage("ffn"):
+            return x + self.ffn(self.norm2(x))
+
+
+class EncoderClassifier(nn.Module):
+    """Sequence classifier. ``forward(ids, key_padding_mask=None, hook=NULL_HOOK)``.
+
+    Args: ``ids`` ``(B, N)`` int64 token ids; ``key_padding_mask`` ``(B, N)`` bool, True =
+    padding (``None`` means no padding; ``padding_mask(ids)`` derives it from ``pad_id``).
+    Returns: ``(B, num_classes)`` float32 logits.
+    Raises: ValueError when N exceeds ``max_len`` or a row is all padding.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_id)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.num_classes)
+
+    def padding_mask(self, ids: Tensor) -> Tensor:
+        return ids == self.config.pad_id
+
+    def forward(self, ids: Tensor, key_padding_mask: Tensor | None = None,
+                hook: StageHook = NULL_HOOK) -> Tensor:
+        B, N = ids.shape
+        if N > self.config.max_len:
+            raise ValueError(f"sequence length {N} exceeds max_len {self.config.max_len}")
+        with hook.stage("embed"):
+            x = self.embed(ids) + sinusoidal_positions(N, self.config.dim, ids.device,
+                                                       self.embed.weight.dtype)
+        for i, block in enumerate(self.blocks):
+            with hook.layer(i):
+                x = block(x, key_padding_mask, hook)
+        with hook.stage("head"):
+            if key_padding_mask is None:
+                pooled = x.mean(1)
+            else:
+                keep = (~key_padding_mask).to(x.dtype)[..., None]
+                pooled = (x * keep).sum(1) / keep.sum(1)
+            return self.head(self.norm(pooled)).float()
+
+
+def build_model(cfg: ModelConfig) -> EncoderClassifier:
+    return EncoderClassifier(cfg)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(model: EncoderClassifier, folder: str | Path, **extra) -> Path:
+    """Write ``config.json`` (config fields + ``weights_sha256``) and ``model.safetensors``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(tensors, folder / WEIGHTS_FILE)
+    meta = {"config": dataclasses.asdict(model.config),
+            "weights_sha256": _sha256(folder / WEIGHTS_FILE), **extra}
+    (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return folder
+
+
+def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
+                    **overrides) -> EncoderClassifier:
+    """Load a checkpoint folder; ``overrides`` replace config fields (e.g. ``attention``).
+
+    Raises:
+        FileNotFoundError: missing ``config.json`` or ``model.safetensors``.
+        ValueError: malformed ``config.json``, unknown or invalid config fields, a weights
+            file whose SHA-256 differs from ``config.json``, or tensors whose names or shapes
+            do not match the config (the message names them).
+    """
+    folder = Path(folder)
+    cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint file missing: {p}")
+    try:
+        meta = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ValueError(f"{cfg_path}: expected an object with a 'config' object")
+    cfg = ModelConfig.from_dict({**meta["config"], **overrides})
+    expected = meta.get("weights_sha256")
+    actual = _sha256(weights_path)
+    if expected != actual:
+        raise ValueError(f"{weights_path}: SHA-256 {actual} does not match config.json's "
+                         f"weights_sha256 {expected}; refusing to load")
+    model = EncoderClassifier(cfg)
+    state = load_file(weights_path, device=str(device))
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(f"{n}: checkpoint {tuple(state[n].shape)} vs config {tuple(own[n].shape)}"
+                   for n in set(own) & set(state) if state[n].shape != own[n].shape)
+    if missing or unexpected or wrong:
+        raise ValueError(f"{weights_path} does not fit the config: missing {missing}, "
+                         f"unexpected {unexpected}, shape mismatch {wrong}")
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def checkpoint_metadata(folder: str | Path) -> dict:
+    """The parsed ``config.json`` of a checkpoint (config, sha256 and training metadata)."""
+    return json.loads((Path(folder) / CONFIG_FILE).read_text())

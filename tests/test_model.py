@@ -1,0 +1,122 @@
+"""The encoder classifier, its checkpoint format and the tied dense/MiTA variants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mita.data.listops import ListOpsConfig, encode, generate
+from mita.model import (
+    EncoderClassifier,
+    ModelConfig,
+    load_checkpoint,
+    save_checkpoint,
+    sinusoidal_positions,
+)
+from mita.train import pad_batch, tied_variant
+
+SMALL = ModelConfig(dim=32, depth=2, num_heads=2, ffn_dim=64, num_landmarks=4, topk=8)
+
+
+def sample_batch(n=4, seed=0):
+    data = generate(n, seed, ListOpsConfig(20, 120))
+    return pad_batch([encode(t) for t, _ in data])
+
+
+def test_config_round_trip_and_validation():
+    cfg = SMALL.replace(attention="dense", route_topk=2)
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.__dict__))) == cfg
+    with pytest.raises(ValueError, match=r"unknown config field\(s\) \['heads'\]"):
+        ModelConfig.from_dict({"heads": 4})
+    with pytest.raises(ValueError, match="'attention'"):
+        SMALL.replace(attention="linear")
+    with pytest.raises(ValueError, match="'dim'"):
+        SMALL.replace(dim=30, num_heads=4)
+    with pytest.raises(ValueError, match="'topk'"):
+        SMALL.replace(topk=0)
+    with pytest.raises(ValueError, match="'route_topk'"):
+        SMALL.replace(route_topk=5)
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path):
+    torch.manual_seed(0)
+    model = EncoderClassifier(SMALL).eval()
+    ids, mask = sample_batch()
+    save_checkpoint(model, tmp_path / "ck")
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert torch.equal(loaded(ids, mask), model(ids, mask))
+    dense = load_checkpoint(tmp_path / "ck", attention="dense")
+    assert dense.config.attention == "dense"
+
+    weights = tmp_path / "ck" / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="SHA-256 .* does not match"):
+        load_checkpoint(tmp_path / "ck")
+
+    save_checkpoint(EncoderClassifier(SMALL.replace(dim=16, ffn_dim=64)), tmp_path / "other")
+    meta = json.loads((tmp_path / "other" / "config.json").read_text())
+    meta["config"]["dim"] = 32  # config and tensors disagree
+    (tmp_path / "other" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"shape mismatch \[.*embed.weight: checkpoint \(16, 16\)"
+                                         r" vs config \(16, 32\)"):
+        load_checkpoint(tmp_path / "other")
+    meta["config"]["colour"] = "red"
+    (tmp_path / "other" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="'colour'"):
+        load_checkpoint(tmp_path / "other")
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_variants_differ_only_in_attention():
+    torch.manual_seed(1)
+    mita = EncoderClassifier(SMALL).eval()
+    dense = tied_variant(mita, "dense").eval()
+    assert all(a is b for a, b in zip(mita.parameters(), dense.parameters(), strict=True))
+    ids, mask = sample_batch()
+    captured = {}
+    for name, model in (("mita", mita), ("dense", dense)):
+        model.blocks[0].attn.register_forward_hook(
+            lambda mod, args, out, name=name: captured.setdefault(name, args[0]))
+    out_mita, out_dense = mita(ids, mask), dense(ids, mask)
+    assert torch.equal(captured["mita"], captured["dense"])  # embeddings + norm identical
+    x = torch.randn(2, 10, SMALL.dim)
+    assert torch.equal(mita.blocks[1].ffn(x), dense.blocks[1].ffn(x))
+    assert (out_mita - out_dense).abs().max() > 1e-4  # attention does differ
+    # Swap MiTA's attention routine for dense's: the whole model then matches dense exactly.
+    for block_m, block_d in zip(mita.blocks, dense.blocks, strict=True):
+        block_m.attn.attend = block_d.attn.attend
+    assert torch.equal(mita(ids, mask), out_dense)
+
+
+def test_mita_with_one_landmark_and_k_equal_n_runs():
+    ids, mask = sample_batch()
+    model = EncoderClassifier(SMALL.replace(num_landmarks=1, topk=ids.shape[1])).eval()
+    out = model(ids, mask)
+    assert out.shape == (4, 10) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("attention", ["dense", "mita"])
+def test_padding_does_not_change_predictions(attention):
+    torch.manual_seed(2)
+    model = EncoderClassifier(SMALL.replace(attention=attention)).eval()
+    ids, mask = sample_batch(6, seed=4)
+    batched = model(ids, mask)
+    for i in range(ids.shape[0]):
+        n = int((~mask[i]).sum())
+        alone = model(ids[i: i + 1, :n])
+        # float32, different N changes BLAS blocking: agree to 1e-5, same argmax.
+        torch.testing.assert_close(batched[i: i + 1], alone, rtol=0, atol=1e-5)
+        assert batched[i].argmax() == alone[0].argmax()
+
+
+def test_positions_work_up_to_one_million():
+    pe = sinusoidal_positions(1_048_576, 8)
+    assert pe.shape == (1_048_576, 8) and torch.isfinite(pe).all()
+    assert pe[0].tolist() == [0.0, 1.0] * 4  # sin(0), cos(0)
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        EncoderClassifier(SMALL.replace(max_len=8))(torch.ones(1, 9, dtype=torch.long))
