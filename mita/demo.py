@@ -1,28 +1,32 @@
-"""A short demo: MiTA vs dense attention on one random (B=1, H=2, N=4096, d=32) input."""
+"""Classify a few fresh ListOps sequences with the shipped checkpoint, dense vs MiTA."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
-from . import dense_attention, dense_flops, mita_attention, mita_flops
+from .data.listops import ListOpsConfig, encode, generate
+from .model import checkpoint_metadata, load_checkpoint
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "listops-default"
 
 
-def main() -> None:
-    N, m, k, d = 4096, 32, 32, 32
-    g = torch.Generator().manual_seed(0)
-    q, k_, v = (torch.randn(1, 2, N, d, generator=g) for _ in range(3))
-    t0 = time.perf_counter()
-    dense = dense_attention(q, k_, v)
-    t1 = time.perf_counter()
-    mita = mita_attention(q, k_, v, num_landmarks=m, topk=k)
-    t2 = time.perf_counter()
-    cos = torch.nn.functional.cosine_similarity(dense.flatten(), mita.flatten(), dim=0)
-    print(f"N={N} m={m} k={k} s=1 d={d} float32 cpu")
-    print(f"dense {1e3 * (t1 - t0):.1f} ms, {2 * dense_flops(N, d) / 1e9:.2f} GFLOP")
-    print(f"mita  {1e3 * (t2 - t1):.1f} ms, {2 * mita_flops(N, m, k, 1, d) / 1e9:.3f} GFLOP")
-    print(f"cosine(dense, mita) on random inputs = {cos:.3f}")
+def main(checkpoint: Path = DEFAULT_CHECKPOINT) -> None:
+    cfg = checkpoint_metadata(checkpoint)["config"]
+    models = {a: load_checkpoint(checkpoint, attention=a) for a in ("dense", "mita")}
+    print(f"checkpoint {checkpoint} (m={cfg['num_landmarks']} k={cfg['topk']} "
+          f"s={cfg['route_topk']})")
+    for text, label in generate(5, seed=424242, cfg=ListOpsConfig(500, 2000)):
+        ids = torch.tensor([encode(text)])
+        line = [f"N={ids.shape[1]:5d} label={label}"]
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                pred = int(model(ids).argmax())
+            line.append(f"{name}: {pred} ({1e3 * (time.perf_counter() - t0):.1f} ms)")
+        print("  ".join(line))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from mita.data.listops import (
     decode,
     encode,
     generate,
+    generate_long,
 )
 from mita.data.tsv import encode_bytes, read_lra_listops, read_text_tsv
 
@@ -126,3 +127,12 @@ def test_text_tsv_reader(tmp_path):
         bad.write_text(content)
         with pytest.raises(ValueError, match=message):
             read_text_tsv(bad, num_classes=2)
+
+
+def test_generate_long_has_exact_length_and_right_label():
+    for n in (3, 4, 11, 1000, 5000):
+        text, label = generate_long(n, seed=n)
+        assert len(text.split()) == n
+        assert evaluate_tokens(text) == label
+    with pytest.raises(ValueError, match="at least 3"):
+        generate_long(2, 0)

@@ -124,3 +124,31 @@ def decode(ids) -> str:
         if i != PAD_ID:
             out.append(VOCAB[i])
     return " ".join(out)
+
+
+def generate_long(n: int, seed: int, cfg: ListOpsConfig = ListOpsConfig(10, 500)
+                  ) -> tuple[str, int]:
+    """One ListOps expression of exactly ``n`` tokens (n ≥ 3) with its label, for load tests
+    and benchmarks at lengths the LRA sampler almost never reaches (4K, 16K, 1M).
+
+    The root is a random operator whose arguments are LRA-procedure trees drawn with ``cfg``
+    (kept when ``cfg.min_length < length ≤`` the remaining budget), topped up with single
+    digits once the budget is at most ``cfg.min_length``, so the length is exactly n.
+    The root therefore may have more than ``max_args`` arguments; every subtree follows LRA.
+    """
+    if n < 3:
+        raise ValueError(f"a ListOps expression needs at least 3 tokens, got n = {n}")
+    rng = random.Random(seed)
+    children, remaining = [], n - 2  # root operator + END
+    while remaining > 0:
+        tree, length = _generate_tree(rng, 2, cfg)
+        if cfg.min_length < length <= remaining:
+            children.append(tree)
+            remaining -= length
+        elif remaining <= cfg.min_length:
+            children.append(rng.choice(range(10)))
+            remaining -= 1
+    tree = [rng.choice(OPERATORS), *children]
+    tokens = _tokens(tree)
+    assert len(tokens) == n
+    return " ".join(tokens), _value(tree)
