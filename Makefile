@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: $(STAMP)
-	$(BIN)/python -m mita.demo
+	$(BIN)/python -m service
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,34 @@
+"""``python -m service``: run the service on the shipped checkpoint until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from . import launch
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    p.add_argument("--config", type=Path, default=None,
+                   help="Serve config file (default: deploy/serve_config.yaml, or "
+                        "deploy/serve_config.gpu.yaml when CUDA is available)")
+    p.add_argument("--metrics-port", type=int, default=9100)
+    p.add_argument("--metrics-interval-ms", type=int, default=5000)
+    a = p.parse_args(argv)
+    config = launch.load_config(a.config or launch.default_config())
+    url = launch.start(config, a.metrics_port, a.metrics_interval_ms)
+    example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
+    print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
+    print(f"Prometheus metrics: http://127.0.0.1:{a.metrics_port}/metrics")
+    print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
+          f"-d '{example}'\nCtrl-C stops.", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        launch.stop()
+
+
+if __name__ == "__main__":
+    main()

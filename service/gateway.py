@@ -1,0 +1,272 @@
+"""Gateway deployment: the FastAPI ingress, input validation and the A/B policy.
+
+(No ``from __future__ import annotations`` here: FastAPI must see the real types of the
+endpoint parameters of the ingress class.)
+
+Request path: HTTP → pydantic model → validation (before any tensor exists) → A/B policy →
+classifier deployment handle (``mita`` or ``dense``) → response; in shadow mode the other
+variant runs too and the comparison is recorded as metrics.
+"""
+
+
+import asyncio
+import hashlib
+import json
+import math
+import random
+import time
+from importlib.metadata import version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from mita.data.listops import VOCAB, encode
+
+from .metrics import ServiceMetrics, n_bucket
+from .schemas import (
+    VARIANTS,
+    BatchRequest,
+    BatchResponse,
+    ClassifyRequest,
+    ClassifyResponse,
+    ErrorResponse,
+    GatewayConfig,
+)
+
+VOCAB_SIZE = len(VOCAB)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+def sticky_unit(key: str) -> float:
+    """A client key hashed (SHA-256) to a number in [0, 1): the same key, the same variant."""
+    return int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:16], 16) / 2.0**64
+
+
+def choose_variant(cfg: GatewayConfig, override: str | None, client_key: str | None,
+                   rng: random.Random) -> tuple[str, str | None]:
+    """(primary, shadow). An explicit ``override`` wins; otherwise the variant is drawn by
+    ``cfg.weights`` — from the hashed client key when one is sent (sticky), else at random.
+    In shadow mode the other variant is the shadow."""
+    if override is not None:
+        primary = override
+    else:
+        total = sum(cfg.weights.values())
+        u = sticky_unit(client_key) if client_key else rng.random()
+        live = [v for v in VARIANTS if cfg.weights.get(v, 0) > 0]
+        primary, acc = live[-1], 0.0
+        for v in live:
+            acc += cfg.weights[v] / total
+            if u < acc:
+                primary = v
+                break
+    shadow = next(v for v in VARIANTS if v != primary) if cfg.shadow else None
+    return primary, shadow
+
+
+def kl_divergence(p: list[float], q: list[float]) -> float:
+    """KL(p || q) in nats; probabilities clamped at 1e-12 so a zero in q stays finite."""
+    return float(sum(pi * math.log(max(pi, 1e-12) / max(qi, 1e-12))
+                     for pi, qi in zip(p, q, strict=True) if pi > 0))
+
+
+def to_ids(req: ClassifyRequest, max_n: int) -> list[int]:
+    """Validated token ids of a request; raises ApiError(422) saying what is wrong. The length
+    is checked before anything is allocated for the model."""
+    if req.text is not None:
+        if len(req.text.split()) > 2 * max_n + 2:  # bound the work before tokenising
+            raise ApiError(422, f"sequence is longer than max_n = {max_n} tokens")
+        try:
+            ids = encode(req.text)
+        except ValueError as e:
+            raise ApiError(422, str(e)) from None
+    else:
+        ids = req.ids
+        bad = next((i for i, x in enumerate(ids) if not 1 <= x < VOCAB_SIZE), None)
+        if bad is not None:
+            raise ApiError(422, f"token id {str(ids[bad])[:30]} at position {bad} is out of "
+                                f"range [1, {VOCAB_SIZE - 1}] (0 is padding)")
+    if not ids:
+        raise ApiError(422, "empty sequence: no tokens to classify")
+    if len(ids) > max_n:
+        raise ApiError(422, f"sequence length N = {len(ids)} exceeds max_n = {max_n}")
+    return ids
+
+
+app = FastAPI(
+    title="mita-serve",
+    version=version("mita-serve"),
+    description="Classify long sequences with MiTA (Mixture-of-Top-k Attention) or dense "
+                "attention; per-stage timings in responses and as Prometheus metrics.",
+)
+_limits = {"max_body_bytes": GatewayConfig().max_body_bytes}  # set by Gateway.reconfigure
+
+
+def _error(status: int, message: str, detail=None, headers=None) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True),
+                        status_code=status, headers=headers)
+
+
+@app.middleware("http")
+async def limit_body_size(request: Request, call_next):
+    length = request.headers.get("content-length")
+    limit = _limits["max_body_bytes"]
+    if length is not None:
+        if not length.isdigit():
+            return _error(400, "invalid Content-Length header")
+        if int(length) > limit:
+            return _error(413, f"request body of {length} bytes exceeds the limit of "
+                               f"{limit} bytes")
+    elif request.method in ("POST", "PUT"):
+        body = await request.body()  # chunked upload: measure what arrived
+        if len(body) > limit:
+            return _error(413, f"request body exceeds the limit of {limit} bytes")
+    return await call_next(request)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type")}
+              for e in exc.errors()]
+    if any(e["type"] == "json_invalid" for e in errors):
+        return _error(400, "malformed JSON body", errors)
+    msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
+                    for e in errors[:5])
+    return _error(422, f"invalid request: {msg}", errors)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError):
+    return _error(exc.status, exc.message, headers=exc.headers)
+
+
+ERRORS = {400: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+          422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
+          504: {"model": ErrorResponse}}
+
+
+@serve.deployment
+@serve.ingress(app)
+class Gateway:
+    """Ingress. ``user_config`` is a ``GatewayConfig`` (A/B weights, sticky header, shadow,
+    limits); it can change without a restart."""
+
+    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle):
+        self.handles = {"mita": mita, "dense": dense}
+        self.config = GatewayConfig()
+        self.metrics = ServiceMetrics()
+        self.rng = random.Random()
+        self._shadow_tasks: set[asyncio.Task] = set()
+
+    def reconfigure(self, config: dict) -> None:
+        self.config = GatewayConfig.model_validate(config)
+        _limits["max_body_bytes"] = self.config.max_body_bytes
+
+    async def _call(self, variant: str, ids: list[int]) -> dict:
+        response = self.handles[variant].classify.remote(ids)
+        try:
+            return await asyncio.wait_for(asyncio.ensure_future(response),
+                                          self.config.request_timeout_s)
+        except BackPressureError:
+            raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
+                           {"Retry-After": str(self.config.retry_after_s)}) from None
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ApiError(504, f"the {variant} classifier did not answer within "
+                                f"{self.config.request_timeout_s} s") from None
+
+    async def _shadow(self, primary: str, shadow: str, ids: list[int], served: dict) -> None:
+        try:
+            other = await self._call(shadow, ids)
+        except ApiError:
+            return  # the shadow is best effort; the primary already answered
+        self.metrics.shadow_comparisons.inc(
+            1, {"primary": primary, "agree": str(other["label"] == served["label"]).lower()})
+        self.metrics.shadow_kl.observe(
+            kl_divergence(served["probabilities"], other["probabilities"]), {"primary": primary})
+
+    async def _classify(self, req: ClassifyRequest, client_key: str | None) -> dict:
+        start = time.perf_counter()
+        try:
+            ids = to_ids(req, self.config.max_n)
+        except ApiError as e:
+            self.metrics.requests.inc(1, {"variant": "none", "status": str(e.status)})
+            raise
+        primary, shadow = choose_variant(self.config, req.variant, client_key, self.rng)
+        try:
+            result = await self._call(primary, ids)
+        except ApiError as e:
+            self.metrics.requests.inc(1, {"variant": primary, "status": str(e.status)})
+            raise
+        self.metrics.requests.inc(1, {"variant": primary, "status": "200"})
+        self.metrics.request_duration.observe(time.perf_counter() - start,
+                                              {"variant": primary, "n_bucket": n_bucket(len(ids))})
+        if shadow is not None:
+            task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
+            self._shadow_tasks.add(task)
+            task.add_done_callback(self._shadow_tasks.discard)
+        out = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
+        out["shadow"] = shadow
+        if req.profile:
+            out["profile"] = result["profile"]
+        return out
+
+    @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS,
+              response_model_exclude_none=True)
+    async def classify(self, body: ClassifyRequest, request: Request) -> dict:
+        """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
+        return await self._classify(body, request.headers.get(self.config.sticky_header))
+
+    @app.post("/v1/classify/batch", response_model=BatchResponse, responses=ERRORS,
+              response_model_exclude_none=True)
+    async def classify_batch(self, body: BatchRequest, request: Request) -> dict:
+        """Classify many sequences; all items are validated before any is run, and an error
+        in one item fails the whole batch (its index is named)."""
+        if len(body.items) > self.config.max_batch_items:
+            raise ApiError(422, f"{len(body.items)} items exceed max_batch_items = "
+                                f"{self.config.max_batch_items}")
+        for i, item in enumerate(body.items):
+            try:
+                to_ids(item, self.config.max_n)
+            except ApiError as e:
+                raise ApiError(e.status, f"items[{i}]: {e.message}") from None
+        key = request.headers.get(self.config.sticky_header)
+        results = await asyncio.gather(*(self._classify(item, key) for item in body.items),
+                                       return_exceptions=True)
+        for i, r in enumerate(results):
+            if isinstance(r, ApiError):
+                raise ApiError(r.status, f"items[{i}]: {r.message}", r.headers)
+            if isinstance(r, BaseException):
+                raise r
+        return {"results": results}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        """The variants served, their m/k/s and the checkpoint's metadata, and the A/B
+        policy in force."""
+        infos = await asyncio.gather(*(self.handles[v].info.remote() for v in VARIANTS))
+        return {"variants": dict(zip(VARIANTS, infos, strict=True)),
+                "ab_policy": json.loads(self.config.model_dump_json())}
+
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        """Liveness of the gateway."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", responses={503: {"model": ErrorResponse}})
+    async def readyz(self) -> dict:
+        """Ready when both classifier deployments answer within 5 s."""
+        try:
+            await asyncio.wait_for(asyncio.gather(
+                *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)), 5.0)
+        except Exception as e:  # any failure means not ready; say which
+            raise ApiError(503, f"not ready: {type(e).__name__}: {e}"[:300]) from None
+        return {"status": "ready", "variants": list(VARIANTS)}

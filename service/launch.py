@@ -1,0 +1,95 @@
+"""Start Ray and deploy the service from a Serve config file, in this process.
+
+The config file is the standard Serve schema (``ServeDeploySchema``), deployed the way
+``serve run CONFIG`` deploys it, so the same file works with ``serve deploy`` on a cluster and
+in a KubeRay ``RayService``. This module adds what ``serve run`` cannot set: Ray's metrics
+export port and interval, and binding Ray to loopback.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+import yaml
+from ray import serve
+from ray.serve._private import api as serve_api
+from ray.serve.schema import ServeDeploySchema
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
+GPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.gpu.yaml"
+
+
+def default_config() -> Path:
+    return GPU_CONFIG if torch.cuda.is_available() else CPU_CONFIG
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeploySchema:
+    """Read a Serve config file and apply ``overrides``: ``{"http_options": {...},
+    "args": {...}, "deployments": {name: {field: value}}}`` merged into the first (only)
+    application. Raises pydantic's ValidationError on an invalid config."""
+    raw = yaml.safe_load(Path(path).read_text())
+    overrides = overrides or {}
+    raw.setdefault("http_options", {}).update(overrides.get("http_options", {}))
+    app = raw["applications"][0]
+    app.setdefault("args", {}).update(overrides.get("args", {}))
+    by_name = {d["name"]: d for d in app.get("deployments", [])}
+    for name, fields in overrides.get("deployments", {}).items():
+        target = by_name.setdefault(name, {"name": name})
+        for key, value in fields.items():
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key] = {**copy.deepcopy(target[key]), **value}
+            else:
+                target[key] = value
+    app["deployments"] = list(by_name.values())
+    return ServeDeploySchema.model_validate(raw)
+
+
+def start(config: ServeDeploySchema, metrics_port: int = 9100,
+          metrics_interval_ms: int = 10000, timeout_s: float = 300.0) -> str:
+    """Start Ray (no dashboard, metrics on ``metrics_port``) and Serve's HTTP proxy, deploy
+    ``config`` and wait until it runs. Returns the base URL.
+
+    Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes.
+    """
+    # Serve waits 5 s for a new HTTP proxy by default; a loaded 2-core machine needs longer,
+    # and the config file has no field for it.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    if not ray.is_initialized():
+        ray.init(namespace="serve", include_dashboard=False,
+                 _metrics_export_port=metrics_port,
+                 _system_config={"metrics_report_interval_ms": metrics_interval_ms})
+    serve_api.serve_start(http_options=config.http_options.model_dump(),
+                          proxy_location=config.proxy_location)
+    deploy(config, timeout_s)
+    http = config.http_options
+    return f"http://{http.host}:{http.port}"
+
+
+def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:
+    """(Re)deploy ``config`` on the running Serve instance — a changed ``user_config`` is
+    applied through ``reconfigure`` without restarting replicas — and wait until RUNNING."""
+    serve_api.serve_start().deploy_apps(config, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    names = [a.name for a in config.applications]
+    while True:
+        status = serve.status().applications
+        states = {n: status[n].status if n in status else "NOT_STARTED" for n in names}
+        if all(s == "RUNNING" for s in states.values()):
+            return
+        failed = {n: status[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
+        if failed:
+            raise RuntimeError(f"deployment failed: {failed}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not running after {timeout_s:.0f} s: {states}")
+        time.sleep(0.5)
+
+
+def stop() -> None:
+    serve.shutdown()
+    ray.shutdown()

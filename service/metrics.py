@@ -1,0 +1,86 @@
+"""Every Prometheus metric of the service, declared in one place.
+
+Metrics go through ``ray.serve.metrics`` and are exported on Ray's metrics endpoint with the
+prefix ``ray_`` (``mita_serve_stage_duration_seconds`` → ``ray_mita_serve_stage_duration_seconds
+_bucket/_count/_sum``). Serve adds the ``deployment``, ``replica`` and ``application`` tags.
+Label values come from small fixed sets: ``variant`` ∈ {mita, dense}, ``stage`` ∈ the
+profiler's stage names, ``n_bucket`` ∈ ``N_BUCKETS``, ``status`` ∈ HTTP status codes.
+
+Create a ``ServiceMetrics`` inside each replica (metrics belong to the process that records).
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+# Upper edges of the sequence-length buckets (log-spaced, ×4); label value = the edge.
+N_BUCKET_EDGES = (1024, 4096, 16384, 65536, 262144, 1048576)
+N_BUCKETS = tuple(f"le_{e}" for e in N_BUCKET_EDGES)
+
+
+def n_bucket(n: int) -> str:
+    """The ``n_bucket`` label of a sequence of length n (``le_1024`` … ``le_1048576``)."""
+    for edge, label in zip(N_BUCKET_EDGES, N_BUCKETS, strict=True):
+        if n <= edge:
+            return label
+    return N_BUCKETS[-1]
+
+
+def _one_two_five(lo_exp: int, hi: float) -> list[float]:
+    out = []
+    e = lo_exp
+    while True:
+        for m in (1, 2, 5):
+            v = round(m * 10.0 ** e, 12)
+            if v > hi:
+                return out + [hi]
+            out.append(v)
+        e += 1
+
+
+# 10 µs … 60 s, three buckets per decade (1-2-5): fine enough for sub-millisecond GPU stages.
+DURATION_BUCKETS_S = _one_two_five(-5, 60.0)
+KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+
+
+class ServiceMetrics:
+    """The service's metrics. Gateway records requests, durations and shadow comparisons;
+    classifier replicas record stages, tokens, FLOPs and peak memory."""
+
+    def __init__(self):
+        self.stage_duration = Histogram(
+            "mita_serve_stage_duration_seconds",
+            description="Time of one model stage for one request (summed over layers).",
+            boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "stage", "n_bucket"))
+        self.forward_duration = Histogram(
+            "mita_serve_forward_duration_seconds",
+            description="End-to-end model forward time for one request's batch.",
+            boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
+        self.request_duration = Histogram(
+            "mita_serve_request_duration_seconds",
+            description="Gateway time from request received to response ready.",
+            boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
+        self.requests = Counter(
+            "mita_serve_requests_total",
+            description="Classification requests answered, by variant and HTTP status.",
+            tag_keys=("variant", "status"))
+        self.tokens = Counter(
+            "mita_serve_tokens_total", description="Tokens classified.", tag_keys=("variant",))
+        self.flops = Counter(
+            "mita_serve_flops_total",
+            description="Analytic FLOPs of the forwards run (padded batch shape).",
+            tag_keys=("variant",))
+        self.peak_memory = Gauge(
+            "mita_serve_peak_memory_bytes",
+            description="Peak memory of the last forward (CUDA: measured max allocated; CPU: "
+                        "analytic activation estimate, see kind).",
+            tag_keys=("variant", "kind"))
+        self.shadow_comparisons = Counter(
+            "mita_serve_shadow_comparisons_total",
+            description="Shadow-mode comparisons of primary and shadow variant; agree=true "
+                        "when the labels match.",
+            tag_keys=("primary", "agree"))
+        self.shadow_kl = Histogram(
+            "mita_serve_shadow_kl_divergence",
+            description="KL(primary || shadow) of the class probabilities, in nats.",
+            boundaries=KL_BUCKETS, tag_keys=("primary",))

@@ -1,0 +1,77 @@
+"""Shared fixtures: the real service (Ray Serve on loopback, in this process)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+CHECKPOINT = "checkpoints/listops-default"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    url: str
+    metrics_url: str
+    client: httpx.Client
+    served: dict = field(default_factory=lambda: {"mita": 0, "dense": 0})
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        r = self.client.post(path, **kw)
+        if r.status_code == 200:
+            results = r.json().get("results", [r.json()])
+            for res in results:
+                self.served[res["variant"]] += 1
+                if res.get("shadow"):
+                    self.served[res["shadow"]] += 1
+        return r
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.metrics_url, timeout=10).text
+
+
+# Fixed replicas and short metric export so tests see exact counts quickly.
+TEST_OVERRIDES = {
+    "deployments": {
+        name: {"num_replicas": 1, "autoscaling_config": None,
+               "ray_actor_options": {"num_cpus": 0}}
+        for name in ("MiTAClassifier", "DenseClassifier")
+    } | {"Gateway": {"ray_actor_options": {"num_cpus": 0}}},
+}
+
+
+@pytest.fixture(scope="session")
+def service():
+    from service import launch
+
+    http_port, metrics_port = free_port(), free_port()
+    overrides = dict(TEST_OVERRIDES, http_options={"port": http_port},
+                     args={"checkpoint": CHECKPOINT, "device": "cpu"})
+    config = launch.load_config(launch.CPU_CONFIG, overrides)
+    url = launch.start(config, metrics_port=metrics_port, metrics_interval_ms=500)
+    svc = Service(url=url, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                  client=httpx.Client(base_url=url, timeout=120))
+    svc.config = config
+    svc.overrides = overrides
+    yield svc
+    svc.client.close()
+    launch.stop()
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):
+    """Poll ``predicate`` until it returns a truthy value; return it (or the last value)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -1,0 +1,267 @@
+"""The real service: Ray Serve on loopback in this process, real ListOps over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from mita.data.listops import ListOpsConfig, encode, generate
+from mita.hooks import MITA_STAGES
+from mita.model import load_checkpoint
+from service import launch
+from service.gateway import choose_variant, kl_divergence, sticky_unit
+from service.metrics import DURATION_BUCKETS_S, n_bucket
+from service.schemas import GatewayConfig
+
+from .conftest import CHECKPOINT, wait_for
+
+pytestmark = pytest.mark.service
+EXAMPLES = generate(12, seed=777_001, cfg=ListOpsConfig(100, 500))
+
+
+def samples(text: str, name: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} for one metric family in exposition text."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                      if k in ("variant", "stage", "n_bucket", "status",
+                                               "primary", "agree", "le")))
+                out[labels] = out.get(labels, 0.0) + s.value
+    return out
+
+
+def set_gateway(service, **user_config) -> None:
+    overrides = copy.deepcopy(service.overrides)
+    base = launch.load_config(launch.CPU_CONFIG).applications[0]
+    gw = next(d for d in base.deployments if d.name == "Gateway").user_config
+    overrides["deployments"]["Gateway"]["user_config"] = {**gw, **user_config}
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    want = GatewayConfig.model_validate({**gw, **user_config}).model_dump(mode="json")
+    assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"] == want)
+
+
+def test_predictions_equal_in_process_model(service):
+    models = {v: load_checkpoint(CHECKPOINT, attention=v) for v in ("mita", "dense")}
+    for text, _ in EXAMPLES[:6]:
+        ids = torch.tensor([encode(text)])
+        for variant, model in models.items():
+            r = service.post("/v1/classify", json={"text": text, "variant": variant})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            with torch.no_grad():
+                probs = torch.softmax(model(ids, torch.zeros_like(ids, dtype=torch.bool))
+                                      .double(), -1)[0]
+            assert body["variant"] == variant and body["n"] == ids.shape[1]
+            assert body["label"] == int(probs.argmax())
+            # Same weights, same float32 forward; batching with other requests may change
+            # BLAS blocking, so agree to 1e-6, not bit for bit.
+            assert max(abs(a - b) for a, b in zip(body["probabilities"], probs.tolist(),
+                                                  strict=True)) < 1e-6
+            assert math.isclose(sum(body["probabilities"]), 1.0, abs_tol=1e-9)
+
+
+def test_ids_input_and_profile(service):
+    text, _ = EXAMPLES[0]
+    r = service.post("/v1/classify", json={"ids": encode(text), "variant": "mita",
+                                           "profile": True})
+    assert r.status_code == 200, r.text
+    prof = r.json()["profile"]
+    depth = len(prof["layers_ms"])
+    assert depth == 2
+    assert list(prof["layers_ms"][0]) == ["qkv_proj", *MITA_STAGES, "out_proj", "ffn"]
+    assert set(prof["stages_ms"]) == {"embed", "head", "qkv_proj", *MITA_STAGES,
+                                      "out_proj", "ffn"}
+    assert 0 < sum(prof["stages_ms"].values()) <= prof["total_ms"]
+    assert prof["flops_total"] == sum(prof["flops"].values()) > 0
+    assert prof["peak_memory_kind"] == "analytic_activation_estimate"
+    r = service.post("/v1/classify", json={"ids": encode(text), "variant": "dense"})
+    assert "profile" not in r.json()
+
+
+BAD = [
+    ({"text": ""}, 422, "empty sequence"),
+    ({"ids": []}, 422, "empty sequence"),
+    ({"text": "[MAX 2 X ]"}, 422, "unknown token 'X' at position 2"),
+    ({"ids": [3, 16]}, 422, "token id 16 at position 1 is out of range"),
+    ({"ids": [3, 0]}, 422, "token id 0 at position 1"),
+    ({"ids": [-1]}, 422, "token id -1"),
+    ({"ids": [2**70]}, 422, "out of range"),
+    ({"ids": [1.5]}, 422, "invalid request"),
+    ({"ids": ["3"]}, 422, "invalid request"),
+    ({"ids": [[3]]}, 422, "invalid request"),
+    ({"text": "[MAX 2 3 ]", "ids": [3]}, 422, "exactly one of 'text' or 'ids'"),
+    ({}, 422, "exactly one of 'text' or 'ids'"),
+    ({"text": "[MAX 2 3 ]", "variant": "sparse"}, 422, "variant"),
+    ({"text": "[MAX 2 3 ]", "colour": "red"}, 422, "colour"),
+    ({"ids": [3] * 16385}, 422, "N = 16385 exceeds max_n = 16384"),
+    ({"text": " ".join(["3"] * 40000)}, 422, "longer than max_n"),
+]
+
+
+@pytest.mark.parametrize("body,status,message", BAD)
+def test_bad_input_gets_clear_4xx(service, body, status, message):
+    r = service.post("/v1/classify", json=body)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+
+
+def test_malformed_json_oversized_body_and_batch_errors(service):
+    r = service.client.post("/v1/classify", content=b'{"text": "[MAX 2',
+                            headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]
+    big = b'{"ids": [' + b"3," * (5 * 1024 * 1024 // 2) + b"3]}"
+    r = service.client.post("/v1/classify", content=big,
+                            headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]
+    r = service.post("/v1/classify/batch", json={"items": [{"text": "[MAX 2 3 ]"},
+                                                           {"ids": [99]}]})
+    assert r.status_code == 422 and r.json()["error"].startswith("items[1]: token id 99")
+    r = service.post("/v1/classify/batch", json={"items": []})
+    assert r.status_code == 422
+    # Still answering after all that.
+    r = service.post("/v1/classify", json={"text": EXAMPLES[1][0]})
+    assert r.status_code == 200
+
+
+def test_batch_endpoint_matches_single(service):
+    items = [{"text": t, "variant": "dense"} for t, _ in EXAMPLES[:5]]
+    r = service.post("/v1/classify/batch", json={"items": items})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["n"] for x in results] == [len(encode(t)) for t, _ in EXAMPLES[:5]]
+    for item, res in zip(items, results, strict=True):
+        single = service.post("/v1/classify", json=item).json()
+        assert single["label"] == res["label"]
+        assert max(abs(a - b) for a, b in zip(single["probabilities"], res["probabilities"],
+                                              strict=True)) < 1e-6
+
+
+def test_models_health_ready(service):
+    m = service.client.get("/v1/models").json()
+    assert set(m["variants"]) == {"mita", "dense"}
+    mita = m["variants"]["mita"]["config"]
+    assert (mita["attention"], mita["num_landmarks"], mita["topk"]) == ("mita", 16, 16)
+    assert m["variants"]["dense"]["model_id"] == m["variants"]["mita"]["model_id"]
+    assert service.client.get("/healthz").json() == {"status": "ok"}
+    assert service.client.get("/readyz").status_code == 200
+    spec = service.client.get("/openapi.json").json()
+    assert {"/v1/classify", "/v1/classify/batch", "/v1/models"} <= set(spec["paths"])
+
+
+def _fire(service, bodies, headers_list):
+    async def go():
+        async with httpx.AsyncClient(base_url=service.url, timeout=120) as c:
+            sem = asyncio.Semaphore(16)
+
+            async def one(body, headers):
+                async with sem:
+                    return await c.post("/v1/classify", json=body, headers=headers)
+            return await asyncio.gather(*(one(b, h) for b, h in
+                                          zip(bodies, headers_list, strict=True)))
+    responses = asyncio.run(go())
+    for r in responses:
+        assert r.status_code == 200, r.text
+        res = r.json()
+        service.served[res["variant"]] += 1
+        if res.get("shadow"):
+            service.served[res["shadow"]] += 1
+    return [r.json() for r in responses]
+
+
+def test_ab_split_stickiness_and_shadow(service):
+    short = "[MAX 2 [MIN 4 7 ] 0 ]"
+    set_gateway(service, weights={"mita": 0.7, "dense": 0.3})
+    n = 240
+    got = _fire(service, [{"text": short}] * n, [{}] * n)
+    mita = sum(r["variant"] == "mita" for r in got)
+    sd = math.sqrt(n * 0.7 * 0.3)
+    assert abs(mita - 0.7 * n) <= 4 * sd, mita  # binomial bound, 4 standard deviations
+
+    keys = [f"client-{i}" for i in range(12)]
+    got = _fire(service, [{"text": short}] * 60, [{"x-client-key": keys[i % 12]}
+                                                   for i in range(60)])
+    by_key: dict[str, set] = {}
+    for i, r in enumerate(got):
+        by_key.setdefault(keys[i % 12], set()).add(r["variant"])
+    assert all(len(v) == 1 for v in by_key.values())
+    assert {next(iter(v)) for v in by_key.values()} == {"mita", "dense"}
+    got = _fire(service, [{"text": short, "variant": "dense"}] * 10,
+                [{"x-client-key": keys[0]}] * 10)
+    assert {r["variant"] for r in got} == {"dense"}  # explicit override beats stickiness
+
+    before = samples(service.metrics_text(), "ray_mita_serve_shadow_comparisons_total")
+    set_gateway(service, weights={"mita": 1.0, "dense": 0.0}, shadow=True)
+    texts = [t for t, _ in EXAMPLES]
+    got = _fire(service, [{"text": t} for t in texts], [{}] * len(texts))
+    assert all(r["variant"] == "mita" and r["shadow"] == "dense" for r in got)
+    models = {v: load_checkpoint(CHECKPOINT, attention=v) for v in ("mita", "dense")}
+    agree = 0
+    for t in texts:
+        ids = torch.tensor([encode(t)])
+        with torch.no_grad():
+            agree += int(models["mita"](ids).argmax() == models["dense"](ids).argmax())
+
+    def comparisons():
+        now = samples(service.metrics_text(), "ray_mita_serve_shadow_comparisons_total")
+        delta = {k: v - before.get(k, 0) for k, v in now.items()}
+        return delta if sum(delta.values()) == len(texts) else None
+    delta = wait_for(comparisons)
+    assert delta, "shadow comparisons never reached the metrics endpoint"
+    assert delta.get((("agree", "true"), ("primary", "mita")), 0) == agree
+    set_gateway(service, shadow=False)
+
+
+def test_metrics_counts_match_requests(service):
+    for text, _ in EXAMPLES[:4]:
+        assert service.post("/v1/classify", json={"text": text, "variant": "mita"}
+                            ).status_code == 200
+
+    def counts():
+        text = service.metrics_text()
+        got = {}
+        for variant in ("mita", "dense"):
+            got[variant] = sum(v for k, v in samples(
+                text, "ray_mita_serve_stage_duration_seconds_count").items()
+                if ("stage", "embed") in k and ("variant", variant) in k)
+        return got if got == service.served else None
+    got = wait_for(counts)
+    assert got == service.served, (got, service.served)
+    text = service.metrics_text()
+    pool = samples(text, "ray_mita_serve_stage_duration_seconds_count")
+    assert sum(v for k, v in pool.items() if ("stage", "pool") in k) == service.served["mita"]
+    assert not any(("stage", "pool") in k and ("variant", "dense") in k for k in pool)
+    buckets = {dict(k)["le"] for k in samples(text, "ray_mita_serve_stage_duration_seconds_bucket")}
+    assert len(buckets) == len(DURATION_BUCKETS_S) + 1
+    ok = samples(text, "ray_mita_serve_requests_total")
+    # The BAD bodies that pass the schema and are refused by the gateway's own checks (the
+    # other seven fail pydantic validation before any handler runs).
+    assert ok[(("status", "422"), ("variant", "none"))] == 9
+    tokens = samples(text, "ray_mita_serve_tokens_total")
+    assert sum(tokens.values()) > 0
+
+
+def test_policy_helpers():
+    cfg = GatewayConfig(weights={"mita": 0.25, "dense": 0.75})
+    import random
+    rng = random.Random(0)
+    picks = [choose_variant(cfg, None, None, rng)[0] for _ in range(4000)]
+    assert abs(picks.count("mita") / 4000 - 0.25) < 0.03
+    assert choose_variant(cfg, "mita", "k", rng) == ("mita", None)
+    assert choose_variant(cfg.model_copy(update={"shadow": True}), "dense", None, rng) == (
+        "dense", "mita")
+    assert 0 <= sticky_unit("abc") < 1 and sticky_unit("abc") == sticky_unit("abc")
+    assert kl_divergence([0.5, 0.5], [0.5, 0.5]) == 0
+    assert kl_divergence([1.0, 0.0], [0.5, 0.5]) == pytest.approx(math.log(2))
+    assert n_bucket(1) == "le_1024" and n_bucket(1025) == "le_4096"
+    assert n_bucket(5_000_000) == "le_1048576"
+    assert DURATION_BUCKETS_S[0] == 1e-5 and DURATION_BUCKETS_S[-1] == 60.0
+    with pytest.raises(ValueError):
+        GatewayConfig(weights={"mita": 0, "dense": 0})
