@@ -1,0 +1,44 @@
+"""``python -m profiler sweep …``: the offline cost sweep (see ``profiler.sweep``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .sweep import SweepConfig, markdown, run_sweep, write_outputs
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m profiler")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweep", help="per-stage time vs N for MiTA and dense",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    s.add_argument("--variants", nargs="+", choices=["mita", "dense"], default=["mita", "dense"])
+    s.add_argument("--settings", nargs="+", default=["fig5", "64x64"],
+                   help="'fig5' (m = k ≈ √(N/4)) and/or fixed 'MxK'")
+    s.add_argument("--depth", type=int, default=3)
+    s.add_argument("--dim", type=int, default=128)
+    s.add_argument("--heads", type=int, default=2)
+    s.add_argument("--ffn-dim", type=int, default=256)
+    s.add_argument("--route-topk", type=int, default=1)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--budget-s", type=float, default=60.0, help="time budget per point")
+    s.add_argument("--out", type=Path, default=Path("runs/sweep"))
+    a = p.parse_args(argv)
+    cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
+                      dim=a.dim, num_heads=a.heads, ffn_dim=a.ffn_dim, route_topk=a.route_topk,
+                      batch=a.batch, device=a.device, dtype=a.dtype, warmup=a.warmup,
+                      repeats=a.repeats, budget_s=a.budget_s)
+    rows = run_sweep(cfg)
+    files = write_outputs(rows, cfg, a.out)
+    print(markdown(rows))
+    print("wrote " + ", ".join(str(f) for f in files.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Per-stage timing of one forward pass, with CUDA events on GPU and a host clock on CPU.
+
+A ``StageTimer`` is the hook (``mita.hooks.StageHook``) the model passes down to every block
+and attention call. Make one per forward (per request): it holds no global state, so
+concurrent forwards in one process keep separate records. Disabled profiling is simply the
+model's default hook, ``mita.NULL_HOOK``.
+
+On CUDA each stage records a pair of ``torch.cuda.Event(enable_timing=True)`` on the current
+stream and nothing synchronises between stages; ``result()`` synchronises once, on the last
+event, and resolves every elapsed time. On CPU the same interface reads
+``time.perf_counter_ns``.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    name: str
+    layer: int | None  # encoder block index; None for embed/head
+    ms: float
+
+
+@dataclass
+class ForwardProfile:
+    """What one profiled forward returns.
+
+    ``stages_ms``: total milliseconds per stage (summed over layers), in first-seen order.
+    ``layers_ms``: one ``{stage: ms}`` dict per encoder block. ``total_ms``: end-to-end
+    forward. ``flops``: analytic FLOPs per stage (``profiler.cost``) and ``gflops_per_s`` the
+    achieved rate. ``peak_memory_bytes`` with ``peak_memory_kind``: ``"cuda_max_allocated"``
+    (measured, reset per forward) or ``"analytic_activation_estimate"`` (CPU: not measured).
+    """
+
+    records: list[StageRecord]
+    total_ms: float
+    device: str
+    flops: dict[str, int] = field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    peak_memory_kind: str | None = None
+
+    @property
+    def stages_ms(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.records:
+            out[r.name] = out.get(r.name, 0.0) + r.ms
+        return out
+
+    @property
+    def layers_ms(self) -> list[dict[str, float]]:
+        layers: dict[int, dict[str, float]] = {}
+        for r in self.records:
+            if r.layer is not None:
+                per = layers.setdefault(r.layer, {})
+                per[r.name] = per.get(r.name, 0.0) + r.ms
+        return [layers[i] for i in sorted(layers)]
+
+    @property
+    def gflops_per_s(self) -> dict[str, float]:
+        ms = self.stages_ms
+        return {s: f / (ms[s] * 1e6) for s, f in self.flops.items() if ms.get(s, 0) > 0 and f}
+
+    def as_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "total_ms": self.total_ms,
+            "stages_ms": self.stages_ms,
+            "layers_ms": self.layers_ms,
+            "flops": self.flops,
+            "gflops_per_s": self.gflops_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_kind": self.peak_memory_kind,
+        }
+
+
+class StageTimer:
+    """Stage hook that times each stage of one forward.
+
+    Use::
+
+        timer = StageTimer(device)
+        with timer.forward():
+            logits = model(ids, mask, hook=timer)
+        profile = timer.result()
+
+    Raises RuntimeError if ``result()`` is called before a forward was recorded.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._marks: list[tuple[str, int | None, object, object]] = []
+        self._layer: int | None = None
+        self._forward: tuple[object, object] | None = None
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter_ns()
+
+    @contextmanager
+    def layer(self, index: int):
+        previous, self._layer = self._layer, index
+        try:
+            yield
+        finally:
+            self._layer = previous
+
+    @contextmanager
+    def stage(self, name: str):
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._marks.append((name, self._layer, start, self._now()))
+
+    @contextmanager
+    def forward(self):
+        """Wrap the whole forward: end-to-end time, and on CUDA the peak-memory window."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = self._now()
+        try:
+            yield self
+        finally:
+            self._forward = (start, self._now())
+
+    def _ms(self, start, end) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) / 1e6
+
+    def result(self, flops: dict[str, int] | None = None,
+               activation_bytes: int | None = None) -> ForwardProfile:
+        """Resolve all times (one synchronisation on CUDA) into a ``ForwardProfile``.
+
+        ``flops``: analytic FLOPs per stage to attach. ``activation_bytes``: the analytic
+        estimate reported as peak memory on CPU (ignored on CUDA, which measures).
+        """
+        if self._forward is None:
+            raise RuntimeError("no forward recorded: wrap the model call in timer.forward()")
+        if self.cuda:
+            self._forward[1].synchronize()
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+            kind = "cuda_max_allocated"
+        else:
+            peak, kind = activation_bytes, (
+                "analytic_activation_estimate" if activation_bytes is not None else None)
+        records = [StageRecord(n, layer, self._ms(s, e)) for n, layer, s, e in self._marks]
+        return ForwardProfile(records=records, total_ms=self._ms(*self._forward),
+                              device=str(self.device), flops=dict(flops or {}),
+                              peak_memory_bytes=peak, peak_memory_kind=kind)

@@ -1,0 +1,139 @@
+"""Stage timer, analytic cost and the offline sweep (CPU; the CUDA branch shares the code)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+
+import matplotlib.image
+import pytest
+import torch
+
+from mita.hooks import MITA_STAGES
+from mita.model import EncoderClassifier, ModelConfig
+from profiler.cost import model_stage_flops, profile_forward
+from profiler.sweep import SweepConfig, landmarks_for, run_sweep, write_outputs
+from profiler.timer import StageTimer
+
+CFG = ModelConfig(dim=32, depth=3, num_heads=2, ffn_dim=64, num_landmarks=8, topk=16)
+
+
+def expected_records(attention: str, depth: int) -> list[tuple[str, int | None]]:
+    attn = list(MITA_STAGES) if attention == "mita" else ["attention"]
+    per_layer = ["qkv_proj", *attn, "out_proj", "ffn"]
+    return ([("embed", None)] + [(s, i) for i in range(depth) for s in per_layer]
+            + [("head", None)])
+
+
+@pytest.mark.parametrize("attention", ["mita", "dense"])
+def test_records_complete_ordered_and_sum_below_end_to_end(attention):
+    torch.manual_seed(0)
+    model = EncoderClassifier(CFG.replace(attention=attention)).eval()
+    ids = torch.randint(1, 16, (2, 2048))
+    _, prof = profile_forward(model, ids)
+    assert [(r.name, r.layer) for r in prof.records] == expected_records(attention, 3)
+    assert len(prof.layers_ms) == 3
+    stage_sum = sum(prof.stages_ms.values())
+    # Stages never overlap, so their sum cannot exceed the forward; the untimed rest (layer
+    # norms before attention, residual adds, Python glue) stays well under half of it.
+    assert stage_sum <= prof.total_ms
+    assert stage_sum >= 0.5 * prof.total_ms, (stage_sum, prof.total_ms)
+    assert all(r.ms >= 0 for r in prof.records)
+    assert prof.flops == model_stage_flops(model.config, 2, 2048)
+    assert prof.peak_memory_kind == "analytic_activation_estimate"
+    assert prof.peak_memory_bytes > 2 * 2048 * 32 * 4
+
+
+def test_timer_off_gives_identical_outputs():
+    torch.manual_seed(1)
+    model = EncoderClassifier(CFG).eval()
+    ids = torch.randint(1, 16, (2, 300))
+    mask = torch.zeros(2, 300, dtype=torch.bool)
+    mask[1, 200:] = True
+    with torch.no_grad():
+        plain = model(ids, mask)
+    profiled, _ = profile_forward(model, ids, mask)
+    assert torch.equal(plain, profiled)
+
+
+def test_concurrent_forwards_keep_separate_records():
+    torch.manual_seed(2)
+    models = {"mita": EncoderClassifier(CFG).eval(),
+              "dense": EncoderClassifier(CFG.replace(attention="dense", depth=2)).eval()}
+    results: dict[str, list] = {"mita": [], "dense": []}
+    barrier = threading.Barrier(2)
+
+    def work(name):
+        barrier.wait()
+        for _ in range(5):
+            results[name].append(profile_forward(models[name], torch.randint(1, 16, (1, 512)))[1])
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for prof in results["mita"]:
+        assert [(r.name, r.layer) for r in prof.records] == expected_records("mita", 3)
+    for prof in results["dense"]:
+        assert [(r.name, r.layer) for r in prof.records] == expected_records("dense", 2)
+
+
+def test_layer_context_nests_and_result_needs_forward():
+    timer = StageTimer("cpu")
+    with pytest.raises(RuntimeError, match="no forward recorded"):
+        timer.result()
+    with timer.forward():
+        with timer.layer(4):
+            with timer.stage("ffn"):
+                pass
+        with timer.stage("head"):
+            pass
+    prof = timer.result()
+    assert [(r.name, r.layer) for r in prof.records] == [("ffn", 4), ("head", None)]
+    assert prof.layers_ms == [{"ffn": prof.records[0].ms}]
+
+
+def test_model_flops_match_hand_count():
+    cfg = ModelConfig(dim=64, depth=2, num_heads=2, ffn_dim=128, num_landmarks=4, topk=8,
+                      num_classes=10)
+    f = model_stage_flops(cfg, batch=3, n=100)
+    d = 32
+    assert f["qkv_proj"] == 3 * 2 * 2 * 100 * 64 * 192
+    assert f["landmark_scores"] == 3 * 2 * 2 * (2 * 100 * 4 * d)
+    assert f["attention"] == 3 * 2 * 2 * (2 * 100 * 8 * d + 2 * 100 * (4 + 8) * d)
+    dense = model_stage_flops(cfg.replace(attention="dense"), batch=3, n=100)
+    assert dense["attention"] == 3 * 2 * 2 * 4 * 100 * 100 * d
+    assert "pool" not in dense
+
+
+def test_landmarks_for_settings():
+    assert landmarks_for(16384, "fig5") == (64, 64)  # m·k = N/4
+    assert landmarks_for(1 << 20, "fig5") == (512, 512)
+    assert landmarks_for(5000, "32x128") == (32, 128)
+    with pytest.raises(ValueError, match="neither"):
+        landmarks_for(10, "lots")
+
+
+def test_small_sweep_writes_parseable_files(tmp_path):
+    cfg = SweepConfig(ns=[128, 512, 1 << 16], variants=["mita", "dense"],
+                      settings=["fig5", "4x8"], depth=1, dim=16, num_heads=2, ffn_dim=32,
+                      warmup=0, repeats=2, budget_s=5.0)
+    rows = run_sweep(cfg)
+    # dense at N = 64K is predicted from N = 512 to take far beyond 5 s: skipped, not run.
+    dense_1m = next(r for r in rows if r["variant"] == "dense" and r["n"] == 1 << 16)
+    assert dense_1m["status"].startswith("skipped: predicted")
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {(r["n"], r["variant"]) for r in ok} >= {(128, "mita"), (512, "dense")}
+    files = write_outputs(rows, cfg, tmp_path)
+    data = json.loads(files["json"].read_text())
+    assert len(data["rows"]) == len(rows) == 3 * 3
+    assert {x["n"] for x in data["speedups"]} >= {128, 512}
+    with open(files["csv"]) as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 9 and float(table[0]["e2e_ms"]) > 0
+    assert "| N | variant |" in files["md"].read_text()
+    for key in ("png0", "png1", "png2"):
+        img = matplotlib.image.imread(files[key])
+        assert img.shape[0] > 100 and img.shape[1] > 100
