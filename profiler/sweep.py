@@ -179,6 +179,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ok = [r for r in rows if r["status"] == "ok"]
     paths = []
     groups = sorted({(r["variant"], r["setting"]) for r in ok})
+    all_stages = list(dict.fromkeys(s for r in ok for s in r["stages_ms"]))
+    palette = plt.get_cmap("tab20").colors
+    color_of = {st: palette[i % len(palette)] for i, st in enumerate(all_stages)}
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(6 * max(1, len(groups)), 4.5),
                              squeeze=False)
     for ax, (variant, setting) in zip(axes[0], groups, strict=False):
@@ -186,17 +189,21 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                      key=lambda r: r["n"])
         stages = list(dict.fromkeys(s for r in sel for s in r["stages_ms"]))
         x = np.arange(len(sel))
+        totals = np.array([sum(r["stages_ms"].values()) for r in sel])
         bottom = np.zeros(len(sel))
+        # Shares of the forward (100 % stacked) so small N stays readable; totals on top.
         for st in stages:
-            vals = np.array([r["stages_ms"].get(st, 0.0) for r in sel])
-            ax.bar(x, vals, bottom=bottom, label=st)
+            vals = np.array([r["stages_ms"].get(st, 0.0) for r in sel]) / totals * 100
+            ax.bar(x, vals, bottom=bottom, label=st, color=color_of[st])
             bottom += vals
+        for xi, r in zip(x, sel, strict=True):
+            ax.text(xi, 101, f"{r['e2e_ms']:.0f} ms", ha="center", fontsize=7)
         ax.set_xticks(x, [f"{r['n'] // 1024}K" if r["n"] >= 1024 else str(r["n"]) for r in sel])
-        ax.set_yscale("log")
+        ax.set_ylim(0, 108)
         ax.set_title(f"{variant} {setting}".strip(" -"))
         ax.set_xlabel("N")
-        ax.set_ylabel("ms per forward (stacked stages)")
-        ax.legend(fontsize=7)
+        ax.set_ylabel("% of forward time by stage (total above)")
+        ax.legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     paths.append(out / "stages.png")
     fig.savefig(paths[-1], dpi=110)
@@ -207,9 +214,12 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     for setting in sorted({x["setting"] for x in sp}):
         sel = sorted((x for x in sp if x["setting"] == setting), key=lambda x: x["n"])
         ns = [x["n"] for x in sel]
-        ax.plot(ns, [x["e2e_speedup"] for x in sel], "o-", label=f"{setting}: forward")
-        ax.plot(ns, [x["attention_speedup"] for x in sel], "s-", label=f"{setting}: attention")
-        ax.plot(ns, [x["flop_limit"] for x in sel], "k--", label=f"{setting}: N/(2m+sk)")
+        (line,) = ax.plot(ns, [x["e2e_speedup"] for x in sel], "o-", label=f"{setting}: forward")
+        color = line.get_color()
+        ax.plot(ns, [x["attention_speedup"] for x in sel], "s:", color=color,
+                label=f"{setting}: attention")
+        ax.plot(ns, [x["flop_limit"] for x in sel], "--", color=color,
+                label=f"{setting}: N/(2m+sk)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("N")

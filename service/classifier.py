@@ -60,6 +60,7 @@ class Classifier:
         self.model_id = f"{folder.name}@{meta['weights_sha256'][:12]}"
         self.info_dict = {
             "variant": attention, "model_id": self.model_id, "device": str(self.device),
+            "torch_threads": torch.get_num_threads(),
             "config": meta["config"] | {"attention": attention},
             "training": meta.get("training", {}),
         }
