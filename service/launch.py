@@ -9,6 +9,7 @@ export port and interval, and binding Ray to loopback.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from ray.serve.schema import ServeDeploySchema
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
+# Where Ray writes its Prometheus file-SD list when the dashboard runs; we start Ray without
+# the dashboard, so we write the same file (deploy/prometheus/prometheus.yml reads it).
+PROMETHEUS_SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")
 GPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.gpu.yaml"
 
 
@@ -64,11 +68,19 @@ def start(config: ServeDeploySchema, metrics_port: int = 9100,
         ray.init(namespace="serve", include_dashboard=False,
                  _metrics_export_port=metrics_port,
                  _system_config={"metrics_report_interval_ms": metrics_interval_ms})
+        write_prometheus_sd(metrics_port)
     serve_api.serve_start(http_options=config.http_options.model_dump(),
                           proxy_location=config.proxy_location)
     deploy(config, timeout_s)
     http = config.http_options
     return f"http://{http.host}:{http.port}"
+
+
+def write_prometheus_sd(metrics_port: int, path: Path = PROMETHEUS_SD_FILE) -> None:
+    """Write Ray's file-SD format: one target, this node's metrics export port."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"labels": {"job": "ray"},
+                                 "targets": [f"127.0.0.1:{metrics_port}"]}]) + "\n")
 
 
 def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:

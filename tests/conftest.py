@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,21 @@ def service():
     yield svc
     svc.client.close()
     launch.stop()
+
+
+def set_gateway(service, **user_config) -> None:
+    """Redeploy with the Gateway's user_config changed (applied by reconfigure, no restart)
+    and wait until the gateway reports it."""
+    from service import launch
+    from service.schemas import GatewayConfig
+
+    overrides = copy.deepcopy(service.overrides)
+    base = launch.load_config(launch.CPU_CONFIG).applications[0]
+    gw = next(d for d in base.deployments if d.name == "Gateway").user_config
+    overrides["deployments"]["Gateway"]["user_config"] = {**gw, **user_config}
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    want = GatewayConfig.model_validate({**gw, **user_config}).model_dump(mode="json")
+    assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"] == want)
 
 
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import math
 
 import httpx
@@ -14,12 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from mita.data.listops import ListOpsConfig, encode, generate
 from mita.hooks import MITA_STAGES
 from mita.model import load_checkpoint
-from service import launch
 from service.gateway import choose_variant, kl_divergence, sticky_unit
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 from service.schemas import GatewayConfig
 
-from .conftest import CHECKPOINT, wait_for
+from .conftest import CHECKPOINT, set_gateway, wait_for
 
 pytestmark = pytest.mark.service
 EXAMPLES = generate(12, seed=777_001, cfg=ListOpsConfig(100, 500))
@@ -36,16 +34,6 @@ def samples(text: str, name: str) -> dict[tuple, float]:
                                                "primary", "agree", "le")))
                 out[labels] = out.get(labels, 0.0) + s.value
     return out
-
-
-def set_gateway(service, **user_config) -> None:
-    overrides = copy.deepcopy(service.overrides)
-    base = launch.load_config(launch.CPU_CONFIG).applications[0]
-    gw = next(d for d in base.deployments if d.name == "Gateway").user_config
-    overrides["deployments"]["Gateway"]["user_config"] = {**gw, **user_config}
-    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
-    want = GatewayConfig.model_validate({**gw, **user_config}).model_dump(mode="json")
-    assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"] == want)
 
 
 def test_predictions_equal_in_process_model(service):

@@ -1,0 +1,187 @@
+"""Load generator: real ListOps sequences of each N, sent over HTTP to the running service.
+
+Closed loop: ``concurrency`` workers, each sending its next request when the previous one
+answered. Open loop: Poisson arrivals at ``rate`` requests/s, sent whether or not earlier
+ones finished. Each (N, variant) phase sends ``warmup`` untimed requests, then up to
+``requests`` timed ones, and stops early after ``duration_s``. Every raw sample is kept;
+percentiles are computed with numpy. Only loopback targets are allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from mita.data.listops import encode, generate_long
+
+
+def check_loopback(url: str) -> None:
+    """Raise ValueError unless ``url`` points at this machine's loopback interface."""
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"refusing to load-test {host!r}: only loopback targets (127.0.0.0/8, "
+                     f"::1, localhost) are allowed")
+
+
+@dataclass
+class Sample:
+    n: int
+    requested: str  # "mita", "dense" or "ab" (A/B policy decides)
+    variant: str | None  # served variant (None on error)
+    status: int  # HTTP status, 0 for a transport error
+    start_s: float  # since the phase began
+    latency_s: float
+    stages_ms: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    ns: list[int]
+    variants: list[str]  # subset of mita, dense, ab
+    mode: str = "closed"  # closed | open
+    concurrency: int = 4
+    rate: float = 5.0
+    requests: int = 50
+    warmup: int = 3
+    duration_s: float = 120.0
+    timeout_s: float = 300.0
+    sequences_per_n: int = 4
+    seed: int = 0
+
+
+async def _send(client: httpx.AsyncClient, body: dict, n: int, requested: str,
+                t0: float) -> Sample:
+    start = time.perf_counter()
+    try:
+        r = await client.post("/v1/classify", json=body)
+    except httpx.HTTPError as e:
+        return Sample(n, requested, None, 0, start - t0, time.perf_counter() - start,
+                      error=f"{type(e).__name__}: {e}"[:200])
+    latency = time.perf_counter() - start
+    if r.status_code != 200:
+        try:
+            err = r.json().get("error", r.text)
+        except ValueError:
+            err = r.text
+        return Sample(n, requested, None, r.status_code, start - t0, latency, error=err[:200])
+    data = r.json()
+    stages = data.get("profile", {}).get("stages_ms", {})
+    return Sample(n, requested, data["variant"], 200, start - t0, latency, stages)
+
+
+async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requested: str,
+                    bodies: list[dict], bar: tqdm, rng: np.random.Generator) -> list[Sample]:
+    """One (N, variant) phase: warm-up (discarded), then timed requests."""
+    for i in range(cfg.warmup):
+        await _send(client, bodies[i % len(bodies)], n, requested, time.perf_counter())
+    t0 = time.perf_counter()
+    samples: list[Sample] = []
+
+    def out_of_time() -> bool:
+        return time.perf_counter() - t0 > cfg.duration_s
+
+    if cfg.mode == "closed":
+        counter = iter(range(cfg.requests))
+
+        async def worker():
+            for i in counter:
+                if out_of_time():
+                    return
+                samples.append(await _send(client, bodies[i % len(bodies)], n, requested, t0))
+                bar.update(1)
+
+        await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+    else:
+        gaps = rng.exponential(1.0 / cfg.rate, size=cfg.requests)
+        tasks = []
+        for i, at in enumerate(np.cumsum(gaps)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if out_of_time():
+                break
+            task = asyncio.create_task(_send(client, bodies[i % len(bodies)], n, requested, t0))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
+        samples = list(await asyncio.gather(*tasks))
+    return samples
+
+
+async def run_load(cfg: LoadConfig) -> list[Sample]:
+    """Every phase, N ascending, variants in the given order. Returns all timed samples."""
+    check_loopback(cfg.url)
+    if cfg.mode not in ("closed", "open"):
+        raise ValueError(f"mode must be 'closed' or 'open', got {cfg.mode!r}")
+    rng = np.random.default_rng(cfg.seed)
+    phases = [(n, v) for n in sorted(cfg.ns) for v in cfg.variants]
+    limits = httpx.Limits(max_connections=max(cfg.concurrency, 64))
+    samples: list[Sample] = []
+    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits) as c:
+        with tqdm(total=len(phases) * cfg.requests, desc="load", unit="req") as bar:
+            for n in sorted(cfg.ns):
+                seqs = [encode(generate_long(n, seed=cfg.seed * 1000 + i)[0])
+                        for i in range(cfg.sequences_per_n)]
+                for v in cfg.variants:
+                    bar.set_postfix(n=n, variant=v)
+                    bodies = [{"ids": s, "profile": True} | ({} if v == "ab" else {"variant": v})
+                              for s in seqs]
+                    samples += await run_phase(c, cfg, n, v, bodies, bar, rng)
+    return samples
+
+
+def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
+    """Per (N, requested variant): counts, errors by status, p50/p90/p99 latency (ms, numpy),
+    throughput (ok req/s and tokens/s over the phase's wall time) and median stage times;
+    plus MiTA/dense ratios per N where both ran."""
+    groups: dict[tuple[int, str], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.n, s.requested), []).append(s)
+    rows = []
+    for (n, req), ss in sorted(groups.items()):
+        ok = [s for s in ss if s.status == 200]
+        lat = np.array([s.latency_s for s in ok]) * 1e3
+        wall = max(s.start_s + s.latency_s for s in ss) - min(s.start_s for s in ss)
+        errors: dict[str, int] = {}
+        for s in ss:
+            if s.status != 200:
+                errors[str(s.status)] = errors.get(str(s.status), 0) + 1
+        stage_names = list(dict.fromkeys(k for s in ok for k in s.stages_ms))
+        served: dict[str, int] = {}
+        for s in ok:
+            served[s.variant] = served.get(s.variant, 0) + 1
+        rows.append({
+            "n": n, "variant": req, "served": served, "sent": len(ss), "ok": len(ok),
+            "errors": errors,
+            "p50_ms": float(np.percentile(lat, 50)) if len(ok) else None,
+            "p90_ms": float(np.percentile(lat, 90)) if len(ok) else None,
+            "p99_ms": float(np.percentile(lat, 99)) if len(ok) else None,
+            "throughput_rps": len(ok) / wall if wall > 0 else None,
+            "tokens_per_s": len(ok) * n / wall if wall > 0 else None,
+            "stages_ms": {k: float(np.median([s.stages_ms.get(k, 0.0) for s in ok]))
+                          for k in stage_names},
+        })
+    by = {(r["n"], r["variant"]): r for r in rows}
+    ratios = []
+    for n in sorted({r["n"] for r in rows}):
+        m, d = by.get((n, "mita")), by.get((n, "dense"))
+        if m and d and m["p50_ms"] and d["p50_ms"]:
+            ratios.append({"n": n, "p50_ratio_mita_over_dense": m["p50_ms"] / d["p50_ms"],
+                           "p99_ratio_mita_over_dense": m["p99_ms"] / d["p99_ms"],
+                           "throughput_ratio_mita_over_dense":
+                               m["throughput_rps"] / d["throughput_rps"]})
+    return {"config": asdict(cfg), "rows": rows, "ratios": ratios}

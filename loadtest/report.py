@@ -1,0 +1,106 @@
+"""Load-test report files: JSON (summary + every raw sample), CSV, Markdown and PNGs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from .engine import Sample
+
+
+def markdown(summary: dict) -> str:
+    c = summary["config"]
+    lines = [f"Load test: {c['mode']} loop"
+             + (f", concurrency {c['concurrency']}" if c["mode"] == "closed"
+                else f", Poisson {c['rate']} req/s")
+             + f", {c['requests']} timed requests per (N, variant) after {c['warmup']} warm-up, "
+               f"real ListOps (generate_long), target {c['url']}", "",
+             "| N | variant | sent | ok | errors | p50 ms | p90 ms | p99 ms | req/s | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "-"
+        if r["ok"]:
+            lines.append(f"| {r['n']} | {r['variant']} | {r['sent']} | {r['ok']} | {errs} | "
+                         f"{r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} | "
+                         f"{r['throughput_rps']:.2f} | {r['tokens_per_s']:.0f} |")
+        else:
+            lines.append(f"| {r['n']} | {r['variant']} | {r['sent']} | 0 | {errs} | - | - | - "
+                         f"| - | - |")
+    if summary["ratios"]:
+        lines += ["", "| N | MiTA/dense p50 latency | MiTA/dense p99 latency | "
+                      "MiTA/dense throughput |", "|---|---|---|---|"]
+        lines += [f"| {x['n']} | {x['p50_ratio_mita_over_dense']:.2f}× | "
+                  f"{x['p99_ratio_mita_over_dense']:.2f}× | "
+                  f"{x['throughput_ratio_mita_over_dense']:.2f}× |" for x in summary["ratios"]]
+    stage_rows = [r for r in summary["rows"] if r["stages_ms"]]
+    if stage_rows:
+        stages = list(dict.fromkeys(s for r in stage_rows for s in r["stages_ms"]))
+        lines += ["", "Median per-stage time from profiled responses (ms, summed over layers):",
+                  "", "| N | variant | " + " | ".join(stages) + " |",
+                  "|---|---|" + "---|" * len(stages)]
+        lines += [f"| {r['n']} | {r['variant']} | " + " | ".join(
+            f"{r['stages_ms'][s]:.2f}" if s in r["stages_ms"] else "-" for s in stages) + " |"
+            for r in stage_rows]
+    return "\n".join(lines) + "\n"
+
+
+def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "loadtest.json", "csv": out / "samples.csv",
+             "summary_csv": out / "summary.csv", "md": out / "loadtest.md",
+             "latency_png": out / "latency_vs_n.png", "stages_png": out / "stages.png"}
+    files["json"].write_text(json.dumps(summary | {"samples": [asdict(s) for s in samples]},
+                                        indent=1) + "\n")
+    with open(files["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["n", "requested", "variant", "status", "start_s", "latency_s", "error"])
+        for s in samples:
+            w.writerow([s.n, s.requested, s.variant, s.status, f"{s.start_s:.6f}",
+                        f"{s.latency_s:.6f}", s.error or ""])
+    cols = ["n", "variant", "sent", "ok", "p50_ms", "p90_ms", "p99_ms", "throughput_rps",
+            "tokens_per_s"]
+    with open(files["summary_csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols + ["errors"])
+        for r in summary["rows"]:
+            w.writerow([r[c] for c in cols] + [json.dumps(r["errors"])])
+    files["md"].write_text(markdown(summary))
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for v in dict.fromkeys(r["variant"] for r in summary["rows"]):
+        sel = [r for r in summary["rows"] if r["variant"] == v and r["ok"]]
+        ns = [r["n"] for r in sel]
+        ax.plot(ns, [r["p50_ms"] for r in sel], "o-", label=f"{v} p50")
+        ax.plot(ns, [r["p99_ms"] for r in sel], "x--", label=f"{v} p99")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N (tokens)")
+    ax.set_ylabel("request latency (ms)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(files["latency_png"], dpi=110)
+    plt.close(fig)
+
+    rows = [r for r in summary["rows"] if r["stages_ms"]]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
+    stages = list(dict.fromkeys(s for r in rows for s in r["stages_ms"]))
+    bottom = np.zeros(len(rows))
+    for st in stages:
+        vals = np.array([r["stages_ms"].get(st, 0.0) for r in rows])
+        ax.bar(range(len(rows)), vals, bottom=bottom, label=st)
+        bottom += vals
+    ax.set_xticks(range(len(rows)), [f"{r['variant']}\nN={r['n']}" for r in rows], fontsize=7)
+    ax.set_ylabel("median ms per request (stacked stages)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(files["stages_png"], dpi=110)
+    plt.close(fig)
+    return files
