@@ -152,7 +152,8 @@ def _stages(q, k, v, m, kk, s):
     scores = A.landmark_scores(landmarks, k)
     index = A.topk(scores, kk)
     shared_values = A.shared_compress(scores, v)
-    affinity, experts = A.route(q, landmarks, s, lv)
+    experts = A.route(q, landmarks, s, lv)
+    affinity = q @ landmarks.transpose(-1, -2)  # q·q̃, the shared branch's raw logits
     keys, values, ok = A.gather(k, v, index)
     return shared_values, affinity, experts, keys, values, ok
 

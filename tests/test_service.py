@@ -157,10 +157,6 @@ def _fire(service, bodies, headers_list):
     responses = asyncio.run(go())
     for r in responses:
         assert r.status_code == 200, r.text
-        res = r.json()
-        service.served[res["variant"]] += 1
-        if res.get("shadow"):
-            service.served[res["shadow"]] += 1
     return [r.json() for r in responses]
 
 
@@ -207,31 +203,47 @@ def test_ab_split_stickiness_and_shadow(service):
     set_gateway(service, shadow=False)
 
 
-def test_metrics_counts_match_requests(service):
-    for text, _ in EXAMPLES[:4]:
-        assert service.post("/v1/classify", json={"text": text, "variant": "mita"}
-                            ).status_code == 200
-
-    def counts():
-        text = service.metrics_text()
-        got = {}
-        for variant in ("mita", "dense"):
-            got[variant] = sum(v for k, v in samples(
-                text, "ray_mita_serve_stage_duration_seconds_count").items()
-                if ("stage", "embed") in k and ("variant", variant) in k)
-        return got if got == service.served else None
-    got = wait_for(counts)
-    assert got == service.served, (got, service.served)
+def stage_counts(service, stage: str) -> dict[str, float]:
     text = service.metrics_text()
-    pool = samples(text, "ray_mita_serve_stage_duration_seconds_count")
-    assert sum(v for k, v in pool.items() if ("stage", "pool") in k) == service.served["mita"]
-    assert not any(("stage", "pool") in k and ("variant", "dense") in k for k in pool)
+    got = {"mita": 0.0, "dense": 0.0}
+    for k, v in samples(text, "ray_mita_serve_stage_duration_seconds_count").items():
+        labels = dict(k)
+        if labels["stage"] == stage:
+            got[labels["variant"]] += v
+    return got
+
+
+def test_metrics_counts_match_requests(service):
+    """Deltas, so the test holds whatever ran before it in the session."""
+    def settled(expected):
+        return lambda: stage_counts(service, "embed") == expected or None
+    before = stage_counts(service, "embed")
+    wait_for(settled(before), 5)  # let earlier requests' metrics land first
+    before = stage_counts(service, "embed")
+    pool_before = stage_counts(service, "pool")
+    refused_before = samples(service.metrics_text(), "ray_mita_serve_requests_total").get(
+        (("status", "422"), ("variant", "none")), 0)
+    sent = {"mita": 4, "dense": 3}
+    for variant, count in sent.items():
+        for text, _ in EXAMPLES[:count]:
+            assert service.post("/v1/classify", json={"text": text, "variant": variant}
+                                ).status_code == 200
+    for body, status, _ in BAD:
+        assert service.post("/v1/classify", json=body).status_code == status
+    expected = {v: before[v] + sent[v] for v in sent}
+    got = wait_for(settled(expected))
+    assert got, (stage_counts(service, "embed"), expected)
+    pool = stage_counts(service, "pool")
+    assert pool["mita"] - pool_before["mita"] == sent["mita"] and pool["dense"] == 0
+    text = service.metrics_text()
     buckets = {dict(k)["le"] for k in samples(text, "ray_mita_serve_stage_duration_seconds_bucket")}
     assert len(buckets) == len(DURATION_BUCKETS_S) + 1
-    ok = samples(text, "ray_mita_serve_requests_total")
     # The BAD bodies that pass the schema and are refused by the gateway's own checks (the
     # other seven fail pydantic validation before any handler runs).
-    assert ok[(("status", "422"), ("variant", "none"))] == 9
+    refused = wait_for(lambda: samples(service.metrics_text(), "ray_mita_serve_requests_total")
+                       .get((("status", "422"), ("variant", "none")), 0) - refused_before == 9
+                       or None)
+    assert refused
     tokens = samples(text, "ray_mita_serve_tokens_total")
     assert sum(tokens.values()) > 0
 
