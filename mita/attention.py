@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from .hooks import NULL_HOOK, StageHook
 
 SHARED_SCALES = ("paper", "official")
+_CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
 
 
 def _valid_tokens(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tensor:
@@ -53,20 +54,23 @@ def _topk_lowest_index(scores: Tensor, k: int) -> Tensor:
     """Indices of the k largest entries of ``scores`` along the last dim, ties broken by the
     lowest index, returned in ascending index order. ``(..., N) -> (..., k)`` int64.
 
-    ``torch.topk`` leaves tie order unspecified (and it differs between CPU and CUDA), so when
-    the k-th value is tied the selection is rebuilt exactly: everything above the k-th value,
-    then the lowest-index entries equal to it.
+    ``torch.topk`` leaves tie order unspecified (and it differs between CPU and CUDA). Only a
+    tie across the boundary — the k-th and (k+1)-th largest values equal — makes the choice
+    ambiguous; then the selection is rebuilt exactly: everything above the k-th value, then
+    the lowest-index entries equal to it.
     """
-    top = scores.topk(k, dim=-1, sorted=False)
-    kth = top.values.amin(-1, keepdim=True)
-    equal = scores == kth
-    if not bool((equal.sum(-1) > 1).any()):
-        return top.indices.sort(-1).values
+    N = scores.shape[-1]
+    if k >= N:
+        return torch.arange(N, device=scores.device).expand(*scores.shape[:-1], N)
+    top = scores.topk(k + 1, dim=-1, sorted=True)
+    kth = top.values[..., k - 1: k]
+    if not bool((kth == top.values[..., k:]).any()):
+        return top.indices[..., :k].sort(-1).values
     above = scores > kth
     need = k - above.sum(-1, keepdim=True)
+    equal = scores == kth
     chosen = above | (equal & (equal.cumsum(-1) <= need))
     slot = torch.where(chosen, chosen.cumsum(-1) - 1, k)
-    N = scores.shape[-1]
     positions = torch.arange(N, device=scores.device).expand_as(scores)
     out = torch.zeros(*scores.shape[:-1], k + 1, dtype=torch.long, device=scores.device)
     return out.scatter_(-1, slot, positions)[..., :k]
@@ -130,7 +134,7 @@ def landmark_scores(landmarks: Tensor, k: Tensor,
     Args: ``landmarks`` ``(B, H, m, d)``, ``k`` ``(B, H, N, d)``, optional ``(B, N)`` mask.
     Returns: ``(B, H, m, N)`` scores, ``-inf`` at padded keys.
     """
-    scores = landmarks @ k.transpose(-1, -2) * k.shape[-1] ** -0.5
+    scores = (landmarks * k.shape[-1] ** -0.5) @ k.transpose(-1, -2)  # scale the small side
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
     return scores
@@ -156,18 +160,36 @@ def shared_compress(scores: Tensor, v: Tensor) -> Tensor:
     return torch.softmax(scores, dim=-1) @ v
 
 
+def _query_chunk(n_cols: int) -> int:
+    """Queries per chunk so a (chunk × n_cols) float32 block stays near 4 MiB."""
+    return max(256, _CHUNK_ELEMENTS // max(1, n_cols))
+
+
 def route(q: Tensor, landmarks: Tensor, route_topk: int,
-          landmark_valid: Tensor) -> tuple[Tensor, Tensor]:
+          landmark_valid: Tensor) -> Tensor:
     """Stage ``route`` (eq. 9): each query picks its top-s experts by q·q̃_i (no gate).
 
     Args: ``q`` ``(B, H, N, d)``, ``landmarks`` ``(B, H, m, d)``, ``route_topk`` s ≤ m,
-    ``landmark_valid`` ``(B, m)`` bool.
-    Returns: ``affinity`` ``(B, H, N, m)`` = q·q̃ unscaled, ``-inf`` for empty landmarks (reused
-    as the shared-branch logits), and ``experts`` ``(B, H, N, s)`` int64, ties → lowest index.
+    ``landmark_valid`` ``(B, m)`` bool (empty landmarks are never picked unless fewer than s
+    are live; ``attention`` then masks the extra picks).
+    Returns: ``experts`` ``(B, H, N, s)`` int64; ties → lowest index. The N×m affinities are
+    computed in query chunks and not kept (at N = 1M, m = 512 they would take 2 GiB per head);
+    ``attention`` recomputes the ones it needs as shared logits.
     """
-    affinity = q @ landmarks.transpose(-1, -2)
-    affinity = affinity.masked_fill(~landmark_valid[:, None, None, :], float("-inf"))
-    return affinity, _topk_lowest_index(affinity, route_topk)
+    B, H, N, _ = q.shape
+    m = landmarks.shape[2]
+    dead = None if bool(landmark_valid.all()) else ~landmark_valid[:, None, None, :]
+    out = torch.empty(B, H, N, route_topk, dtype=torch.long, device=q.device)
+    lt = landmarks.transpose(-1, -2)
+    for start in range(0, N, _query_chunk(B * H * m)):
+        aff = q[:, :, start:start + _query_chunk(B * H * m)] @ lt
+        if dead is not None:
+            aff = aff.masked_fill(dead, float("-inf"))
+        if route_topk == 1:  # argmax returns the first maximum: the lowest-index tie rule
+            out[:, :, start:start + aff.shape[2], 0] = aff.argmax(-1)
+        else:
+            out[:, :, start:start + aff.shape[2]] = _topk_lowest_index(aff, route_topk)
+    return out
 
 
 def gather(k: Tensor, v: Tensor, expert_index: Tensor,
@@ -192,91 +214,140 @@ def gather(k: Tensor, v: Tensor, expert_index: Tensor,
     return keys, values, key_valid
 
 
-def attention(q: Tensor, shared_values: Tensor, affinity: Tensor, experts: Tensor,
-              expert_keys: Tensor, expert_values: Tensor, expert_key_valid: Tensor,
-              shared_scale: str = "paper") -> Tensor:
+def _unsort(sorted_rows: Tensor, order: Tensor) -> Tensor:
+    """Rows given in ``order``'s sorted sequence, put back at the positions ``order`` names."""
+    return sorted_rows.new_empty(sorted_rows.shape).index_copy(0, order, sorted_rows)
+
+
+def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_values: Tensor,
+              experts: Tensor, expert_keys: Tensor, expert_values: Tensor,
+              expert_key_valid: Tensor, shared_scale: str = "paper",
+              key_padding_mask: Tensor | None = None) -> Tensor:
     """Stage ``attention`` (eqs. 11-12): one joint softmax over m shared + s·k routed entries.
 
     For query q with experts e_1..e_s: K* = [q̃_1..q̃_m, K^(e_1), …, K^(e_s)],
     V* = [ṽ_1..ṽ_m, V^(e_1), …, V^(e_s)], o = V* softmax(ℓ) with shared logits q·q̃_i·c and
     routed logits q·k_j/√d. ``shared_scale="paper"`` uses c = 1/√d (eq. 11);
     ``"official"`` uses c = 1/d as the authors' code does (shared keys pre-scaled by d^-1/2,
-    then scaled again in the kernel). Masked entries carry ``-inf`` logits.
+    then scaled again in the kernel). Empty landmarks and padded keys are masked.
 
-    Computed expert-grouped, as MoE dispatch: the B·H·N·s (query, expert) pairs are sorted by
-    expert and packed into blocks of C = ⌈N·s/m⌉ queries of one expert (an expert with more
-    queries takes several blocks, so there are at most 2·B·H·m blocks); each block is one
-    ``(C × d) @ (d × k)`` matrix product against its expert's keys, never a per-query copy of
-    the keys. The shared block and the s routed blocks of a query are then merged exactly by
-    their log-sum-exp, which equals one softmax over all m + s·k entries.
-    Peak extra memory: O(B·H·(N·s·(k + d + dv) + N·m)) elements — linear in N.
+    Computed expert-grouped, as MoE dispatch: for each head, the N·s (query, expert) pairs are
+    sorted by expert and each expert's queries form one dense block against its keys — never
+    a per-query copy of the keys. The shared logits q·q̃ are recomputed inside the blocks
+    (2·N·m·d FLOPs beyond the paper's count, which reuses route's; storing the N×m
+    affinities instead would take 2 GiB per head at N = 1M, m = 512).
+    s = 1: each expert's block is ``(n_e × d) @ (d × (m + k))`` over [shared ; routed] keys,
+    one softmax, one weighted sum — the joint softmax directly.
+    s > 1: the shared block (query chunks) and the routed blocks (per expert) are reduced to
+    (max, sum of exp, weighted values) and merged per query by log-sum-exp, which equals one
+    softmax over all m + s·k entries.
+    Peak extra memory per head: O(N·s·(dv + 2) + max_e n_e·(m + k)) — linear in N.
 
-    Args: ``q`` ``(B, H, N, d)``; ``shared_values`` ``(B, H, m, dv)``; ``affinity``
-    ``(B, H, N, m)`` and ``experts`` ``(B, H, N, s)`` from ``route``; the three outputs of
-    ``gather``.
+    Args: ``q`` ``(B, H, N, d)``; ``landmarks`` ``(B, H, m, d)`` and ``landmark_valid``
+    ``(B, m)`` from ``pool``; ``shared_values`` ``(B, H, m, dv)``; ``experts``
+    ``(B, H, N, s)`` from ``route``; the three outputs of ``gather``.
     Returns: ``(B, H, N, dv)``.
     """
     B, H, N, d = q.shape
-    m, kk, dv = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
+    m, dv = landmarks.shape[2], expert_values.shape[-1]
     s = experts.shape[-1]
-    BH = B * H
     scale = d ** -0.5
+    c_shared = scale if shared_scale == "paper" else 1.0 / d
+    out = q.new_empty(B, H, N, dv)
+    for b in range(B):
+        live = landmark_valid[b]
+        live_list = live.tolist()
+        all_live = all(live_list)
+        for h in range(H):
+            qh = q[b, h]
+            # Entries r = n·s + j sorted by expert; padded queries go to a dummy group m.
+            flat = experts[b, h].reshape(-1)
+            if key_padding_mask is not None:
+                flat = flat.masked_fill(key_padding_mask[b].repeat_interleave(s), m)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=m + 1).tolist()
+            rows = torch.div(order, s, rounding_mode="floor")
+            if s == 1:
+                out[b, h] = _joint_blocks(qh, rows, order, counts, live, all_live,
+                                          landmarks[b, h] * c_shared, shared_values[b, h],
+                                          expert_keys[b, h] * scale, expert_values[b, h],
+                                          expert_key_valid[b, h])
+            else:
+                out[b, h] = _merged_blocks(qh, s, rows, order, counts, live, all_live,
+                                           landmarks[b, h] * c_shared, shared_values[b, h],
+                                           expert_keys[b, h] * scale, expert_values[b, h],
+                                           expert_key_valid[b, h])
+    return out
+
+
+def _joint_blocks(qh, rows, order, counts, live, all_live, shared_keys, shared_values,
+                  expert_keys, expert_values, expert_key_valid) -> Tensor:
+    """s = 1: each expert's queries attend to [m shared ; k routed] in one block — a single
+    matrix product, softmax and weighted sum per expert. ``expert_keys`` are pre-scaled."""
+    m, dv = shared_keys.shape[0], expert_values.shape[-1]
+    pieces, start = [], 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        sl = slice(start, start + count)
+        start += count
+        if e == m:  # padded queries
+            pieces.append(qh.new_zeros(count, dv))
+            continue
+        keys = torch.cat([shared_keys, expert_keys[e]])
+        logits = qh.index_select(0, rows[sl]) @ keys.T
+        ok = expert_key_valid[e] & live[e]
+        if not (all_live and bool(ok.all())):
+            logits = logits.masked_fill(~torch.cat([live, ok]), float("-inf"))
+        pieces.append(torch.softmax(logits, -1) @ torch.cat([shared_values, expert_values[e]]))
+    return _unsort(torch.cat(pieces), order)
+
+
+def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shared_values,
+                   expert_keys, expert_values, expert_key_valid) -> Tensor:
+    """s > 1: a shared block per query chunk and a routed block per expert, each reduced to
+    (max, sum of exp, weighted values), merged by log-sum-exp per query across the shared
+    block and its s routed blocks. ``expert_keys`` are pre-scaled."""
+    N = qh.shape[0]
+    m, dv = shared_keys.shape[0], expert_values.shape[-1]
     neg_inf = float("-inf")
-
-    # Shared branch, in query order: (max, sum of exp, unnormalised output) per query.
-    shared_logits = affinity * (scale if shared_scale == "paper" else 1.0 / d)
-    shared_max = shared_logits.amax(-1, keepdim=True)  # finite: every row has a live landmark
-    shared_p = torch.exp(shared_logits - shared_max)
-    shared_sum = shared_p.sum(-1, keepdim=True)
-    shared_out = shared_p @ shared_values
-
-    # Routed branch, expert-grouped. Entry r = ((b·H + h)·N + n)·s + j.
-    group = (torch.arange(BH, device=q.device).view(B, H, 1, 1) * m + experts).reshape(-1)
-    entry_ok = torch.isfinite(affinity.gather(-1, experts)).reshape(-1)  # empty landmark: -inf
-    order = torch.argsort(group, stable=True)
-    group_sorted = group[order]
-    counts = torch.bincount(group, minlength=BH * m)
-    cap = max(1, -(-N * s // m))
-    blocks = (counts + cap - 1) // cap
-    group_start = torch.cumsum(counts, 0) - counts
-    block_start = torch.cumsum(blocks, 0) - blocks
-    rank = torch.arange(order.numel(), device=q.device) - group_start[group_sorted]
-    block_id = block_start[group_sorted] + torch.div(rank, cap, rounding_mode="floor")
-    slot = rank % cap
-    num_blocks = int(blocks.sum())
-    block_group = torch.repeat_interleave(torch.arange(BH * m, device=q.device), blocks)
-
-    query_row = torch.div(order, s, rounding_mode="floor")  # row of q.view(BH·N, d)
-    q_blocks = q.new_zeros(num_blocks, cap, d).index_put(
-        (block_id, slot), q.reshape(BH * N, d)[query_row])
-    keys = expert_keys.reshape(BH * m, kk, d)[block_group]
-    values = expert_values.reshape(BH * m, kk, dv)[block_group]
-    key_ok = expert_key_valid.reshape(BH * m, kk)[block_group]
-    logits = torch.bmm(q_blocks, keys.transpose(1, 2)) * scale
-    logits = logits.masked_fill(~key_ok[:, None, :], neg_inf)
-    block_max = logits.amax(-1, keepdim=True)
-    block_max = torch.where(torch.isfinite(block_max), block_max, torch.zeros_like(block_max))
-    p = torch.exp(logits - block_max)
-    block_sum = p.sum(-1, keepdim=True)
-    block_out = torch.bmm(p, values)
-
-    # Back to entry order r, then to (B, H, N, s).
-    def unpack(t: Tensor) -> Tensor:
-        flat = t[block_id, slot]
-        return flat.new_empty(flat.shape).index_copy(0, order, flat)
-
-    ok = entry_ok.view(B, H, N, s, 1)
-    routed_max = unpack(block_max).view(B, H, N, s, 1).masked_fill(~ok, neg_inf)
-    routed_sum = unpack(block_sum).view(B, H, N, s, 1)
-    routed_out = unpack(block_out).view(B, H, N, s, dv)
-
-    # Log-sum-exp merge of the shared block and the s routed blocks = one joint softmax.
-    top = torch.maximum(shared_max, routed_max.amax(-2))  # (B, H, N, 1)
-    w_shared = torch.exp(shared_max - top)
-    w_routed = torch.exp(routed_max - top[..., None])  # 0 for masked experts
-    numer = w_shared * shared_out + (w_routed * routed_out).sum(-2)
-    denom = w_shared * shared_sum + (w_routed * routed_sum).sum(-2)
-    return numer / denom
+    sh_max, sh_sum, sh_out = [], [], []
+    for start in range(0, N, _query_chunk(m)):
+        logits = qh[start:start + _query_chunk(m)] @ shared_keys.T
+        if not all_live:
+            logits = logits.masked_fill(~live, neg_inf)
+        mx = logits.amax(-1, keepdim=True)  # finite: a row has ≥ 1 live landmark
+        p = torch.exp(logits - mx)
+        sh_max.append(mx)
+        sh_sum.append(p.sum(-1, keepdim=True))
+        sh_out.append(p @ shared_values)
+    sh_max, sh_sum, sh_out = torch.cat(sh_max), torch.cat(sh_sum), torch.cat(sh_out)
+    live_list = live.tolist()
+    pieces: list[tuple[Tensor, Tensor, Tensor]] = []
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        sl = slice(start, start + count)
+        start += count
+        if e == m or not live_list[e]:  # padding, or an empty landmark: no weight
+            pieces.append((qh.new_full((count, 1), neg_inf), qh.new_zeros(count, 1),
+                           qh.new_zeros(count, dv)))
+            continue
+        logits = qh.index_select(0, rows[sl]) @ expert_keys[e].T
+        ok = expert_key_valid[e]
+        if not bool(ok.all()):
+            logits = logits.masked_fill(~ok, neg_inf)
+        mx = logits.amax(-1, keepdim=True)
+        p = torch.exp(logits - mx)
+        pieces.append((mx, p.sum(-1, keepdim=True), p @ expert_values[e]))
+    rt_max, rt_sum, rt_out = (_unsort(torch.cat(col), order).view(N, s, -1)
+                              for col in zip(*pieces, strict=True))
+    top = torch.maximum(sh_max, rt_max.amax(1))
+    w_sh = torch.exp(sh_max - top)
+    w_rt = torch.exp(rt_max - top[:, None])  # 0 for masked experts
+    return ((w_sh * sh_out + (w_rt * rt_out).sum(1))
+            / (w_sh * sh_sum + (w_rt * rt_sum).sum(1)))
 
 
 _topk_stage = topk
@@ -338,13 +409,13 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         shared_values = shared_compress(scores, v)
     del scores
     with hook.stage("route"):
-        affinity, experts = route(q, landmarks, route_topk, landmark_valid)
+        experts = route(q, landmarks, route_topk, landmark_valid)
     with hook.stage("gather"):
         expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
                                                               key_padding_mask)
     with hook.stage("attention"):
-        out = attention(q, shared_values, affinity, experts, expert_keys, expert_values,
-                        expert_key_valid, shared_scale)
+        out = attention(q, landmarks, landmark_valid, shared_values, experts, expert_keys,
+                        expert_values, expert_key_valid, shared_scale, key_padding_mask)
         if key_padding_mask is not None:
             out = out.masked_fill(~valid[:, None, :, None], 0.0)
     return out.to(out_dtype)
