@@ -64,16 +64,27 @@ def _topk_lowest_index(scores: Tensor, k: int) -> Tensor:
         return torch.arange(N, device=scores.device).expand(*scores.shape[:-1], N)
     top = scores.topk(k + 1, dim=-1, sorted=True)
     kth = top.values[..., k - 1: k]
-    if not bool((kth == top.values[..., k:]).any()):
-        return top.indices[..., :k].sort(-1).values
-    above = scores > kth
+    tied = (kth == top.values[..., k:]).flatten().nonzero().flatten()
+    out = top.indices[..., :k].sort(-1).values
+    if tied.numel():  # rebuild only the tied rows: the exact path needs O(rows × N) memory
+        rows = scores.reshape(-1, N)[tied]
+        flat = out.reshape(-1, k)
+        flat[tied] = _exact_topk_rows(rows, kth.reshape(-1, 1)[tied], k)
+        out = flat.view(out.shape)
+    return out
+
+
+def _exact_topk_rows(rows: Tensor, kth: Tensor, k: int) -> Tensor:
+    """``(R, N)`` rows with their k-th largest values ``(R, 1)``: everything above kth, then
+    the lowest-index entries equal to it; ``(R, k)`` indices in ascending order."""
+    above = rows > kth
     need = k - above.sum(-1, keepdim=True)
-    equal = scores == kth
+    equal = rows == kth
     chosen = above | (equal & (equal.cumsum(-1) <= need))
     slot = torch.where(chosen, chosen.cumsum(-1) - 1, k)
-    positions = torch.arange(N, device=scores.device).expand_as(scores)
-    out = torch.zeros(*scores.shape[:-1], k + 1, dtype=torch.long, device=scores.device)
-    return out.scatter_(-1, slot, positions)[..., :k]
+    positions = torch.arange(rows.shape[-1], device=rows.device).expand_as(rows)
+    out = torch.zeros(rows.shape[0], k + 1, dtype=torch.long, device=rows.device)
+    return out.scatter_(-1, slot, positions)[:, :k]
 
 
 def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
@@ -106,8 +117,10 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
         rank = valid.long().cumsum(-1) - 1
         length = valid.sum(-1, keepdim=True)
         segment = torch.where(valid, torch.div(rank * m, length, rounding_mode="floor"), m)
-        sums = q.new_zeros(B, H, m + 1, d)
-        sums.scatter_add_(2, segment[:, None, :, None].expand(B, H, N, d), q)
+        # index_add per batch row: a 1-D index instead of a (B, H, N, d) int64 one (1 GiB at
+        # N = 1M).
+        sums = torch.stack([q.new_zeros(H, m + 1, d).index_add(1, segment[b], q[b])
+                            for b in range(B)])
         counts = q.new_zeros(B, m + 1).scatter_add_(1, segment, valid.to(q.dtype))
         counts, sums = counts[:, :m], sums[:, :, :m]
     else:

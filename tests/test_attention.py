@@ -325,3 +325,17 @@ def test_flops_model():
     ratio = dense_flops(N, d) / (mita_flops(N, m, k, s, d) - N * d)
     assert ratio == pytest.approx(N / (2 * m + s * k))
     assert mita_stage_flops(8, 2, 100, 1, 4)["attention"] == 2 * 8 * 8 * 4 + 2 * 8 * (2 + 8) * 4
+
+
+def test_topk_exact_path_only_for_tied_rows():
+    # Rows 0 and 2 tie across the top-3 boundary, row 1 does not; each row must match the
+    # brute-force rule (sort by (-score, index), keep 3, return ascending indices).
+    scores = torch.tensor([[5.0, 2.0, 2.0, 9.0, 2.0, 0.0],
+                           [0.1, 0.7, 0.3, 0.9, 0.5, 0.2],
+                           [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]).view(3, 1, 6).expand(3, 2, 6)
+    got = A._topk_lowest_index(scores, 3)
+    for r in range(3):
+        row = scores[r, 0].tolist()
+        want = sorted(sorted(range(6), key=lambda j, row=row: (-row[j], j))[:3])
+        assert got[r, 0].tolist() == want and got[r, 1].tolist() == want
+    assert got[0, 0].tolist() == [0, 1, 3] and got[2, 0].tolist() == [0, 1, 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 
 import httpx
@@ -10,9 +11,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from mita.data.listops import ListOpsConfig, encode, generate
+from mita.data.listops import ListOpsConfig, encode, generate, generate_long
 from mita.hooks import MITA_STAGES
 from mita.model import load_checkpoint
+from service import launch
 from service.gateway import choose_variant, kl_divergence, sticky_unit
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 from service.schemas import GatewayConfig
@@ -265,3 +267,31 @@ def test_policy_helpers():
     assert DURATION_BUCKETS_S[0] == 1e-5 and DURATION_BUCKETS_S[-1] == 60.0
     with pytest.raises(ValueError):
         GatewayConfig(weights={"mita": 0, "dense": 0})
+
+
+def test_overload_gets_503_with_retry_after(service):
+    """A classifier with one request in flight and one queued: a burst of concurrent requests
+    sees 503 + Retry-After for the excess (max_queued_requests), the rest succeed, and the
+    service answers normally afterwards."""
+    overrides = copy.deepcopy(service.overrides)
+    overrides["deployments"]["DenseClassifier"].update(max_ongoing_requests=1,
+                                                       max_queued_requests=1)
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    text, _ = generate_long(2048, seed=5)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=service.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/classify", json={
+                "text": text, "variant": "dense"}) for _ in range(24)))
+    try:
+        responses = asyncio.run(burst())
+    finally:
+        launch.deploy(launch.load_config(launch.CPU_CONFIG, service.overrides))
+    codes = [r.status_code for r in responses]
+    rejected = [r for r in responses if r.status_code == 503]
+    assert set(codes) <= {200, 503} and codes.count(200) >= 2, codes
+    assert rejected, "no request was rejected by back-pressure"
+    assert rejected[0].headers["retry-after"] == "1"
+    assert "overloaded" in rejected[0].json()["error"]
+    assert service.post("/v1/classify", json={"text": text, "variant": "dense"}
+                        ).status_code == 200
