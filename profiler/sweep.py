@@ -168,6 +168,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """Three PNGs: stacked per-stage time vs N per variant/setting; MiTA/dense speed-up vs N
     with the FLOP-limit line; measured time vs analytic FLOPs (log-log, fitted slope)."""
@@ -204,10 +213,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("N")
         ax.set_ylabel("% of forward time by stage (total above)")
         ax.legend(fontsize=6, loc="lower left")
-    fig.tight_layout()
-    paths.append(out / "stages.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out / "stages.png"))
 
     sp = speedups(rows)
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -225,10 +231,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("N")
     ax.set_ylabel("MiTA / dense speed-up")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out / "speedup.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for variant, setting in groups:
@@ -246,10 +249,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("analytic FLOPs per forward")
     ax.set_ylabel("measured ms per forward")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "time_vs_flops.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out / "time_vs_flops.png"))
     return paths
 
 
