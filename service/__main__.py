@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import threading
 from pathlib import Path
 
 from . import launch
@@ -24,8 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Prometheus metrics: http://127.0.0.1:{a.metrics_port}/metrics")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\nCtrl-C stops.", flush=True)
+    stop = threading.Event()
+    # Own handlers, not sigwait: a shell's `&` starts us with SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        while not stop.wait(1.0):
+            pass
     finally:
         launch.stop()
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mita.data.listops import VOCAB, encode
 
@@ -81,9 +82,7 @@ def kl_divergence(p: list[float], q: list[float]) -> float:
 def to_ids(req: ClassifyRequest, max_n: int) -> list[int]:
     """Validated token ids of a request; raises ApiError(422) saying what is wrong. The length
     is checked before anything is allocated for the model."""
-    if req.text is not None:
-        if len(req.text.split()) > 2 * max_n + 2:  # bound the work before tokenising
-            raise ApiError(422, f"sequence is longer than max_n = {max_n} tokens")
+    if req.text is not None:  # the body-size limit bounds the tokenising work
         try:
             ids = encode(req.text)
         except ValueError as e:
@@ -92,7 +91,9 @@ def to_ids(req: ClassifyRequest, max_n: int) -> list[int]:
         ids = req.ids
         bad = next((i for i, x in enumerate(ids) if not 1 <= x < VOCAB_SIZE), None)
         if bad is not None:
-            raise ApiError(422, f"token id {str(ids[bad])[:30]} at position {bad} is out of "
+            shown = str(ids[bad])
+            shown = shown if len(shown) <= 30 else shown[:30] + "…"
+            raise ApiError(422, f"token id {shown} at position {bad} is out of "
                                 f"range [1, {VOCAB_SIZE - 1}] (0 is padding)")
     if not ids:
         raise ApiError(422, "empty sequence: no tokens to classify")
@@ -116,20 +117,29 @@ def _error(status: int, message: str, detail=None, headers=None) -> JSONResponse
 
 
 @app.middleware("http")
-async def limit_body_size(request: Request, call_next):
-    length = request.headers.get("content-length")
-    limit = _limits["max_body_bytes"]
-    if length is not None:
+async def check_body(request: Request, call_next):
+    """Before any parsing: POST bodies must be JSON with a Content-Length within the limit."""
+    if request.method == "POST":
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return _error(415, f"Content-Type must be application/json, got "
+                               f"{ctype[:60] or 'none'!r}")
+        length = request.headers.get("content-length", "").strip()
+        limit = _limits["max_body_bytes"]
+        if not length:
+            return _error(411, "a Content-Length header is required (chunked uploads are not "
+                               "accepted)")
         if not length.isdigit():
             return _error(400, "invalid Content-Length header")
         if int(length) > limit:
             return _error(413, f"request body of {length} bytes exceeds the limit of "
                                f"{limit} bytes")
-    elif request.method in ("POST", "PUT"):
-        body = await request.body()  # chunked upload: measure what arrived
-        if len(body) > limit:
-            return _error(413, f"request body exceeds the limit of {limit} bytes")
     return await call_next(request)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
 @app.exception_handler(RequestValidationError)
@@ -138,6 +148,8 @@ async def _validation_error(request: Request, exc: RequestValidationError):
               for e in exc.errors()]
     if any(e["type"] == "json_invalid" for e in errors):
         return _error(400, "malformed JSON body", errors)
+    if any(e["type"] == "missing" and e["loc"] == ["body"] for e in errors):
+        return _error(400, "empty request body: send a JSON object with 'text' or 'ids'")
     msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
                     for e in errors[:5])
     return _error(422, f"invalid request: {msg}", errors)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 Variant = Literal["mita", "dense"]
 VARIANTS: tuple[str, ...] = ("mita", "dense")
@@ -19,7 +27,7 @@ class ClassifyRequest(BaseModel):
     text: str | None = Field(None, description="ListOps tokens, e.g. '[MAX 2 [MIN 4 7 ] 0 ]'")
     ids: list[StrictInt] | None = Field(None, description="token ids (1..15; 0 is padding)")
     variant: Variant | None = Field(None, description="force a variant; default: A/B policy")
-    profile: bool = Field(False, description="return per-stage timings and FLOPs")
+    profile: StrictBool = Field(False, description="return per-stage timings and FLOPs")
 
     @model_validator(mode="after")
     def _exactly_one_input(self):

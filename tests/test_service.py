@@ -92,7 +92,9 @@ BAD = [
     ({"text": "[MAX 2 3 ]", "variant": "sparse"}, 422, "variant"),
     ({"text": "[MAX 2 3 ]", "colour": "red"}, 422, "colour"),
     ({"ids": [3] * 16385}, 422, "N = 16385 exceeds max_n = 16384"),
-    ({"text": " ".join(["3"] * 40000)}, 422, "longer than max_n"),
+    ({"text": " ".join(["3"] * 40000)}, 422, "N = 40000 exceeds max_n = 16384"),
+    ({"ids": [10**400]}, 422, "token id 100000000000000000000000000000…"),
+    ({"text": "[MAX 2 3 ]", "profile": "yes"}, 422, "profile"),
 ]
 
 
@@ -119,6 +121,31 @@ def test_malformed_json_oversized_body_and_batch_errors(service):
     # Still answering after all that.
     r = service.post("/v1/classify", json={"text": EXAMPLES[1][0]})
     assert r.status_code == 200
+
+
+def test_transport_level_errors_are_json(service):
+    c = service.client
+    r = c.post("/v1/classify", content=b'{"text": "[MAX 2 9 ]"}',
+               headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]
+    r = c.post("/v1/classify", content=iter([b'{"text": ', b'"[MAX 2 9 ]"}']),
+               headers={"content-type": "application/json"})  # chunked, no Content-Length
+    assert r.status_code == 411 and "Content-Length" in r.json()["error"]
+    r = c.post("/v1/classify", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "empty request body" in r.json()["error"]
+    r = c.get("/nope")
+    assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+    r = c.get("/v1/classify")
+    assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
+
+
+def test_lra_style_text_counts_real_tokens_only(service):
+    # LRA's TSVs wrap the tree in "( … )" pairs; they are not tokens and must not count
+    # towards max_n: 14,002 real tokens inside 42,002 whitespace-separated pieces.
+    text = "( " * 14000 + "[MAX " + " ".join(["2 )"] * 14000) + " ]"
+    r = service.post("/v1/classify", json={"text": text, "variant": "mita"})
+    assert r.status_code == 200, r.text
+    assert r.json()["n"] == 14002
 
 
 def test_batch_endpoint_matches_single(service):
@@ -241,9 +268,9 @@ def test_metrics_counts_match_requests(service):
     buckets = {dict(k)["le"] for k in samples(text, "ray_mita_serve_stage_duration_seconds_bucket")}
     assert len(buckets) == len(DURATION_BUCKETS_S) + 1
     # The BAD bodies that pass the schema and are refused by the gateway's own checks (the
-    # other seven fail pydantic validation before any handler runs).
+    # other eight fail pydantic validation before any handler runs).
     refused = wait_for(lambda: samples(service.metrics_text(), "ray_mita_serve_requests_total")
-                       .get((("status", "422"), ("variant", "none")), 0) - refused_before == 9
+                       .get((("status", "422"), ("variant", "none")), 0) - refused_before == 10
                        or None)
     assert refused
     tokens = samples(text, "ray_mita_serve_tokens_total")
