@@ -454,7 +454,9 @@ def mita_stage_flops(N: int, m: int, k: int, s: int = 1, d: int = 64) -> dict[st
     """Analytic FLOPs of one MiTA head on one sequence, by stage (§3.2 cost model).
 
     A multiply-add counts 2 FLOPs. Similarity scores: N·m landmark×key (``landmark_scores``),
-    N·m query×landmark (``route``; reused as shared logits), N·s·k query×routed key
+    N·m query×landmark (``route``; the paper reuses them as shared logits — this
+    implementation recomputes them inside ``attention``, 2·N·m·d FLOPs not counted here, to
+    avoid storing N×m affinities), N·s·k query×routed key
     (``attention``) — N(2m+sk) in all, as in the paper, times 2d. Value sums: m·N for
     ``shared_compress`` and N(m+sk) in ``attention``, times 2d. ``pool`` adds N·d.
     Not counted: softmax exponentials, top-k selection, gathers, memory traffic. k is clamped
