@@ -194,8 +194,9 @@ def route(q: Tensor, landmarks: Tensor, route_topk: int,
     dead = None if bool(landmark_valid.all()) else ~landmark_valid[:, None, None, :]
     out = torch.empty(B, H, N, route_topk, dtype=torch.long, device=q.device)
     lt = landmarks.transpose(-1, -2)
-    for start in range(0, N, _query_chunk(B * H * m)):
-        aff = q[:, :, start:start + _query_chunk(B * H * m)] @ lt
+    chunk = _query_chunk(B * H * m)
+    for start in range(0, N, chunk):
+        aff = q[:, :, start:start + chunk] @ lt
         if dead is not None:
             aff = aff.masked_fill(dead, float("-inf"))
         if route_topk == 1:  # argmax returns the first maximum: the lowest-index tie rule
@@ -293,19 +294,24 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
     return out
 
 
+def _expert_segments(counts: list[int]):
+    """(expert, slice into the expert-sorted entries) for every expert with entries."""
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            yield e, slice(start, start + count)
+            start += count
+
+
 def _joint_blocks(qh, rows, order, counts, live, all_live, shared_keys, shared_values,
                   expert_keys, expert_values, expert_key_valid) -> Tensor:
     """s = 1: each expert's queries attend to [m shared ; k routed] in one block — a single
     matrix product, softmax and weighted sum per expert. ``expert_keys`` are pre-scaled."""
     m, dv = shared_keys.shape[0], expert_values.shape[-1]
-    pieces, start = [], 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        sl = slice(start, start + count)
-        start += count
+    pieces = []
+    for e, sl in _expert_segments(counts):
         if e == m:  # padded queries
-            pieces.append(qh.new_zeros(count, dv))
+            pieces.append(qh.new_zeros(sl.stop - sl.start, dv))
             continue
         keys = torch.cat([shared_keys, expert_keys[e]])
         logits = qh.index_select(0, rows[sl]) @ keys.T
@@ -325,8 +331,9 @@ def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shar
     m, dv = shared_keys.shape[0], expert_values.shape[-1]
     neg_inf = float("-inf")
     sh_max, sh_sum, sh_out = [], [], []
-    for start in range(0, N, _query_chunk(m)):
-        logits = qh[start:start + _query_chunk(m)] @ shared_keys.T
+    chunk = _query_chunk(m)
+    for start in range(0, N, chunk):
+        logits = qh[start:start + chunk] @ shared_keys.T
         if not all_live:
             logits = logits.masked_fill(~live, neg_inf)
         mx = logits.amax(-1, keepdim=True)  # finite: a row has ≥ 1 live landmark
@@ -337,12 +344,8 @@ def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shar
     sh_max, sh_sum, sh_out = torch.cat(sh_max), torch.cat(sh_sum), torch.cat(sh_out)
     live_list = live.tolist()
     pieces: list[tuple[Tensor, Tensor, Tensor]] = []
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        sl = slice(start, start + count)
-        start += count
+    for e, sl in _expert_segments(counts):
+        count = sl.stop - sl.start
         if e == m or not live_list[e]:  # padding, or an empty landmark: no weight
             pieces.append((qh.new_full((count, 1), neg_inf), qh.new_zeros(count, 1),
                            qh.new_zeros(count, dv)))
