@@ -205,13 +205,10 @@ class Gateway:
         self.metrics.shadow_kl.observe(
             kl_divergence(served["probabilities"], other["probabilities"]), {"primary": primary})
 
-    async def _classify(self, req: ClassifyRequest, client_key: str | None) -> dict:
-        start = time.perf_counter()
-        try:
-            ids = to_ids(req, self.config.max_n)
-        except ApiError as e:
-            self.metrics.requests.inc(1, {"variant": "none", "status": str(e.status)})
-            raise
+    async def _classify(self, req: ClassifyRequest, ids: list[int], client_key: str | None,
+                        start: float) -> dict:
+        """Route validated ``ids`` (from ``to_ids(req)``) and answer; ``start`` is when the
+        request arrived (perf_counter seconds)."""
         primary, shadow = choose_variant(self.config, req.variant, client_key, self.rng)
         try:
             result = await self._call(primary, ids)
@@ -235,24 +232,35 @@ class Gateway:
               response_model_exclude_none=True)
     async def classify(self, body: ClassifyRequest, request: Request) -> dict:
         """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
-        return await self._classify(body, request.headers.get(self.config.sticky_header))
+        start = time.perf_counter()
+        try:
+            ids = to_ids(body, self.config.max_n)
+        except ApiError as e:
+            self.metrics.requests.inc(1, {"variant": "none", "status": str(e.status)})
+            raise
+        return await self._classify(body, ids, request.headers.get(self.config.sticky_header),
+                                    start)
 
     @app.post("/v1/classify/batch", response_model=BatchResponse, responses=ERRORS,
               response_model_exclude_none=True)
     async def classify_batch(self, body: BatchRequest, request: Request) -> dict:
         """Classify many sequences; all items are validated before any is run, and an error
         in one item fails the whole batch (its index is named)."""
+        start = time.perf_counter()
         if len(body.items) > self.config.max_batch_items:
             raise ApiError(422, f"{len(body.items)} items exceed max_batch_items = "
                                 f"{self.config.max_batch_items}")
+        ids = []
         for i, item in enumerate(body.items):
             try:
-                to_ids(item, self.config.max_n)
+                ids.append(to_ids(item, self.config.max_n))
             except ApiError as e:
                 raise ApiError(e.status, f"items[{i}]: {e.message}") from None
         key = request.headers.get(self.config.sticky_header)
-        results = await asyncio.gather(*(self._classify(item, key) for item in body.items),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._classify(item, x, key, start) for item, x in zip(body.items, ids,
+                                                                    strict=True)),
+            return_exceptions=True)
         for i, r in enumerate(results):
             if isinstance(r, ApiError):
                 raise ApiError(r.status, f"items[{i}]: {r.message}", r.headers)
