@@ -19,9 +19,8 @@ from ray import serve
 from mita.model import checkpoint_metadata, load_checkpoint
 from profiler.cost import profile_forward
 
+from . import PROJECT_ROOT
 from .metrics import ServiceMetrics, n_bucket
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def resolve_checkpoint(path: str) -> Path:

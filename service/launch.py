@@ -21,7 +21,8 @@ from ray import serve
 from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from . import PROJECT_ROOT
+
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
 # Where Ray writes its Prometheus file-SD list when the dashboard runs; we start Ray without
 # the dashboard, so we write the same file (deploy/prometheus/prometheus.yml reads it).
