@@ -31,7 +31,9 @@ from torch import Tensor, nn
 from .hooks import NULL_HOOK, StageHook
 
 SHARED_SCALES = ("paper", "official")
+BACKENDS = ("auto", "torch", "triton")
 _CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
+_CHUNK_ELEMENTS_CUDA = 1 << 26  # 256 MiB on a GPU: fewer, larger launches
 
 
 def _valid_tokens(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tensor:
@@ -173,9 +175,10 @@ def shared_compress(scores: Tensor, v: Tensor) -> Tensor:
     return torch.softmax(scores, dim=-1) @ v
 
 
-def _query_chunk(n_cols: int) -> int:
-    """Queries per chunk so a (chunk × n_cols) float32 block stays near 4 MiB."""
-    return max(256, _CHUNK_ELEMENTS // max(1, n_cols))
+def _query_chunk(n_cols: int, cuda: bool = False) -> int:
+    """Queries per chunk so a (chunk × n_cols) float32 block stays near 4 MiB (256 MiB on
+    CUDA, where each chunk costs kernel launches rather than cache misses)."""
+    return max(256, (_CHUNK_ELEMENTS_CUDA if cuda else _CHUNK_ELEMENTS) // max(1, n_cols))
 
 
 def route(q: Tensor, landmarks: Tensor, route_topk: int,
@@ -194,7 +197,7 @@ def route(q: Tensor, landmarks: Tensor, route_topk: int,
     dead = None if bool(landmark_valid.all()) else ~landmark_valid[:, None, None, :]
     out = torch.empty(B, H, N, route_topk, dtype=torch.long, device=q.device)
     lt = landmarks.transpose(-1, -2)
-    chunk = _query_chunk(B * H * m)
+    chunk = _query_chunk(B * H * m, q.is_cuda)
     for start in range(0, N, chunk):
         aff = q[:, :, start:start + chunk] @ lt
         if dead is not None:
@@ -372,7 +375,7 @@ _topk_stage = topk
 def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk: int,
                    route_topk: int = 1, key_padding_mask: Tensor | None = None,
                    landmark_grid: tuple[int, int] | None = None, shared_scale: str = "paper",
-                   hook: StageHook = NULL_HOOK) -> Tensor:
+                   backend: str = "auto", hook: StageHook = NULL_HOOK) -> Tensor:
     """MiTA attention, eqs. 5-12 of arXiv:2602.01219 (§3.2), exactly.
 
     Args:
@@ -389,12 +392,19 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         landmark_grid: None for 1-D contiguous pooling, ``(H, W)`` with H·W = N for 2-D.
         shared_scale: ``"paper"`` (shared logit q·q̃/√d) or ``"official"`` (q·q̃/d, as the
             authors' code).
+        backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart),
+            ``"triton"`` (``mita.kernels.fused_attention``: ``gather`` + ``attention`` in one
+            Triton kernel, reported as stage ``attention``; no ``gather`` stage), or
+            ``"auto"``: triton for CUDA float16/bfloat16/float32 inputs when Triton imports,
+            torch otherwise. The triton path reads q, k, v in their own dtype (16-bit matrix
+            products, fp32 accumulation); the stages before it run in float32 either way.
         hook: stage hook; each stage runs inside ``hook.stage(name)``.
     Returns:
         ``(B, H, N, dv)`` in the input dtype.
     Raises:
         ValueError: shape mismatch, m/k/s < 1, s > m, unknown ``shared_scale``, bad grid,
-            a bad mask or an all-padding row.
+            a bad mask or an all-padding row, an unknown ``backend``, or ``"triton"`` for
+            CPU tensors (unless ``TRITON_INTERPRET=1``) or float64.
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k (B, H, N, d) and v (B, H, N, dv) with equal B, H, N; "
@@ -409,8 +419,12 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         raise ValueError(f"route_topk s={route_topk} exceeds num_landmarks m={num_landmarks}")
     if shared_scale not in SHARED_SCALES:
         raise ValueError(f"shared_scale must be one of {SHARED_SCALES}, got {shared_scale!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     valid = _valid_tokens(key_padding_mask, B, N, q.device)
     out_dtype = q.dtype
+    fused = _use_triton(backend, q)
+    q_in, k_in, v_in = q, k, v
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     kk = min(topk, N)
@@ -426,6 +440,12 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
     del scores
     with hook.stage("route"):
         experts = route(q, landmarks, route_topk, landmark_valid)
+    if fused:
+        from .kernels import fused_attention
+        c_shared = q.shape[-1] ** -0.5 if shared_scale == "paper" else 1.0 / q.shape[-1]
+        with hook.stage("attention"):  # gather is fused into this kernel
+            return fused_attention(q_in, k_in, v_in, landmarks * c_shared, shared_values,
+                                   landmark_valid, expert_index, experts, key_padding_mask)
     with hook.stage("gather"):
         expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
                                                               key_padding_mask)
@@ -435,6 +455,20 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         if key_padding_mask is not None:
             out = out.masked_fill(~valid[:, None, :, None], 0.0)
     return out.to(out_dtype)
+
+
+def _use_triton(backend: str, q: Tensor) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor,
@@ -527,21 +561,26 @@ class DenseAttention(_MultiHeadAttention):
 
 class MiTAAttention(_MultiHeadAttention):
     """Multi-head MiTA attention (``mita_attention``) with the same parameters as
-    ``DenseAttention``."""
+    ``DenseAttention``. ``backend`` as in ``mita_attention`` (``"auto"``: the fused Triton
+    kernel on CUDA, PyTorch stages on CPU)."""
 
     def __init__(self, dim: int, num_heads: int, num_landmarks: int, topk: int,
                  route_topk: int = 1, shared_scale: str = "paper",
-                 landmark_grid: tuple[int, int] | None = None):
+                 landmark_grid: tuple[int, int] | None = None, backend: str = "auto"):
         super().__init__(dim, num_heads)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if shared_scale not in SHARED_SCALES:
             raise ValueError(f"shared_scale must be one of {SHARED_SCALES}, got {shared_scale!r}")
         if route_topk > num_landmarks:
             raise ValueError(f"route_topk s={route_topk} exceeds num_landmarks m={num_landmarks}")
         self.num_landmarks, self.topk, self.route_topk = num_landmarks, topk, route_topk
         self.shared_scale, self.landmark_grid = shared_scale, landmark_grid
+        self.backend = backend  # plain attribute: the profiler switches it per run
 
     def attend(self, q, k, v, key_padding_mask, hook):
         return mita_attention(q, k, v, num_landmarks=self.num_landmarks, topk=self.topk,
                               route_topk=self.route_topk, key_padding_mask=key_padding_mask,
                               landmark_grid=self.landmark_grid,
-                              shared_scale=self.shared_scale, hook=hook)
+                              shared_scale=self.shared_scale, backend=self.backend,
+                              hook=hook)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .attention import SHARED_SCALES, DenseAttention, MiTAAttention
+from .attention import BACKENDS, SHARED_SCALES, DenseAttention, MiTAAttention
 from .hooks import NULL_HOOK, StageHook
 
 ATTENTIONS = ("dense", "mita")
@@ -161,6 +161,16 @@ class EncoderClassifier(nn.Module):
 
 def build_model(cfg: ModelConfig) -> EncoderClassifier:
     return EncoderClassifier(cfg)
+
+
+def set_mita_backend(model: nn.Module, backend: str) -> None:
+    """Set ``backend`` (``"auto"``, ``"torch"``, ``"triton"``; see ``mita_attention``) on every
+    ``MiTAAttention`` in ``model``. Raises ValueError for an unknown name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for module in model.modules():
+        if isinstance(module, MiTAAttention):
+            module.backend = backend
 
 
 def _sha256(path: Path) -> str:

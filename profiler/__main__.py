@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: fused Triton kernel on CUDA (stage 'attention' includes "
+                        "'gather'), PyTorch stages on CPU; torch: every stage timed apart")
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--budget-s", type=float, default=60.0, help="time budget per point")
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
                       dim=a.dim, num_heads=a.heads, ffn_dim=a.ffn_dim, route_topk=a.route_topk,
                       batch=a.batch, device=a.device, dtype=a.dtype, warmup=a.warmup,
-                      repeats=a.repeats, budget_s=a.budget_s)
+                      repeats=a.repeats, budget_s=a.budget_s, mita_backend=a.mita_backend)
     rows = run_sweep(cfg)
     files = write_outputs(rows, cfg, a.out)
     print(markdown(rows))

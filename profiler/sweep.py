@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mita.model import EncoderClassifier, ModelConfig
+from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 
 from .cost import model_stage_flops, profile_forward
 
@@ -60,6 +60,7 @@ class SweepConfig:
     repeats: int = 3
     budget_s: float = 60.0
     seed: int = 0
+    mita_backend: str = "auto"  # "torch": every stage apart; "triton": gather fused in attention
 
 
 def _run_point(model: EncoderClassifier, ids: torch.Tensor, warmup: int, repeats: int,
@@ -103,7 +104,8 @@ def run_sweep(cfg: SweepConfig) -> list[dict]:
         row = {"n": n, "variant": variant, "setting": setting, "m": m, "k": k,
                "s": cfg.route_topk if variant == "mita" else 0, "batch": cfg.batch,
                "depth": cfg.depth, "dim": cfg.dim, "heads": cfg.num_heads, "dtype": cfg.dtype,
-               "device": cfg.device, "flops": total_flops, "stage_flops": flops}
+               "device": cfg.device, "flops": total_flops, "stage_flops": flops,
+               "mita_backend": cfg.mita_backend if variant == "mita" else "-"}
         prev = last.get((variant, setting))
         if prev is not None:
             predicted = prev[1] * total_flops / prev[0] * (cfg.warmup + 1)
@@ -115,6 +117,7 @@ def run_sweep(cfg: SweepConfig) -> list[dict]:
                 continue
         torch.manual_seed(cfg.seed)
         model = EncoderClassifier(model_cfg).to(device=cfg.device, dtype=dtype).eval()
+        set_mita_backend(model, cfg.mita_backend)
         g = torch.Generator().manual_seed(cfg.seed + n)
         ids = torch.randint(1, model_cfg.vocab_size, (cfg.batch, n), generator=g).to(cfg.device)
         row.update(_run_point(model, ids, cfg.warmup, cfg.repeats, cfg.budget_s))

@@ -1,0 +1,290 @@
+"""MiTA with the fused Triton kernel vs dense SDPA (flash) on one CUDA GPU: check, then time.
+
+    PYTHONPATH=. python3 benchmarks/gpu_mita.py [--out DIR]        # on the GPU (≈ 3-5 min)
+    python benchmarks/gpu_mita.py --smoke                          # CPU dry run, interpreter
+
+One prepared script for a short GPU lease (it must finish within 8 minutes on one H200):
+
+1. Correctness, fresh random inputs (seed printed):
+   a. ``mita.kernels.fused_attention`` vs the float64 per-query loop reference
+      (``tests/reference.py``) for float32 / bfloat16 / float16, s = 1, 2, 3, d = 32, 64, 128,
+      masks, N < m, output buffer poisoned with NaN first. Tolerances as in
+      ``tests/test_kernels.py``: 1e-5 / 1.5e-2 / 2e-3 relative to the largest output.
+   b. The kernel (float32, IEEE products) vs the PyTorch path in float64 on the GPU at
+      N = 8192, m = k = 64, s = 1 and 2, masked: 1e-5.
+   c. The 3-layer bfloat16 model at N = 16K: fused vs unfused (``backend="torch"``) logits.
+2. Speed: the Fig. 5 setting — 3 layers, dim 128, 2 heads (d = 64), FFN 256, batch 1,
+   bfloat16, m = k = √(N/4) (m·k = N/4), s = 1, random weights and token ids — at N = 16K,
+   64K, 256K, 1M. Whole-model forward (no grad) timed with CUDA events
+   (``profiler.StageTimer``), median of repeats after a warm-up (which compiles the kernel);
+   MiTA with the fused kernel, dense with ``F.scaled_dot_product_attention`` restricted to the
+   flash backend. Prints the ratio next to the paper's Fig. 5 ratio (RTX 4090: 4.7×, 19×,
+   56×, 159×) and the pair-count limit N/(2m + sk); peak memory per forward
+   (``torch.cuda.max_memory_allocated``). Then one profiled MiTA forward per N: milliseconds
+   per stage (``attention`` = fused gather + attention; the unfused PyTorch path at 16K for
+   comparison).
+
+``--smoke`` runs the same code on the CPU at tiny N with ``TRITON_INTERPRET=1`` and float32,
+so CI checks the script itself (``tests/test_kernels.py``); its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # mita, profiler and tests/reference.py without an install
+
+if "--smoke" in sys.argv:  # the interpreter is chosen when the kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mita import attention as A  # noqa: E402
+from mita.kernels import fused_attention  # noqa: E402
+from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
+from profiler.timer import StageTimer  # noqa: E402
+from tests.reference import reference_mita  # noqa: E402
+
+PAPER_FIG5 = {16384: 4.7, 65536: 19.0, 262144: 56.0, 1 << 20: 159.0}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+
+
+def fig5(n: int) -> tuple[int, int]:
+    side = 2 ** round(math.log2(math.sqrt(n / 4)))
+    return side, side
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.to(out.device, torch.float64)
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def kernel_inputs(q, k, v, m, kk, s, mask):
+    """The PyTorch stages up to ``route`` (float32), as ``mita_attention`` runs them."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    landmarks, live = A.pool(qf, m, mask)
+    scores = A.landmark_scores(landmarks, kf, mask)
+    index = A.topk(scores, min(kk, q.shape[2]))
+    shared_values = A.shared_compress(scores, vf)
+    experts = A.route(qf, landmarks, s, live)
+    return landmarks * q.shape[-1] ** -0.5, shared_values, live, index, experts
+
+
+def check_reference(device, gen, smoke: bool) -> list[dict]:
+    cases = [  # B, H, N, d, m, k, s, masked
+        (2, 2, 96, 64, 6, 12, 1, True), (1, 2, 120, 32, 8, 20, 2, True),
+        (2, 1, 70, 128, 9, 33, 3, False), (1, 1, 5, 64, 8, 4, 1, False)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    if smoke:
+        cases, dtypes = cases[:2], [torch.float32, torch.bfloat16]
+    rows = []
+    for dtype in dtypes:
+        for B, H, N, d, m, kk, s, masked in cases:
+            q, k, v = (torch.randn(B, H, N, d, generator=gen).to(device, dtype)
+                       for _ in range(3))
+            mask = None
+            if masked:
+                mask = torch.rand(B, N, generator=gen) < 0.3
+                mask[:, 0] = False
+                mask = mask.to(device)
+            out = torch.full_like(q, float("nan"))
+            fused_attention(q, k, v, *kernel_inputs(q, k, v, m, kk, s, mask), mask, out=out)
+            ref = reference_mita(*(t.double().cpu().numpy() for t in (q, k, v)), m, kk, s,
+                                 None if mask is None else mask.cpu().numpy())
+            err = rel_err(out, torch.from_numpy(ref))
+            rows.append({"check": "kernel vs float64 loop reference", "dtype": str(dtype),
+                         "shape": f"B{B} H{H} N{N} d{d} m{m} k{kk} s{s}"
+                                  + (" masked" if masked else ""),
+                         "rel_err": err, "tol": TOL[dtype],
+                         "ok": bool(torch.isfinite(out).all()) and err < TOL[dtype]})
+    return rows
+
+
+def check_torch_path(device, gen, smoke: bool) -> list[dict]:
+    n, m, kk = (256, 8, 8) if smoke else (8192, 64, 64)
+    rows = []
+    for s in (1, 2):
+        q, k, v = (torch.randn(2, 2, n, 64, generator=gen).to(device) for _ in range(3))
+        mask = (torch.rand(2, n, generator=gen) < 0.2).to(device)
+        mask[:, 0] = False
+        fused = A.mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+                                 key_padding_mask=mask, backend="triton")
+        ref = A.mita_attention(q.double(), k.double(), v.double(), num_landmarks=m, topk=kk,
+                               route_topk=s, key_padding_mask=mask, backend="torch")
+        err = rel_err(fused, ref)
+        rows.append({"check": "kernel fp32 vs PyTorch path fp64", "dtype": "torch.float32",
+                     "shape": f"B2 H2 N{n} d64 m{m} k{kk} s{s} masked", "rel_err": err,
+                     "tol": 1e-5, "ok": err < 1e-5})
+    return rows
+
+
+def build(n: int, attention: str, device, dtype) -> EncoderClassifier:
+    m, k = fig5(n)
+    torch.manual_seed(0)  # same weights for both variants
+    cfg = ModelConfig(dim=128, depth=3, num_heads=2, ffn_dim=256, attention=attention,
+                      num_landmarks=m, topk=k, max_len=max(n, 1 << 20))
+    return EncoderClassifier(cfg).to(device, dtype).eval()
+
+
+def check_model(device, dtype, gen, smoke: bool) -> dict:
+    n = 256 if smoke else 16384
+    model = build(n, "mita", device, dtype)
+    ids = torch.randint(1, 16, (1, n), generator=gen).to(device)
+    set_mita_backend(model, "triton")
+    fused = model(ids)
+    set_mita_backend(model, "torch")
+    unfused = model(ids)
+    err = rel_err(fused, unfused)
+    return {"check": "3-layer model logits, fused vs unfused", "dtype": str(dtype),
+            "shape": f"N{n}", "rel_err": err, "tol": TOL[dtype], "ok": err < TOL[dtype]}
+
+
+def flash_only(device):
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+def time_forward(model, ids, device, repeats: int) -> tuple[float, int | None, list[float]]:
+    """Median forward ms (CUDA events on GPU), peak bytes of the last forward, all times."""
+    times, peak = [], None
+    for _ in range(repeats):
+        timer = StageTimer(device)
+        with timer.forward():
+            model(ids)
+        result = timer.result()
+        times.append(result.total_ms)
+        peak = result.peak_memory_bytes
+    return float(np.median(times)), peak, times
+
+
+def stage_breakdown(model, ids, device) -> dict[str, float]:
+    timer = StageTimer(device)
+    with timer.forward():
+        model(ids, hook=timer)
+    return {k: round(v, 3) for k, v in timer.result().stages_ms.items()}
+
+
+def speed(device, dtype, ns, repeats: int, budget_s: float,
+          start: float) -> tuple[list[dict], list[dict]]:
+    rows, stages = [], []
+    for n in ns:
+        m, k = fig5(n)
+        gen = torch.Generator().manual_seed(n)
+        ids = torch.randint(1, 16, (1, n), generator=gen).to(device)
+        mita = build(n, "mita", device, dtype)
+        set_mita_backend(mita, "triton")
+        dense = build(n, "dense", device, dtype)
+        row = {"N": n, "m": m, "k": k, "s": 1, "batch": 1, "dtype": str(dtype),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+        with torch.no_grad():
+            mita(ids)  # warm-up: Triton compile, cuBLAS handles
+            row["mita_ms"], row["mita_peak_bytes"], row["mita_all_ms"] = time_forward(
+                mita, ids, device, repeats)
+            left = budget_s - (time.perf_counter() - start)
+            with flash_only(device):
+                t0 = time.perf_counter()
+                dense(ids)  # warm-up, and a guess at one forward's cost
+                one = time.perf_counter() - t0
+                reps = max(1, min(repeats, int((left - 30) / max(one, 1e-3) / 2)))
+                if left - 30 > one:
+                    row["dense_ms"], row["dense_peak_bytes"], row["dense_all_ms"] = (
+                        time_forward(dense, ids, device, reps))
+            stages.append({"N": n, "backend": "triton (fused)",
+                           **stage_breakdown(mita, ids, device)})
+            if n == ns[0]:
+                set_mita_backend(mita, "torch")
+                mita(ids)
+                stages.append({"N": n, "backend": "torch (unfused)",
+                               **stage_breakdown(mita, ids, device)})
+        rows.append(row)
+        del mita, dense
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, stages
+
+
+def markdown(checks, rows, stages, header: str) -> str:
+    out = [header, "", "### Correctness", "",
+           "| check | dtype | shape | rel. error | tolerance | ok |", "|---|---|---|---|---|---|"]
+    for c in checks:
+        out.append(f"| {c['check']} | {c['dtype'].replace('torch.', '')} | {c['shape']} | "
+                   f"{c['rel_err']:.2e} | {c['tol']:.1e} | {'yes' if c['ok'] else 'NO'} |")
+    out += ["", "### Speed: 3 layers, dim 128, 2 heads, batch 1, m·k = N/4, s = 1", "",
+            "| N | m | k | dtype | MiTA ms | dense (flash) ms | dense / MiTA | paper Fig. 5 | "
+            "limit N/(2m+sk) | MiTA peak GiB | dense peak GiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gib = 2 ** 30
+    for r in rows:
+        dense = r.get("dense_ms")
+        ratio = f"{dense / r['mita_ms']:.1f}×" if dense else "not run (time budget)"
+        paper = f"{PAPER_FIG5[r['N']]}×" if r["N"] in PAPER_FIG5 else "-"
+        mp = f"{r['mita_peak_bytes'] / gib:.2f}" if r.get("mita_peak_bytes") else "-"
+        dp = f"{r['dense_peak_bytes'] / gib:.2f}" if r.get("dense_peak_bytes") else "-"
+        out.append(f"| {r['N']} | {r['m']} | {r['k']} | {r['dtype'].replace('torch.', '')} | "
+                   f"{r['mita_ms']:.2f} | {f'{dense:.2f}' if dense else '-'} | {ratio} | "
+                   f"{paper} | {r['N'] / (2 * r['m'] + r['k']):.0f}× | {mp} | {dp} |")
+    names = []
+    for st in stages:
+        names += [k for k in st if k not in ("N", "backend") and k not in names]
+    out += ["", "### MiTA forward by stage (ms, summed over 3 layers; one profiled forward)", "",
+            "| N | backend | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for st in stages:
+        out.append(f"| {st['N']} | {st['backend']} | "
+                   + " | ".join(f"{st[k]:.2f}" if k in st else "-" for k in names) + " |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny N (interpreter)")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and table")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="stop starting dense runs when this much wall time is used")
+    a = p.parse_args()
+    start = time.perf_counter()
+    if a.smoke:
+        device, dtype, ns, repeats = torch.device("cpu"), torch.float32, [256], 1
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --smoke for the CPU dry run", file=sys.stderr)
+            return 2
+        device, dtype, repeats = torch.device("cuda"), torch.bfloat16, 5
+        ns = [16384, 65536, 262144, 1 << 20]
+    import triton
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    header = (f"torch {torch.__version__}, triton {triton.__version__}, device "
+              f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}"
+              f", random seed {seed}")
+    print(header, flush=True)
+    with torch.no_grad():
+        checks = check_reference(device, gen, a.smoke) + check_torch_path(device, gen, a.smoke)
+        checks.append(check_model(device, dtype, gen, a.smoke))
+    for c in checks:
+        print(f"{'ok ' if c['ok'] else 'BAD'} {c['check']} {c['dtype']} {c['shape']}: "
+              f"{c['rel_err']:.2e} (tol {c['tol']:.1e})", flush=True)
+    rows, stages = speed(device, dtype, ns, repeats, a.budget_s, start)
+    table = markdown(checks, rows, stages, header)
+    print("\n" + table)
+    print(f"\nwall time {time.perf_counter() - start:.0f} s")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        Path(a.out, "gpu_mita.md").write_text(table + "\n")
+        Path(a.out, "gpu_mita.json").write_text(json.dumps(
+            {"header": header, "checks": checks, "speed": rows, "stages": stages}, indent=1))
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The fused Triton MiTA kernel (``mita.kernels``) on CPU under ``TRITON_INTERPRET=1``.
+
+The interpreter runs the same kernel code as a GPU (tile loads by index, online softmax,
+masks), in numpy, so correctness is checked here; speed only on a GPU
+(``benchmarks/gpu_mita.py``).
+
+Tolerances, and why:
+- float32 kernel vs the float64 loop reference: 1e-5 relative to the largest output, as for the
+  PyTorch path (``test_attention.py``): IEEE fp32 products (no TF32), fp32 online softmax over
+  ≤ a few hundred entries, unit roundoff 6e-8.
+- bfloat16 / float16 vs the float64 reference on the same (16-bit-representable) inputs:
+  1.5e-2 / 2e-3 relative. The kernel multiplies in the input dtype, as flash attention does: the
+  shared keys/values (float32 averages) and the softmax weights p are rounded to 16 bits before
+  their matrix products, and the output is rounded to 16 bits (2^-9 relative for bfloat16,
+  2^-12 for float16). Measured worst over 5 seeds of the test's shape: 4.7e-3 / 5.8e-4 (the
+  PyTorch path, float32 inside, 3.1e-3 / 3.8e-4); the tolerances leave ~3x.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from mita import attention as A
+from mita import mita_attention
+from mita.hooks import MITA_STAGES
+
+from .reference import reference_mita
+from .test_attention import rand_qkv, random_mask
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel module, (re)imported with the interpreter on: Triton decides at decoration."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        module = importlib.import_module("mita.kernels.mita_attention")
+        if type(module._mita_fused_kernel).__name__ != "InterpretedFunction":
+            module = importlib.reload(module)
+            importlib.reload(importlib.import_module("mita.kernels"))
+        yield module
+
+
+def stage_inputs(q, k, v, m, kk, s, mask=None, shared_scale="paper"):
+    """Run the PyTorch stages up to ``route`` and return the fused kernel's arguments."""
+    landmarks, live = A.pool(q, m, mask)
+    scores = A.landmark_scores(landmarks, k, mask)
+    expert_index = A.topk(scores, min(kk, q.shape[2]))
+    shared_values = A.shared_compress(scores, v)
+    experts = A.route(q, landmarks, s, live)
+    d = q.shape[-1]
+    c = d ** -0.5 if shared_scale == "paper" else 1.0 / d
+    return landmarks * c, shared_values, live, expert_index, experts
+
+
+def rel_err(out, ref):
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+CASES = [  # B, H, N, d, m, k, s, mask
+    (1, 1, 64, 32, 4, 8, 1, None),
+    (2, 2, 100, 32, 7, 13, 1, "suffix"),
+    (2, 1, 90, 64, 6, 11, 2, "scattered"),
+    (1, 2, 37, 32, 5, 40, 3, None),          # k > N (clamped), s = 3
+    (1, 1, 5, 32, 8, 4, 1, None),            # N < m: empty landmarks masked
+    (1, 2, 3, 32, 8, 2, 4, None),            # s > live landmarks: a dead expert is routed
+    (2, 1, 70, 128, 9, 33, 2, "suffix"),     # d = 128
+    (1, 1, 160, 32, 70, 80, 2, "scattered"),  # m and k > BLOCK_N: several key blocks each
+]
+
+
+@pytest.mark.parametrize("B,H,N,d,m,kk,s,mask", CASES)
+def test_kernel_matches_float64_reference(kernel, B, H, N, d, m, kk, s, mask):
+    q, k, v = rand_qkv(B, H, N, d, seed=N * 31 + m, dtype=torch.float32)
+    km = None if mask is None else random_mask(B, N, seed=N, suffix=mask == "suffix")
+    out = mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+                         key_padding_mask=km, backend="triton")
+    assert out.dtype == torch.float32
+    ref = torch.from_numpy(reference_mita(q.double().numpy(), k.double().numpy(),
+                                          v.double().numpy(), m, kk, s,
+                                          None if km is None else km.numpy()))
+    assert rel_err(out, ref) < 1e-5
+    torch_path = mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+                                key_padding_mask=km, backend="torch")
+    assert rel_err(out, torch_path.double()) < 1e-5
+
+
+@pytest.mark.parametrize("shared_scale", ["paper", "official"])
+def test_shared_scales(kernel, shared_scale):
+    q, k, v = rand_qkv(1, 2, 48, 32, seed=7, dtype=torch.float32)
+    out = mita_attention(q, k, v, num_landmarks=6, topk=8, shared_scale=shared_scale,
+                         backend="triton")
+    ref = reference_mita(q.double().numpy(), k.double().numpy(), v.double().numpy(), 6, 8, 1,
+                         shared_scale=shared_scale)
+    assert rel_err(out, torch.from_numpy(ref)) < 1e-5
+
+
+def clustered_queries(seed):
+    """Queries from 2 tight clusters: a few experts take most queries, others none."""
+    g = torch.Generator().manual_seed(seed)
+    centers = 2.0 * torch.randn(2, 32, generator=g)
+    pick = torch.randint(0, 2, (1, 1, 200), generator=g)
+    q = centers[pick] + 0.3 * torch.randn(1, 1, 200, 32, generator=g)
+    k = torch.randn(1, 1, 200, 32, generator=g)
+    v = torch.randn(1, 1, 200, 32, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("s", [1, 2])
+def test_ragged_experts_and_poisoned_output(kernel, s):
+    q, k, v = clustered_queries(seed=3)
+    mask = torch.zeros(1, 200, dtype=torch.bool)
+    mask[0, 190:] = True
+    mask[0, 17] = True
+    shared_keys, shared_values, live, expert_index, experts = stage_inputs(q, k, v, 12, 10, s,
+                                                                           mask)
+    counts = torch.bincount(experts[0, 0][~mask[0]].flatten(), minlength=12)
+    assert (counts == 0).sum() >= 3, counts  # experts no query selects
+    assert counts.max() > kernel.BLOCK_M, counts  # an expert spanning several tiles
+    out = torch.full_like(q, float("nan"))
+    kernel.fused_attention(q, k, v, shared_keys, shared_values, live, expert_index, experts,
+                           mask, out=out)
+    assert torch.isfinite(out).all()
+    assert (out[0, 0, mask[0]] == 0).all()
+    ref = reference_mita(q.double().numpy(), k.double().numpy(), v.double().numpy(), 12, 10, s,
+                         mask.numpy())
+    assert rel_err(out, torch.from_numpy(ref)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1.5e-2), (torch.float16, 2e-3)])
+def test_half_precision_inputs(kernel, dtype, tol):
+    q, k, v = (t.to(dtype) for t in rand_qkv(2, 2, 80, 64, seed=11, dtype=torch.float32))
+    mask = random_mask(2, 80, seed=5)
+    out = mita_attention(q, k, v, num_landmarks=8, topk=16, route_topk=2,
+                         key_padding_mask=mask, backend="triton")
+    assert out.dtype == dtype
+    ref = reference_mita(q.double().numpy(), k.double().numpy(), v.double().numpy(), 8, 16, 2,
+                         mask.numpy())
+    err = rel_err(out, torch.from_numpy(ref))
+    assert 0 < err < tol  # > 0: the 16-bit path really multiplies in 16 bits
+
+
+class Recorder:
+    def __init__(self):
+        self.names = []
+
+    def stage(self, name):
+        self.names.append(name)
+        return A.NULL_HOOK.stage(name)
+
+    def layer(self, index):
+        return A.NULL_HOOK.layer(index)
+
+
+def test_stage_names_fused_and_unfused(kernel):
+    q, k, v = rand_qkv(1, 1, 32, 32, seed=2, dtype=torch.float32)
+    fused, unfused = Recorder(), Recorder()
+    mita_attention(q, k, v, num_landmarks=4, topk=4, backend="triton", hook=fused)
+    mita_attention(q, k, v, num_landmarks=4, topk=4, backend="auto", hook=unfused)  # CPU: torch
+    assert unfused.names == list(MITA_STAGES)
+    assert fused.names == [n for n in MITA_STAGES if n != "gather"]
+
+
+def test_bad_backend_and_dtype(kernel):
+    q, k, v = rand_qkv(1, 1, 16, 32, seed=1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mita_attention(q, k, v, num_landmarks=2, topk=2, backend="cuda")
+    with pytest.raises(ValueError, match="float16/bfloat16/float32"):
+        mita_attention(q, k, v, num_landmarks=2, topk=2, backend="triton")  # float64
+
+
+def test_cpu_without_interpreter_refused(kernel, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    q, k, v = rand_qkv(1, 1, 16, 32, seed=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        mita_attention(q, k, v, num_landmarks=2, topk=2, backend="triton")
+    assert os.environ.get("TRITON_INTERPRET") is None
+
+
+def test_gpu_benchmark_script_dry_run(tmp_path):
+    """``benchmarks/gpu_mita.py --smoke``: the GPU script's own code path (checks, timing,
+    table) on the CPU interpreter, so the prepared GPU run is not its first run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_mita.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_mita.json").read_text())
+    assert len(result["checks"]) == 7 and all(c["ok"] for c in result["checks"])
+    assert [r["N"] for r in result["speed"]] == [256]
+    assert result["speed"][0]["mita_ms"] > 0 and result["speed"][0]["dense_ms"] > 0
+    fused = result["stages"][0]
+    assert fused["backend"] == "triton (fused)" and "gather" not in fused
+    assert fused["attention"] > 0 and "gather" in result["stages"][1]
+    assert "| 256 | 8 | 8 | float32 |" in (tmp_path / "gpu_mita.md").read_text()
