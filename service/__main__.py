@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     url = launch.start(config, a.metrics_port, a.metrics_interval_ms)
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
+    print(f"Live dashboard: {url}/dashboard")
     print(f"Prometheus metrics: http://127.0.0.1:{a.metrics_port}/metrics")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\nCtrl-C stops.", flush=True)

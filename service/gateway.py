@@ -5,7 +5,9 @@ endpoint parameters of the ingress class.)
 
 Request path: HTTP → pydantic model → validation (before any tensor exists) → A/B policy →
 classifier deployment handle (``mita`` or ``dense``) → response; in shadow mode the other
-variant runs too and the comparison is recorded as metrics.
+variant runs too and the comparison is recorded as metrics. Wherever a metric is recorded the
+gateway also keeps the record in its ``StatsWindow``, which ``/v1/stats`` summarises for the
+``/dashboard`` page (or Prometheus does, when ``prometheus_url`` is configured).
 """
 
 
@@ -16,10 +18,11 @@ import math
 import random
 import time
 from importlib.metadata import version
+from importlib.resources import files
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -36,7 +39,9 @@ from .schemas import (
     ClassifyResponse,
     ErrorResponse,
     GatewayConfig,
+    StatsResponse,
 )
+from .stats import PrometheusError, StatsWindow, prometheus_summary, summarize
 
 VOCAB_SIZE = len(VOCAB)
 
@@ -160,6 +165,17 @@ async def _api_error(request: Request, exc: ApiError):
     return _error(exc.status, exc.message, headers=exc.headers)
 
 
+# The dashboard: one page and its script, shipped inside the package (no CDN), read once.
+STATIC = files("service") / "static"
+DASHBOARD_HTML = (STATIC / "dashboard.html").read_text(encoding="utf-8")
+DASHBOARD_JS = (STATIC / "dashboard.js").read_text(encoding="utf-8")
+STATIC_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'",
+}
+
 ERRORS = {400: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
           422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
           504: {"model": ErrorResponse}}
@@ -177,10 +193,14 @@ class Gateway:
         self.metrics = ServiceMetrics()
         self.rng = random.Random()
         self._shadow_tasks: set[asyncio.Task] = set()
+        self.window = StatsWindow()
+        self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
+        self._variant_info_at = -math.inf
 
     def reconfigure(self, config: dict) -> None:
         self.config = GatewayConfig.model_validate(config)
         _limits["max_body_bytes"] = self.config.max_body_bytes
+        self.window.retention_s = self.config.stats_window_s
 
     async def _call(self, variant: str, ids: list[int]) -> dict:
         response = self.handles[variant].classify.remote(ids)
@@ -200,8 +220,11 @@ class Gateway:
             other = await self._call(shadow, ids)
         except ApiError:
             return  # the shadow is best effort; the primary already answered
+        agree = other["label"] == served["label"]
+        self.window.add_forward(shadow, n_bucket(len(ids)), other["profile"]["stages_ms"])
+        self.window.add_shadow(primary, agree)
         self.metrics.shadow_comparisons.inc(
-            1, {"primary": primary, "agree": str(other["label"] == served["label"]).lower()})
+            1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(
             kl_divergence(served["probabilities"], other["probabilities"]), {"primary": primary})
 
@@ -214,10 +237,13 @@ class Gateway:
             result = await self._call(primary, ids)
         except ApiError as e:
             self.metrics.requests.inc(1, {"variant": primary, "status": str(e.status)})
+            self.window.add_request(primary, e.status)
             raise
+        latency, bucket = time.perf_counter() - start, n_bucket(len(ids))
         self.metrics.requests.inc(1, {"variant": primary, "status": "200"})
-        self.metrics.request_duration.observe(time.perf_counter() - start,
-                                              {"variant": primary, "n_bucket": n_bucket(len(ids))})
+        self.metrics.request_duration.observe(latency, {"variant": primary, "n_bucket": bucket})
+        self.window.add_request(primary, 200, bucket, latency)
+        self.window.add_forward(primary, bucket, result["profile"]["stages_ms"])
         if shadow is not None:
             task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
             self._shadow_tasks.add(task)
@@ -237,6 +263,7 @@ class Gateway:
             ids = to_ids(body, self.config.max_n)
         except ApiError as e:
             self.metrics.requests.inc(1, {"variant": "none", "status": str(e.status)})
+            self.window.add_request("none", e.status)
             raise
         return await self._classify(body, ids, request.headers.get(self.config.sticky_header),
                                     start)
@@ -290,3 +317,68 @@ class Gateway:
         except Exception as e:  # any failure means not ready; say which
             raise ApiError(503, f"not ready: {type(e).__name__}: {e}"[:300]) from None
         return {"status": "ready", "variants": list(VARIANTS)}
+
+    async def _variants(self) -> dict:
+        """Each variant's model id, device and m/k/s; asked of the classifiers at most once a
+        minute (the answer changes only with a redeploy), the last answer kept if they are
+        busy."""
+        if time.monotonic() - self._variant_info_at > 60:
+            try:
+                infos = await asyncio.wait_for(asyncio.gather(
+                    *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
+                    2.0)
+            except Exception:  # busy or restarting: keep the last answer, ask again next time
+                return self._variant_info
+            self._variant_info_at = time.monotonic()
+            self._variant_info = {}
+            for v, info in zip(VARIANTS, infos, strict=True):
+                cfg, mita = info["config"], info["config"]["attention"] == "mita"
+                self._variant_info[v] = {
+                    "model_id": info["model_id"], "attention": cfg["attention"],
+                    "device": info["device"], "m": cfg["num_landmarks"] if mita else None,
+                    "k": cfg["topk"] if mita else None, "s": cfg["route_topk"] if mita else None}
+        return self._variant_info
+
+    @app.get("/v1/stats", response_model=StatsResponse,
+             responses={422: {"model": ErrorResponse}, 502: {"model": ErrorResponse}})
+    async def stats(self, window_s: float | None = Query(
+            None, gt=0, le=86400, description="seconds to summarise, up to now; default and "
+            "upper bound in local mode: the gateway's stats_window_s")) -> dict:
+        """Per-stage latency (p50/p95) per variant and N bucket, request latency and
+        throughput over time, the MiTA/dense latency ratio, shadow agreement, the A/B split and
+        the models in use — what ``/dashboard`` shows. From Prometheus when ``prometheus_url``
+        is configured (fixed read-only queries; 502 if it does not answer), otherwise from
+        this gateway replica's own records."""
+        cfg = self.config
+        if cfg.prometheus_url is None:  # copy on the event loop, summarise off it
+            body = await asyncio.to_thread(summarize, self.window.snapshot(window_s))
+        else:
+            try:
+                body = await asyncio.to_thread(prometheus_summary, str(cfg.prometheus_url),
+                                               window_s or cfg.stats_window_s)
+            except PrometheusError as e:
+                raise ApiError(502, str(e)[:500]) from None
+        answered = {r["variant"]: r["count"] for r in body["requests"] if r["status"] == "200"}
+        total = sum(answered.values())
+        body["ab"] = {"weights": cfg.weights, "shadow": cfg.shadow,
+                      "sticky_header": cfg.sticky_header,
+                      "observed": {v: answered.get(v, 0) / total for v in VARIANTS} if total
+                      else {}}
+        body["models"] = await self._variants()
+        return body
+
+    @app.get("/dashboard", response_class=HTMLResponse,
+             responses={200: {"description": "The live dashboard page (HTML; its script is "
+                                             "/dashboard/dashboard.js, its data /v1/stats)."}})
+    async def dashboard(self) -> HTMLResponse:
+        """Live dashboard: per-stage latency of both variants per N bucket, request latency
+        and throughput over time, MiTA/dense ratio, shadow agreement, A/B split, models."""
+        return HTMLResponse(DASHBOARD_HTML, headers=STATIC_HEADERS)
+
+    @app.get("/dashboard/dashboard.js", response_class=Response,
+             responses={200: {"content": {"text/javascript": {"schema": {"type": "string"}}},
+                              "description": "The dashboard's script (plain JS, inline SVG)."}})
+    async def dashboard_js(self) -> Response:
+        """The dashboard page's script."""
+        return Response(DASHBOARD_JS, media_type="text/javascript; charset=utf-8",
+                        headers=STATIC_HEADERS)

@@ -8,6 +8,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    HttpUrl,
     StrictBool,
     StrictInt,
     field_validator,
@@ -88,6 +89,11 @@ class GatewayConfig(BaseModel):
     max_batch_items: int = Field(64, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     retry_after_s: int = Field(1, ge=0)
+    prometheus_url: HttpUrl | None = Field(
+        None, description="Prometheus base URL (e.g. http://127.0.0.1:9090): /v1/stats and the "
+                          "dashboard then query it; unset: the gateway's own recent records")
+    stats_window_s: float = Field(300.0, ge=10, le=3600,
+                                  description="how long the gateway keeps its own records")
 
     @field_validator("weights")
     @classmethod
@@ -95,3 +101,98 @@ class GatewayConfig(BaseModel):
         if any(v < 0 for v in w.values()) or sum(w.values()) <= 0:
             raise ValueError("weights must be ≥ 0 with a positive sum")
         return w
+
+
+class VariantInfo(BaseModel):
+    model_id: str
+    attention: str
+    device: str
+    m: int | None = Field(None, description="landmarks (MiTA only)")
+    k: int | None = Field(None, description="routed keys per landmark (MiTA only)")
+    s: int | None = Field(None, description="landmarks each query routes to (MiTA only)")
+
+
+class ABSplit(BaseModel):
+    weights: dict[str, float] = Field(description="configured traffic split")
+    observed: dict[str, float] = Field(description="share of answered requests in the window")
+    shadow: bool
+    sticky_header: str
+
+
+class RequestCount(BaseModel):
+    variant: str = Field(description="mita, dense, or none when refused before routing")
+    status: str = Field(description="HTTP status code")
+    count: float
+
+
+SUM_MS = ("sum of the durations; exact in local mode, in prometheus mode Ray's exported "
+          "histogram sum (bucket midpoint × count, an approximation)")
+
+
+class LatencyStat(BaseModel):
+    """End-to-end request latency at the gateway (answered requests)."""
+
+    variant: Variant
+    n_bucket: str
+    count: float
+    sum_ms: float = Field(description=SUM_MS)
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+
+
+class StageStat(BaseModel):
+    """One model stage (summed over layers) per request, as in
+    mita_serve_stage_duration_seconds: primary and shadow runs."""
+
+    variant: Variant
+    n_bucket: str
+    stage: str
+    count: float
+    sum_ms: float = Field(description=SUM_MS)
+    p50_ms: float | None
+    p95_ms: float | None
+
+
+class RatioStat(BaseModel):
+    n_bucket: str
+    mita_p50_ms: float
+    dense_p50_ms: float
+    ratio: float = Field(description="MiTA / dense median request latency (< 1: MiTA faster)")
+
+
+class TimelinePoint(BaseModel):
+    t: float = Field(description="bin start, Unix seconds")
+    variant: Variant
+    requests: float = Field(description="answered requests in the bin")
+    rps: float
+    p50_ms: float | None
+    p99_ms: float | None
+
+
+class ShadowStat(BaseModel):
+    comparisons: float
+    agree: float
+    rate: float | None = Field(description="agree / comparisons; null without comparisons")
+
+
+class StatsResponse(BaseModel):
+    """Per-stage latency, request latency and throughput, the A/B split and shadow agreement
+    over a recent window: what /dashboard shows. Counts are exact in local mode and
+    Prometheus' increase() (extrapolated) in prometheus mode."""
+
+    source: Literal["local", "prometheus"]
+    scope: Literal["replica", "all_replicas"] = Field(
+        description="local: this gateway replica's records; prometheus: every replica")
+    window_s: float = Field(description="the window summarised, seconds up to generated_at")
+    bin_s: float = Field(description="timeline bin width, seconds")
+    generated_at: float = Field(description="Unix seconds")
+    truncated: bool = Field(description="the record cap cut the window short (local mode)")
+    models: dict[str, VariantInfo]
+    ab: ABSplit
+    requests: list[RequestCount]
+    latency: list[LatencyStat]
+    stages: list[StageStat]
+    ratios: list[RatioStat]
+    timeline: list[TimelinePoint]
+    shadow: ShadowStat

@@ -61,8 +61,8 @@ def prometheus(service, tmp_path_factory):
         proc.wait(10)
 
 
-def query(url: str, expr: str) -> list:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+def query(url: str, expr: str, params: dict | None = None) -> list:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr, **(params or {})}, timeout=10)
     r.raise_for_status()
     return r.json()["data"]["result"]
 
@@ -127,6 +127,73 @@ def test_load_then_every_dashboard_and_rule_expression_answers(service, promethe
             assert row[f"p{q}_ms"] == pytest.approx(float(np.percentile(lat, q)), rel=1e-12)
         assert set(row["stages_ms"]) >= {"embed", "attention", "head"}
     assert {x["n"] for x in report["ratios"]} == {256, 2048}
+
+
+def test_stats_from_prometheus(service, prometheus):
+    """With ``prometheus_url`` set, /v1/stats answers from fixed PromQL in the same shape and
+    with the same stages as the gateway's own records, its numbers are Prometheus' own; a
+    Prometheus that does not answer gives 502, not 500."""
+    texts = ("[MAX 2 [MIN 4 7 ] 0 ]", "[SM 1 2 [MED 3 4 5 ] ]", "[MIN 9 [MAX 1 2 ] ]")
+
+    def send():
+        for variant in ("mita", "dense"):
+            for text in texts:
+                assert service.client.post("/v1/classify", json={
+                    "text": text, "variant": variant}).status_code == 200
+    send()
+    local = service.client.get("/v1/stats", params={"window_s": 300}).json()
+    assert local["source"] == "local"
+    set_gateway(service, prometheus_url=prometheus)
+    try:
+        def both_variants():
+            r = service.client.get("/v1/stats", params={"window_s": 300})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            if {x["variant"] for x in body["stages"]} == {"mita", "dense"} and all(
+                    any(p["rps"] > 0 for p in body["timeline"] if p["variant"] == v)
+                    for v in ("mita", "dense")):
+                return body
+            send()  # run alone, Prometheus needs increases across two scrapes
+            return None
+        prom = wait_for(both_variants, 60, 3)
+        assert prom, "Prometheus never had stage timings of both variants"
+        set_gateway(service, prometheus_url=f"http://127.0.0.1:{free_port()}")
+        r = service.client.get("/v1/stats")
+    finally:
+        set_gateway(service, prometheus_url=None)
+    assert r.status_code == 502 and "did not answer" in r.json()["error"], r.text
+
+    assert (prom["source"], prom["scope"], prom["window_s"]) == ("prometheus", "all_replicas",
+                                                                  300)
+    assert set(prom) == set(local)
+    stages = {v: {x["stage"] for x in prom["stages"] if x["variant"] == v} for v in
+              ("mita", "dense")}
+    assert stages == {v: {x["stage"] for x in local["stages"] if x["variant"] == v}
+                      for v in ("mita", "dense")}
+    assert len(stages["mita"]) == 12 and len(stages["dense"]) == 6
+    assert all(x["count"] > 0 and x["p50_ms"] > 0 and x["p95_ms"] >= x["p50_ms"]
+               for x in prom["stages"])
+    # The numbers are Prometheus' own at the same evaluation time (counts are increase(),
+    # extrapolated, so they are compared with Prometheus, not with the exact local counts).
+    at = {"time": f"{prom['generated_at']:.3f}"}
+    want = {(r["metric"]["variant"], r["metric"]["status"]): float(r["value"][1])
+            for r in query(prometheus, "sum by (variant, status) "
+                           "(increase(ray_mita_serve_requests_total[300s]))", at)}
+    assert {(x["variant"], x["status"]): x["count"] for x in prom["requests"]} == {
+        k: pytest.approx(v) for k, v in want.items() if v}
+    want = {(r["metric"]["variant"], r["metric"]["n_bucket"], r["metric"]["stage"]):
+            float(r["value"][1]) for r in query(
+                prometheus, "sum by (variant, n_bucket, stage) "
+                "(increase(ray_mita_serve_stage_duration_seconds_count[300s]))", at)}
+    assert {(x["variant"], x["n_bucket"], x["stage"]): x["count"] for x in prom["stages"]} == {
+        k: pytest.approx(v) for k, v in want.items() if v}
+    want = {(r["metric"]["variant"], r["metric"]["n_bucket"], r["metric"]["stage"]):
+            float(r["value"][1]) * 1e3 for r in query(
+                prometheus, "histogram_quantile(0.95, sum by (le, variant, n_bucket, stage) "
+                "(rate(ray_mita_serve_stage_duration_seconds_bucket[300s])))", at)}
+    for x in prom["stages"]:
+        assert x["p95_ms"] == pytest.approx(want[x["variant"], x["n_bucket"], x["stage"]])
+    assert prom["ratios"] and prom["ab"]["observed"]
 
 
 def test_loadtest_refuses_non_loopback():

@@ -1,0 +1,298 @@
+"""What ``GET /v1/stats`` (and the ``/dashboard`` page it feeds) reports, from two sources.
+
+``StatsWindow`` keeps the gateway's own recent records — every request answered, the stage
+timings of every classifier result it received (primary and shadow runs alike, so the counts
+are those of ``mita_serve_stage_duration_seconds``), every shadow comparison — for a bounded
+time (``retention_s``, at most ``MAX_RECORDS`` of each kind) and summarises a window of them
+with numpy percentiles. It holds only this replica's records: with several gateway replicas
+each answers for itself.
+
+``prometheus_summary`` answers the same question from the Prometheus HTTP API: fixed PromQL
+(instant queries over the window, range queries for the timeline), all replicas together.
+
+Both return the same dict (``schemas.StatsResponse`` less ``models`` and ``ab``): milliseconds
+for durations, ``None`` where a quantile has no data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from mita.hooks import MITA_STAGES, MODEL_STAGES
+
+from .metrics import N_BUCKETS
+from .schemas import VARIANTS
+
+# Stages in the order a forward runs them (dense reports only `attention` of MiTA's seven).
+STAGE_ORDER = ("embed", "qkv_proj", *MITA_STAGES, *MODEL_STAGES[2:])
+MAX_RECORDS = 20_000  # per kind; bounds the gateway's memory under any request rate
+TIMELINE_BINS = 60
+
+
+def _rank(order: tuple[str, ...], name: str) -> int:
+    return order.index(name) if name in order else len(order)
+
+
+def _finite(x: float | None) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def bin_seconds(window_s: float) -> float:
+    """Width of one timeline bin: the window in ``TIMELINE_BINS`` bins, whole seconds."""
+    return float(max(1, math.ceil(window_s / TIMELINE_BINS)))
+
+
+def _bin_starts(start: float, now: float, bin_s: float) -> list[float]:
+    """Bin starts aligned to multiples of ``bin_s`` (stable across refreshes)."""
+    first = math.floor(start / bin_s) * bin_s
+    return [first + i * bin_s for i in range(int((now - first) // bin_s) + 1)]
+
+
+def ratios(latency: list[dict]) -> list[dict]:
+    """MiTA/dense ratio of median request latency per N bucket where both have data."""
+    p50 = {(r["variant"], r["n_bucket"]): r["p50_ms"] for r in latency}
+    out = []
+    for b in N_BUCKETS:
+        m, d = p50.get(("mita", b)), p50.get(("dense", b))
+        if m is not None and d:
+            out.append({"n_bucket": b, "mita_p50_ms": m, "dense_p50_ms": d, "ratio": m / d})
+    return out
+
+
+def _shadow(agree: float, disagree: float) -> dict:
+    total = agree + disagree
+    return {"comparisons": total, "agree": agree, "rate": agree / total if total else None}
+
+
+def _sort(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (_rank(("mita", "dense", "none"), r["variant"]),
+                                       _rank(N_BUCKETS, r.get("n_bucket", "")),
+                                       _rank(STAGE_ORDER, r.get("stage", "")),
+                                       r.get("status", "")))
+
+
+class StatsWindow:
+    """The gateway's recent records. ``add_*`` are called where the matching metric is
+    recorded; ``summary(window_s)`` summarises the last ``window_s`` seconds (capped at
+    ``retention_s``). Times are wall-clock seconds (``time.time``)."""
+
+    def __init__(self, retention_s: float = 300.0, max_records: int = MAX_RECORDS):
+        self.retention_s = retention_s
+        # (t, variant, status, n_bucket or None, latency_s or None)
+        self.requests: deque = deque(maxlen=max_records)
+        # (t, variant, n_bucket, stage names, stage ms)
+        self.forwards: deque = deque(maxlen=max_records)
+        # (t, primary, agree)
+        self.shadows: deque = deque(maxlen=max_records)
+
+    def add_request(self, variant: str, status: int | str, bucket: str | None = None,
+                    latency_s: float | None = None) -> None:
+        self.requests.append((time.time(), variant, str(status), bucket, latency_s))
+
+    def add_forward(self, variant: str, bucket: str, stages_ms: dict[str, float]) -> None:
+        self.forwards.append((time.time(), variant, bucket, tuple(stages_ms),
+                              tuple(stages_ms.values())))
+
+    def add_shadow(self, primary: str, agree: bool) -> None:
+        self.shadows.append((time.time(), primary, bool(agree)))
+
+    def _drop_old(self, now: float) -> None:
+        for records in (self.requests, self.forwards, self.shadows):
+            while records and records[0][0] < now - self.retention_s:
+                records.popleft()
+
+    def snapshot(self, window_s: float | None = None) -> tuple:
+        """Copies of the records in the last ``window_s`` seconds (default and upper bound:
+        ``retention_s``), for ``summarize``. Cheap; call it on the thread that records."""
+        now = time.time()
+        self._drop_old(now)
+        window_s = min(window_s or self.retention_s, self.retention_s)
+        start = now - window_s
+        kinds = (self.requests, self.forwards, self.shadows)
+        truncated = any(len(d) == d.maxlen and d[0][0] >= start for d in kinds)
+        return (now, window_s, truncated, *([r for r in d if r[0] >= start] for d in kinds))
+
+    def summary(self, window_s: float | None = None) -> dict:
+        return summarize(self.snapshot(window_s))
+
+
+def summarize(snapshot: tuple) -> dict:
+    """The stats dict of a ``StatsWindow.snapshot`` (numpy percentiles, linear interpolation)."""
+    now, window_s, truncated, requests, forwards, shadows = snapshot
+    start = now - window_s
+    counts: dict[tuple, int] = {}
+    latencies: dict[tuple, list[float]] = {}
+    for _, variant, status, bucket, latency in requests:
+        counts[variant, status] = counts.get((variant, status), 0) + 1
+        if latency is not None:
+            latencies.setdefault((variant, bucket), []).append(latency * 1e3)
+    latency_rows = []
+    for (variant, bucket), ms in latencies.items():
+        p50, p95, p99 = np.percentile(ms, [50, 95, 99])
+        latency_rows.append({"variant": variant, "n_bucket": bucket, "count": len(ms),
+                             "sum_ms": float(np.sum(ms)), "p50_ms": float(p50),
+                             "p95_ms": float(p95), "p99_ms": float(p99)})
+
+    stage_ms: dict[tuple, list[float]] = {}
+    for _, variant, bucket, names, values in forwards:
+        for stage, ms in zip(names, values, strict=True):
+            stage_ms.setdefault((variant, bucket, stage), []).append(ms)
+    stage_rows = []
+    for (variant, bucket, stage), ms in stage_ms.items():
+        p50, p95 = np.percentile(ms, [50, 95])
+        stage_rows.append({"variant": variant, "n_bucket": bucket, "stage": stage,
+                           "count": len(ms), "sum_ms": float(np.sum(ms)),
+                           "p50_ms": float(p50), "p95_ms": float(p95)})
+
+    bin_s = bin_seconds(window_s)
+    starts = _bin_starts(start, now, bin_s)
+    binned: dict[tuple, list[float]] = {}
+    for t, variant, status, _, latency in requests:
+        if status == "200" and latency is not None:
+            i = min(int((t - starts[0]) // bin_s), len(starts) - 1)
+            binned.setdefault((variant, i), []).append(latency * 1e3)
+    timeline = []
+    for variant in VARIANTS:
+        for i, t in enumerate(starts):
+            ms = binned.get((variant, i), [])
+            p50, p99 = np.percentile(ms, [50, 99]) if ms else (None, None)
+            timeline.append({"t": t, "variant": variant, "requests": len(ms),
+                             "rps": len(ms) / bin_s, "p50_ms": _finite(p50),
+                             "p99_ms": _finite(p99)})
+
+    agree = sum(1 for s in shadows if s[2])
+    latency_rows = _sort(latency_rows)
+    return {
+        "source": "local", "scope": "replica", "window_s": window_s, "bin_s": bin_s,
+        "generated_at": now, "truncated": truncated,
+        "requests": _sort([{"variant": v, "status": s, "count": c}
+                           for (v, s), c in counts.items()]),
+        "latency": latency_rows, "stages": _sort(stage_rows),
+        "ratios": ratios(latency_rows), "timeline": timeline,
+        "shadow": _shadow(agree, len(shadows) - agree),
+    }
+
+
+class PrometheusError(Exception):
+    """Prometheus did not answer, or answered with an error."""
+
+
+# The fixed, read-only queries of Prometheus mode. {w}: the window; {r}: the timeline's rate
+# window. Only these run; nothing from a request goes into them but two whole numbers.
+REQ = "ray_mita_serve_request_duration_seconds"
+STAGE = "ray_mita_serve_stage_duration_seconds"
+INSTANT = {
+    "requests": "sum by (variant, status) (increase(ray_mita_serve_requests_total[{w}]))",
+    "lat_count": f"sum by (variant, n_bucket) (increase({REQ}_count[{{w}}]))",
+    "lat_sum": f"sum by (variant, n_bucket) (increase({REQ}_sum[{{w}}]))",
+    **{f"lat_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, n_bucket) "
+                    f"(rate({REQ}_bucket[{{w}}])))" for q in (50, 95, 99)},
+    "stage_count": f"sum by (variant, stage, n_bucket) (increase({STAGE}_count[{{w}}]))",
+    "stage_sum": f"sum by (variant, stage, n_bucket) (increase({STAGE}_sum[{{w}}]))",
+    **{f"stage_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, stage, n_bucket) "
+                      f"(rate({STAGE}_bucket[{{w}}])))" for q in (50, 95)},
+    "shadow": "sum by (agree) (increase(ray_mita_serve_shadow_comparisons_total[{w}]))",
+}
+RANGE = {
+    "rps": 'sum by (variant) (rate(ray_mita_serve_requests_total{{status="200"}}[{r}]))',
+    **{f"p{q}": f"histogram_quantile(0.{q}, sum by (le, variant) (rate({REQ}_bucket[{{r}}])))"
+       for q in (50, 99)},
+}
+_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prometheus")
+
+
+def _get(base_url: str, path: str, params: dict, timeout_s: float) -> list[dict]:
+    url = f"{base_url.rstrip('/')}{path}?{urllib.parse.urlencode(params)}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read()).get("error", "")
+        except ValueError:
+            msg = ""
+        raise PrometheusError(f"Prometheus answered {e.code} {msg}".strip()) from None
+    except (OSError, ValueError) as e:
+        raise PrometheusError(f"Prometheus at {base_url} did not answer: {e}") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        raise PrometheusError(f"Prometheus query failed: {str(body)[:300]}")
+    return body.get("data", {}).get("result", [])
+
+
+def _value(x: str) -> float | None:
+    return _finite(float(x))
+
+
+def prometheus_summary(base_url: str, window_s: float, timeout_s: float = 5.0) -> dict:
+    """The ``StatsWindow.summary`` dict computed by Prometheus over the last ``window_s``
+    seconds (all gateway and classifier replicas). Blocking; raises PrometheusError."""
+    now = time.time()
+    window = f"{max(1, round(window_s))}s"
+    bin_s = bin_seconds(window_s)
+    rate_window = f"{max(60, round(2 * bin_s))}s"
+    steps = _bin_starts(now - window_s, now, bin_s)
+    jobs = {k: _pool.submit(_get, base_url, "/api/v1/query",
+                            {"query": q.format(w=window), "time": f"{now:.3f}"}, timeout_s)
+            for k, q in INSTANT.items()}
+    jobs |= {k: _pool.submit(_get, base_url, "/api/v1/query_range",
+                             {"query": q.format(r=rate_window), "start": f"{steps[0]:.3f}",
+                              "end": f"{steps[-1]:.3f}", "step": f"{bin_s:g}"}, timeout_s)
+             for k, q in RANGE.items()}
+    res = {k: job.result() for k, job in jobs.items()}
+    try:
+        return _prometheus_stats(res, now, window_s, bin_s, steps)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise PrometheusError(f"unexpected answer from {base_url}: {e!r}") from None
+
+
+def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
+                      steps: list[float]) -> dict:
+    def by(key: str, labels: tuple[str, ...]) -> dict[tuple, float | None]:
+        return {tuple(s["metric"].get(x, "") for x in labels): _value(s["value"][1])
+                for s in res[key]}
+
+    requests = [{"variant": v, "status": s, "count": c}
+                for (v, s), c in by("requests", ("variant", "status")).items() if c]
+    lab = ("variant", "n_bucket")
+    lat_sum, q = by("lat_sum", lab), {p: by(f"lat_p{p}", lab) for p in (50, 95, 99)}
+    latency = _sort([{"variant": v, "n_bucket": b, "count": c,
+                      "sum_ms": (lat_sum.get((v, b)) or 0.0) * 1e3,
+                      **{f"p{p}_ms": _ms(q[p].get((v, b))) for p in (50, 95, 99)}}
+                     for (v, b), c in by("lat_count", lab).items() if c and v in VARIANTS])
+    lab = ("variant", "n_bucket", "stage")
+    st_sum, q = by("stage_sum", lab), {p: by(f"stage_p{p}", lab) for p in (50, 95)}
+    stages = [{"variant": v, "n_bucket": b, "stage": s, "count": c,
+               "sum_ms": (st_sum.get((v, b, s)) or 0.0) * 1e3,
+               **{f"p{p}_ms": _ms(q[p].get((v, b, s))) for p in (50, 95)}}
+              for (v, b, s), c in by("stage_count", lab).items() if c and v in VARIANTS]
+    shadow = by("shadow", ("agree",))
+
+    series = {k: {(s["metric"].get("variant", ""), float(t)): _value(x)
+                  for s in res[k] for t, x in s["values"]} for k in RANGE}
+    timeline = []
+    for variant in VARIANTS:
+        for t in steps:
+            rps = series["rps"].get((variant, t)) or 0.0
+            timeline.append({"t": t, "variant": variant, "requests": rps * bin_s, "rps": rps,
+                             "p50_ms": _ms(series["p50"].get((variant, t))),
+                             "p99_ms": _ms(series["p99"].get((variant, t)))})
+    return {
+        "source": "prometheus", "scope": "all_replicas", "window_s": float(window_s),
+        "bin_s": bin_s, "generated_at": now, "truncated": False,
+        "requests": _sort(requests), "latency": latency, "stages": _sort(stages),
+        "ratios": ratios(latency), "timeline": timeline,
+        "shadow": _shadow(shadow.get(("true",)) or 0.0, shadow.get(("false",)) or 0.0),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3

@@ -1,0 +1,376 @@
+"""The live dashboard: /v1/stats against the metrics endpoint, and the page in real Chromium.
+
+The browser test drives Debian's ``chromium`` through its ``chromedriver`` (selenium); it is
+skipped where they are missing unless MITA_SERVE_REQUIRE_CHROMIUM=1 (``.ci/run`` sets it and
+installs them). The screenshot goes to ``test-artifacts/dashboard.png``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mita.data.listops import generate_long
+from service.metrics import DURATION_BUCKETS_S
+from service.stats import STAGE_ORDER, StatsWindow
+
+from .conftest import set_gateway, wait_for
+from .test_service import EXAMPLES
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+LABELS = ("variant", "stage", "n_bucket", "status", "primary", "agree", "le")
+DENSE_STAGES = ["embed", "qkv_proj", "attention", "out_proj", "ffn", "head"]
+FAMILIES = ("ray_mita_serve_requests_total", "ray_mita_serve_shadow_comparisons_total",
+            *(f"ray_mita_serve_{m}_duration_seconds_{s}" for m in ("request", "stage")
+              for s in ("count", "sum", "bucket")))
+
+
+def metric_snapshot(service) -> dict[str, dict[tuple, float]]:
+    """{family: {sorted labels: value}} summed over replicas, as ``test_service.samples``;
+    Ray's endpoint serves ~1 MB, so only the service's own lines are parsed, once."""
+    text = "\n".join(x for x in service.metrics_text().splitlines() if "mita_serve_" in x)
+    out: dict[str, dict[tuple, float]] = {f: {} for f in FAMILIES}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in out:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k in LABELS))
+                out[s.name][labels] = out[s.name].get(labels, 0.0) + s.value
+    return out
+
+
+def delta(before: dict, after: dict, family: str, keep_zero: bool = False
+          ) -> dict[tuple, float]:
+    """Increases of one family (non-zero ones unless ``keep_zero``), keyed by its labels as
+    a sorted tuple."""
+    out = {k: v - before[family].get(k, 0.0) for k, v in after[family].items()}
+    return {k: v for k, v in out.items() if keep_zero or abs(v) > 1e-12}
+
+
+def settled(service, quiet_s: float = 2.5) -> dict:
+    """A metrics snapshot that has not changed for ``quiet_s`` (earlier requests have all
+    reached the endpoint, which exports every 0.5 s in the tests and shows them ~2 s
+    later)."""
+    def counts(snap):  # whole numbers, exact (sums differ in the last bit by label order)
+        return {f: v for f, v in snap.items() if not f.endswith("_sum")}
+    last = metric_snapshot(service)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = metric_snapshot(service)
+        if counts(now) == counts(last):
+            return now
+        last = now
+    raise AssertionError("metrics never settled")
+
+
+def quantile_bounds(buckets: dict[float, float], q: float) -> tuple[float, float]:
+    """Bounds in seconds on numpy's linear-interpolated q-quantile of the samples that fell
+    into these histogram buckets ({upper edge: cumulative count}): the quantile lies between
+    the order statistics around rank (n − 1)·q, so between the lower edge of the bucket
+    holding the first and the upper edge of the bucket holding the second."""
+    edges = sorted(buckets)
+    n = buckets[math.inf]
+    rank = (n - 1) * q
+    lo_i, hi_i = math.floor(rank) + 1, math.ceil(rank) + 1  # 1-based order statistics
+    lo_edge = next(i for i, e in enumerate(edges) if buckets[e] >= lo_i)
+    hi_edge = next(e for e in edges if buckets[e] >= hi_i)
+    return (edges[lo_edge - 1] if lo_edge else 0.0), hi_edge
+
+
+def sum_bounds(buckets: dict[float, float]) -> tuple[float, float]:
+    """Bounds on the true sum of the samples in these histogram buckets: each sample lies
+    between its bucket's edges. (Ray exports ``_sum`` as count × bucket midpoint, an
+    approximation, so the real sum can only be checked against the buckets.)"""
+    edges, lo, hi, prev_edge, prev_count = sorted(buckets), 0.0, 0.0, 0.0, 0.0
+    for e in edges:
+        n = buckets[e] - prev_count
+        lo, hi = lo + n * prev_edge, hi + n * e if n else hi
+        prev_edge, prev_count = e, buckets[e]
+    return lo, hi
+
+
+def by_labels(rows: dict[tuple, float], **fixed) -> dict[tuple, float]:
+    return {k: v for k, v in rows.items() if all(dict(k).get(a) == b for a, b in fixed.items())}
+
+
+@pytest.mark.service
+def test_stats_match_metrics_endpoint(service):
+    """A known set of requests (both variants, two N buckets, shadow on, two refusals):
+    /v1/stats over exactly that window equals the metrics endpoint's increases."""
+    set_gateway(service, shadow=True)
+    long_text, _ = generate_long(2048, seed=11)
+    plan = ([(t, "mita") for t, _ in EXAMPLES[:4]] + [(t, "dense") for t, _ in EXAMPLES[4:7]]
+            + [(long_text, "mita"), (long_text, "dense")])
+    try:
+        before = settled(service)
+        t0 = time.time()
+        for text, variant in plan:
+            r = service.post("/v1/classify", json={"text": text, "variant": variant})
+            assert r.status_code == 200 and r.json()["shadow"] != variant, r.text
+        for bad in ({"text": ""}, {"ids": [99]}):
+            assert service.post("/v1/classify", json=bad).status_code == 422
+
+        def landed():  # every request, stage and shadow comparison reached the endpoint
+            after = metric_snapshot(service)
+            total = {f: sum(delta(before, after, f).values()) for f in FAMILIES}
+            return after if (total["ray_mita_serve_shadow_comparisons_total"] == len(plan)
+                             and total["ray_mita_serve_requests_total"] == len(plan) + 2
+                             and total["ray_mita_serve_stage_duration_seconds_count"]
+                             == len(plan) * (len(STAGE_ORDER) + len(DENSE_STAGES))) else None
+        after = wait_for(landed)
+        assert after, "the requests' metrics never reached the metrics endpoint"
+        # t0 was preceded by `quiet_s` without activity: a 0.5 s margin takes nothing older.
+        r = service.client.get("/v1/stats", params={"window_s": time.time() - t0 + 0.5})
+    finally:
+        set_gateway(service, shadow=False)
+    assert r.status_code == 200, r.text
+    stats = r.json()
+    assert stats["source"] == "local" and stats["scope"] == "replica"
+
+    # Requests by variant and status: exactly the plan, and exactly the counter's increase.
+    want = {("mita", "200"): 5, ("dense", "200"): 4, ("none", "422"): 2}
+    got = {(x["variant"], x["status"]): x["count"] for x in stats["requests"]}
+    assert got == want
+    counter = delta(before, after, "ray_mita_serve_requests_total")
+    assert {(dict(k)["variant"], dict(k)["status"]): v for k, v in counter.items()} == want
+    assert stats["ab"]["observed"] == pytest.approx({"mita": 5 / 9, "dense": 4 / 9})
+    assert stats["ab"]["weights"] == {"mita": 0.5, "dense": 0.5} and stats["ab"]["shadow"]
+
+    # Request latency per variant and N bucket: counts, sums, and quantiles inside the
+    # histogram's own bounds.
+    counts = delta(before, after, "ray_mita_serve_request_duration_seconds_count")
+    assert {(x["variant"], x["n_bucket"]): x["count"] for x in stats["latency"]} == {
+        (dict(k)["variant"], dict(k)["n_bucket"]): v for k, v in counts.items()} == {
+        ("mita", "le_1024"): 4, ("mita", "le_4096"): 1, ("dense", "le_1024"): 3,
+        ("dense", "le_4096"): 1}
+    buckets = delta(before, after, "ray_mita_serve_request_duration_seconds_bucket", True)
+    for row in stats["latency"]:
+        hist = {float(dict(k)["le"]): v for k, v in by_labels(
+            buckets, variant=row["variant"], n_bucket=row["n_bucket"]).items()}
+        lo, hi = sum_bounds(hist)
+        assert lo <= row["sum_ms"] / 1e3 <= hi, (row, lo, hi)
+        assert hist[math.inf] == row["count"]
+        for q in (50, 95, 99):
+            lo, hi = quantile_bounds(hist, q / 100)
+            assert lo <= row[f"p{q}_ms"] / 1e3 <= hi, (row, q, lo, hi)
+
+    # Stages: every (variant, N bucket, stage) series, primary and shadow runs alike.
+    counts = delta(before, after, "ray_mita_serve_stage_duration_seconds_count")
+    sums = delta(before, after, "ray_mita_serve_stage_duration_seconds_sum")
+    buckets = delta(before, after, "ray_mita_serve_stage_duration_seconds_bucket", True)
+    rows = {(x["variant"], x["n_bucket"], x["stage"]): x for x in stats["stages"]}
+    assert set(rows) == {(dict(k)["variant"], dict(k)["n_bucket"], dict(k)["stage"])
+                         for k in counts}
+    runs = {"le_1024": 7, "le_4096": 2}  # each request ran both variants (shadow)
+    for variant, stages in (("mita", list(STAGE_ORDER)), ("dense", DENSE_STAGES)):
+        for b, n in runs.items():
+            assert [s for v, nb, s in rows if v == variant and nb == b] == stages
+            for stage in stages:
+                row = rows[variant, b, stage]
+                key = (("n_bucket", b), ("stage", stage), ("variant", variant))
+                assert row["count"] == counts[key] == n
+                assert row["p50_ms"] > 0
+                hist = {float(dict(k)["le"]): v for k, v in by_labels(
+                    buckets, variant=variant, n_bucket=b, stage=stage).items()}
+                assert len(hist) == len(DURATION_BUCKETS_S) + 1
+                lo, hi = sum_bounds(hist)
+                assert lo <= row["sum_ms"] / 1e3 <= hi, (row, lo, hi)
+                assert sums[key] > 0  # Ray's midpoint-approximated sum
+                for q in (50, 95):
+                    lo, hi = quantile_bounds(hist, q / 100)
+                    assert lo <= row[f"p{q}_ms"] / 1e3 <= hi, (row, q, lo, hi)
+
+    # Shadow agreement: the counter's increase, by agree.
+    shadow = delta(before, after, "ray_mita_serve_shadow_comparisons_total")
+    agree = sum(by_labels(shadow, agree="true").values())
+    assert stats["shadow"]["comparisons"] == len(plan) == sum(shadow.values())
+    assert stats["shadow"]["agree"] == agree
+    assert stats["shadow"]["rate"] == pytest.approx(agree / len(plan))
+
+    # Ratio and timeline follow from the same records.
+    p50 = {(x["variant"], x["n_bucket"]): x["p50_ms"] for x in stats["latency"]}
+    assert [(x["n_bucket"], x["ratio"]) for x in stats["ratios"]] == [
+        (b, pytest.approx(p50["mita", b] / p50["dense", b])) for b in ("le_1024", "le_4096")]
+    for variant, n in (("mita", 5), ("dense", 4)):
+        points = [p for p in stats["timeline"] if p["variant"] == variant]
+        assert sum(p["requests"] for p in points) == n
+        assert all(p["rps"] == p["requests"] / stats["bin_s"] for p in points)
+
+    mita, dense = stats["models"]["mita"], stats["models"]["dense"]
+    assert (mita["m"], mita["k"], mita["s"], mita["attention"]) == (16, 16, 1, "mita")
+    assert (dense["m"], dense["attention"]) == (None, "dense")
+    assert mita["model_id"] == dense["model_id"] and mita["model_id"].startswith(
+        "listops-default@")
+
+
+@pytest.mark.service
+def test_stats_endpoint_contract(service):
+    c = service.client
+    for bad in ("0", "-3", "nan", "inf", "abc", "100000"):
+        r = c.get("/v1/stats", params={"window_s": bad})
+        assert r.status_code == 422 and "window_s" in r.json()["error"], (bad, r.text)
+    r = c.get("/v1/stats", params={"window_s": 3600})
+    assert r.status_code == 200 and r.json()["window_s"] == 300  # capped at stats_window_s
+    spec = c.get("/openapi.json").json()
+    op = spec["paths"]["/v1/stats"]["get"]
+    assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/StatsResponse")
+    assert {"422", "502"} <= set(op["responses"])
+    assert "text/html" in spec["paths"]["/dashboard"]["get"]["responses"]["200"]["content"]
+    page = c.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    js = c.get("/dashboard/dashboard.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    # Nothing is loaded from anywhere but the gateway itself.
+    assert "http" not in page.text.replace("http://www.w3.org", "")
+    assert "http" not in js.text.replace("http://www.w3.org/2000/svg", "")
+
+
+def test_window_summary_against_numpy():
+    w = StatsWindow(retention_s=60, max_records=50)
+    rng = np.random.default_rng(0)
+    lat = rng.uniform(0.001, 0.2, 40)
+    for i, x in enumerate(lat):
+        w.add_request("mita" if i % 4 else "dense", 200, "le_1024", float(x))
+        w.add_forward("mita", "le_1024", {"embed": float(x) * 10, "topk": 1.0})
+    w.add_request("none", 413)
+    w.add_shadow("mita", True)
+    w.add_shadow("dense", False)
+    s = w.summary()
+    mita = lat[[i % 4 != 0 for i in range(40)]] * 1e3
+    row = next(r for r in s["latency"] if r["variant"] == "mita")
+    assert row["count"] == 30 and row["sum_ms"] == pytest.approx(mita.sum())
+    assert [row["p50_ms"], row["p95_ms"], row["p99_ms"]] == pytest.approx(
+        list(np.percentile(mita, [50, 95, 99])))
+    embed = next(r for r in s["stages"] if r["stage"] == "embed")
+    assert embed["p95_ms"] == pytest.approx(np.percentile(lat * 10, 95))
+    assert [r["stage"] for r in s["stages"]] == ["embed", "topk"]  # forward order
+    assert s["shadow"] == {"comparisons": 2, "agree": 1, "rate": 0.5}
+    assert s["requests"][-1] == {"variant": "none", "status": "413", "count": 1}
+    assert sum(p["requests"] for p in s["timeline"]) == 40 and not s["truncated"]
+    assert len(s["timeline"]) in (2 * 60, 2 * 61) and s["bin_s"] == 1
+    # The record cap: 41 requests into 50 places is fine, 60 more cut the window short.
+    for _ in range(60):
+        w.add_request("dense", 200, "le_1024", 0.01)
+    assert w.summary()["truncated"]
+    # Records older than the retention are dropped.
+    w.requests.appendleft((time.time() - 61, "mita", "200", "le_1024", 1.0))
+    w.retention_s = 30
+    assert w.summary(window_s=1000)["window_s"] == 30
+    assert all(r[0] >= time.time() - 31 for r in w.requests)
+
+
+# ---- the page in a real browser ------------------------------------------------------------
+
+_required = os.environ.get("MITA_SERVE_REQUIRE_CHROMIUM") == "1"
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                  "--window-size=1400,1200")
+
+
+@pytest.fixture
+def browser():
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    if not (chromium and driver and webdriver):
+        if _required:
+            pytest.fail("chromium, chromium-driver or selenium missing but "
+                        "MITA_SERVE_REQUIRE_CHROMIUM=1")
+        pytest.skip("chromium/chromium-driver not installed (.ci/run installs Debian's)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+            opts.add_argument(flag)
+        opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        b = webdriver.Chrome(options=opts, service=Service(driver))
+        try:
+            yield b
+        finally:
+            b.quit()
+
+
+@pytest.mark.service
+def test_dashboard_page_in_chromium(service, browser):
+    """After requests of both variants in two N buckets with shadow on, the page draws every
+    stage of both variants with non-zero p50, the latency/throughput lines, the ratio bars,
+    the shadow rate and m/k/s; no console errors; full-page screenshot saved."""
+    long_text, _ = generate_long(3000, seed=12)
+    set_gateway(service, shadow=True)
+    try:
+        for variant in ("mita", "dense"):
+            for text in [t for t, _ in EXAMPLES[:3]] + [long_text]:
+                r = service.post("/v1/classify", json={"text": text, "variant": variant})
+                assert r.status_code == 200, r.text
+        assert wait_for(lambda: service.client.get("/v1/stats").json()["shadow"]["comparisons"]
+                        >= 8)
+
+        browser.get(f"{service.url}/dashboard")
+
+        def drawn():
+            bars = browser.execute_script(
+                "return [...document.querySelectorAll('#stages g.bar')].map(g => "
+                "[g.dataset.variant, g.dataset.stage, +g.dataset.p50, g.closest('svg')"
+                ".dataset.bucket])")
+            return bars if {b[0] for b in bars} == {"mita", "dense"} else None
+        bars = wait_for(drawn, 30)
+        assert bars, browser.find_element("tag name", "body").text[:2000]
+        page_text = browser.find_element("tag name", "body").text
+        ab_text = browser.find_element("id", "ab").text
+        shadow_text = browser.find_element("id", "shadow").text
+        models_rows = browser.execute_script(
+            "return [...document.querySelectorAll('#models tr[data-variant]')].map(r => "
+            "[...r.cells].map(c => c.textContent))")
+        series = browser.execute_script(
+            "return [...document.querySelectorAll('path.series')].map(p => "
+            "[p.closest('svg').id, p.dataset.variant, p.dataset.key])")
+        ratio = browser.execute_script(
+            "return [...document.querySelectorAll('#ratio g.ratio')].map(g => "
+            "[g.dataset.bucket, +g.dataset.ratio])")
+        legend = browser.execute_script(
+            "return [...document.querySelectorAll('#legend [data-variant]')].map(e => "
+            "e.textContent)")
+        ARTIFACTS.mkdir(exist_ok=True)
+        width, height = browser.execute_script(
+            "const e = document.documentElement; return [e.scrollWidth, e.scrollHeight]")
+        shot = browser.execute_cdp_cmd("Page.captureScreenshot", {  # the whole page
+            "format": "png", "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
+        (ARTIFACTS / "dashboard.png").write_bytes(base64.b64decode(shot["data"]))
+        logs = browser.get_log("browser")
+    finally:
+        set_gateway(service, shadow=False)
+
+    for bucket in ("le_1024", "le_4096"):
+        for variant, stages in (("mita", list(STAGE_ORDER)), ("dense", DENSE_STAGES)):
+            got = [b for b in bars if b[0] == variant and b[3] == bucket]
+            assert [b[1] for b in got] == stages, (variant, bucket, got)
+            assert all(b[2] > 0 for b in got), got
+    for stage in STAGE_ORDER:
+        assert stage in page_text
+    assert legend == ["mita", "dense"]
+    assert "configured: mita 50.0 % · dense 50.0 %" in ab_text and "shadow on" in ab_text
+    assert shadow_text.split("\n")[0].endswith("%") and "labels agree" in shadow_text
+    assert models_rows == [["mita", "16", "16", "1", "cpu"], ["dense", "–", "–", "–", "cpu"]]
+    for chart, key in (("latency-chart", "p50_ms"), ("latency-chart", "p99_ms"),
+                       ("throughput-chart", "rps")):
+        assert {v for c, v, k in series if c == chart and k == key} == {"mita", "dense"}
+    assert {b for b, _ in ratio} >= {"le_1024", "le_4096"} and all(x > 0 for _, x in ratio)
+    errors = [e for e in logs if e["level"] == "SEVERE"]
+    assert not errors, errors
