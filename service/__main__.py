@@ -17,13 +17,23 @@ def main(argv: list[str] | None = None) -> None:
                         "deploy/serve_config.gpu.yaml when CUDA is available)")
     p.add_argument("--metrics-port", type=int, default=9100)
     p.add_argument("--metrics-interval-ms", type=int, default=5000)
+    p.add_argument("--node-ip", default="127.0.0.1",
+                   help="Ray's node address; Ray's metrics exporter binds to it when it is "
+                        "loopback (the HTTP host is http_options.host in the config)")
+    p.add_argument("--dashboard-host", default=None,
+                   help="start the Ray dashboard bound to this address (default: no dashboard)")
     a = p.parse_args(argv)
     config = launch.load_config(a.config or launch.default_config())
-    url = launch.start(config, a.metrics_port, a.metrics_interval_ms)
+    try:  # refuse before starting Ray: a bad checkpoint would only fail inside a replica
+        launch.verify_checkpoints(config)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"mita-serve: refusing to start: {e}") from None
+    url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
+                       dashboard_host=a.dashboard_host)
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
-    print(f"Prometheus metrics: http://127.0.0.1:{a.metrics_port}/metrics")
+    print(f"Prometheus metrics: http://{a.node_ip}:{a.metrics_port}/metrics")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\nCtrl-C stops.", flush=True)
     stop = threading.Event()

@@ -1,10 +1,14 @@
 """Classifier deployment: one class, two deployments (``mita`` and ``dense``), one checkpoint.
 
-Requests arrive one sequence each and are batched by ``@serve.batch``; a batch is split into
-groups of similar length (power-of-two length buckets), each group padded with the model's
-key padding mask and run as one profiled forward in a worker thread (the event loop stays
-free for health checks and queueing). Every request's stage times are recorded as metrics;
-the timings go back in the response when asked for.
+Requests arrive one sequence each and are batched by ``@serve.batch``. With
+``deterministic: true`` (the default) every sequence of a batch then runs as its own forward,
+unpadded: the same request gives bit-identical probabilities whatever else arrived with it (a
+padded or larger batch changes BLAS blocking and the float32 rounding, ~1e-7). With
+``deterministic: false`` a batch is split into groups of similar length (power-of-two length
+buckets), each group padded with the model's key padding mask and run as one forward — up to
+2× the throughput for short sequences on CPU, ~5 % at N = 2000. Forwards run in a worker
+thread (the event loop stays free for health checks and queueing). Every request's stage
+times are recorded as metrics; the timings go back in the response when asked for.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def pick_device(device: str) -> torch.device:
 class Classifier:
     """Args: ``checkpoint`` folder, ``attention`` (``mita`` | ``dense``), ``device``
     (``auto`` | ``cpu`` | ``cuda``). ``user_config``: ``max_batch_size``,
-    ``batch_wait_timeout_s``."""
+    ``batch_wait_timeout_s``, ``deterministic``."""
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto"):
         folder = resolve_checkpoint(checkpoint)
@@ -59,13 +63,18 @@ class Classifier:
         self.model_id = f"{folder.name}@{meta['weights_sha256'][:12]}"
         self.info_dict = {
             "variant": attention, "model_id": self.model_id, "device": str(self.device),
+            # Changes when Serve replaces the replica (crash, OOM kill): tests and operators
+            # can see a restart.
+            "replica": serve.get_replica_context().replica_id.unique_id,
             "torch_threads": torch.get_num_threads(),
             "config": meta["config"] | {"attention": attention},
             "training": meta.get("training", {}),
         }
         self.metrics = ServiceMetrics()
+        self.deterministic = True
 
     def reconfigure(self, config: dict) -> None:
+        self.deterministic = bool(config.get("deterministic", True))
         self.classify_batch.set_max_batch_size(int(config.get("max_batch_size", 8)))
         self.classify_batch.set_batch_wait_timeout_s(
             float(config.get("batch_wait_timeout_s", 0.005)))
@@ -85,14 +94,18 @@ class Classifier:
     def _run(self, batch: list[list[int]]) -> list[dict]:
         results: list[dict | None] = [None] * len(batch)
         pad = self.model.config.pad_id
-        for group in length_groups([len(x) for x in batch]):
+        groups = ([[i] for i in range(len(batch))] if self.deterministic
+                  else length_groups([len(x) for x in batch]))
+        for group in groups:
             n_max = max(len(batch[i]) for i in group)
             ids = torch.full((len(group), n_max), pad, dtype=torch.long)
             mask = torch.ones(len(group), n_max, dtype=torch.bool)
             for row, i in enumerate(group):
                 ids[row, : len(batch[i])] = torch.tensor(batch[i], dtype=torch.long)
                 mask[row, : len(batch[i])] = False
-            logits, prof = profile_forward(self.model, ids.to(self.device), mask.to(self.device))
+            # No padding in the group: no mask (dense SDPA can then take its flash path).
+            mask = mask.to(self.device) if bool(mask.any()) else None
+            logits, prof = profile_forward(self.model, ids.to(self.device), mask)
             probs = torch.softmax(logits.double(), -1).cpu()
             profile = prof.as_dict() | {"batch_size": len(group), "padded_n": n_max,
                                         "flops_total": sum(prof.flops.values())}

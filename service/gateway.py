@@ -23,7 +23,9 @@ from importlib.resources import files
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,9 +49,51 @@ VOCAB_SIZE = len(VOCAB)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None):
+    """An answer other than 200. ``rejected``: refused by back-pressure (counted in
+    ``rejections_total``, not as an error)."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None,
+                 rejected: bool = False):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
+        self.rejected = rejected
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:  # parsers disagree on which copy wins: refuse the ambiguity
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+class StrictJSONRequest(Request):
+    """``json()`` that refuses duplicate keys and too-deep nesting with a JSON decode error
+    (→ 400 "malformed JSON body") instead of taking the last copy or a RecursionError (500)."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = json.loads(body, object_pairs_hook=_reject_duplicates)
+            except RecursionError:
+                raise json.JSONDecodeError("nesting too deep", body.decode(errors="replace"),
+                                           0) from None
+            except ValueError as e:
+                if isinstance(e, json.JSONDecodeError):
+                    raise
+                raise json.JSONDecodeError(str(e), body.decode(errors="replace"), 0) from None
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request):
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+        return strict_handler
 
 
 def sticky_unit(key: str) -> float:
@@ -113,6 +157,7 @@ app = FastAPI(
     description="Classify long sequences with MiTA (Mixture-of-Top-k Attention) or dense "
                 "attention; per-stage timings in responses and as Prometheus metrics.",
 )
+app.router.route_class = StrictJSONRoute
 _limits = {"max_body_bytes": GatewayConfig().max_body_bytes}  # set by Gateway.reconfigure
 
 
@@ -151,8 +196,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 async def _validation_error(request: Request, exc: RequestValidationError):
     errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type")}
               for e in exc.errors()]
-    if any(e["type"] == "json_invalid" for e in errors):
-        return _error(400, "malformed JSON body", errors)
+    invalid = [e for e in exc.errors() if e.get("type") == "json_invalid"]
+    if invalid:
+        why = (invalid[0].get("ctx") or {}).get("error")
+        return _error(400, f"malformed JSON body: {why}" if why else "malformed JSON body",
+                      errors)
     if any(e["type"] == "missing" and e["loc"] == ["body"] for e in errors):
         return _error(400, "empty request body: send a JSON object with 'text' or 'ids'")
     msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
@@ -176,9 +224,7 @@ STATIC_HEADERS = {
                                "img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'",
 }
 
-ERRORS = {400: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-          422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
-          504: {"model": ErrorResponse}}
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 411, 413, 415, 422, 500, 503, 504)}
 
 
 @serve.deployment
@@ -209,17 +255,27 @@ class Gateway:
                                           self.config.request_timeout_s)
         except BackPressureError:
             raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
-                           {"Retry-After": str(self.config.retry_after_s)}) from None
+                           {"Retry-After": str(self.config.retry_after_s)},
+                           rejected=True) from None
         except asyncio.TimeoutError:
             response.cancel()
             raise ApiError(504, f"the {variant} classifier did not answer within "
                                 f"{self.config.request_timeout_s} s") from None
+        except RayActorError as e:  # the replica died mid-request; Serve replaces it
+            raise ApiError(503, f"the {variant} classifier replica failed while handling "
+                                f"the request ({type(e).__name__}); retry later",
+                           {"Retry-After": str(self.config.retry_after_s)}) from None
+        except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
+            raise ApiError(500, f"the {variant} classifier failed: "
+                                f"{type(e).__name__}") from None
 
     async def _shadow(self, primary: str, shadow: str, ids: list[int], served: dict) -> None:
         try:
             other = await self._call(shadow, ids)
-        except ApiError:
-            return  # the shadow is best effort; the primary already answered
+        except ApiError as e:  # the shadow is best effort; the primary already answered
+            if e.rejected:
+                self.metrics.rejections.inc(1, {"variant": shadow, "role": "shadow"})
+            return
         agree = other["label"] == served["label"]
         self.window.add_forward(shadow, n_bucket(len(ids)), other["profile"]["stages_ms"])
         self.window.add_shadow(primary, agree)
@@ -236,8 +292,11 @@ class Gateway:
         try:
             result = await self._call(primary, ids)
         except ApiError as e:
-            self.metrics.requests.inc(1, {"variant": primary, "status": str(e.status)})
-            self.window.add_request(primary, e.status)
+            if e.rejected:  # overload refusal: not an error, not in requests_total
+                self.metrics.rejections.inc(1, {"variant": primary, "role": "primary"})
+            else:
+                self.metrics.requests.inc(1, {"variant": primary, "status": str(e.status)})
+                self.window.add_request(primary, e.status)
             raise
         latency, bucket = time.perf_counter() - start, n_bucket(len(ids))
         self.metrics.requests.inc(1, {"variant": primary, "status": "200"})

@@ -9,6 +9,7 @@ export port and interval, and binding Ray to loopback.
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import os
 import time
@@ -18,6 +19,7 @@ import ray
 import torch
 import yaml
 from ray import serve
+from ray._private import ray_constants
 from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
@@ -56,9 +58,15 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeployS
 
 
 def start(config: ServeDeploySchema, metrics_port: int = 9100,
-          metrics_interval_ms: int = 10000, timeout_s: float = 300.0) -> str:
-    """Start Ray (no dashboard, metrics on ``metrics_port``) and Serve's HTTP proxy, deploy
-    ``config`` and wait until it runs. Returns the base URL.
+          metrics_interval_ms: int = 10000, timeout_s: float = 300.0,
+          node_ip: str = "127.0.0.1", dashboard_host: str | None = None) -> str:
+    """Start Ray and Serve's HTTP proxy, deploy ``config`` and wait until it runs. Returns the
+    base URL.
+
+    Safe defaults: the HTTP proxy binds to ``config.http_options.host`` (127.0.0.1 in the
+    shipped configs); Ray's node address is ``node_ip`` (127.0.0.1), which makes Ray's metrics
+    exporter on ``metrics_port`` bind to loopback; the Ray dashboard is off unless
+    ``dashboard_host`` is given (e.g. "127.0.0.1" to run it locally, "0.0.0.0" to expose it).
 
     Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes.
     """
@@ -66,10 +74,17 @@ def start(config: ServeDeploySchema, metrics_port: int = 9100,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     if not ray.is_initialized():
-        ray.init(namespace="serve", include_dashboard=False,
+        if ipaddress.ip_address(node_ip).is_loopback:
+            # On Linux Ray swaps a loopback node address for the machine's routable one
+            # (services.resolve_ip_for_localhost) unless it runs in its single-machine mode;
+            # that mode keeps Ray's servers, and the metrics exporter, on loopback.
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        ray.init(namespace="serve", include_dashboard=dashboard_host is not None,
+                 dashboard_host=dashboard_host or "127.0.0.1", _node_ip_address=node_ip,
                  _metrics_export_port=metrics_port,
                  _system_config={"metrics_report_interval_ms": metrics_interval_ms})
-        write_prometheus_sd(metrics_port)
+        write_prometheus_sd(metrics_port, host=node_ip)
     serve_api.serve_start(http_options=config.http_options.model_dump(),
                           proxy_location=config.proxy_location)
     deploy(config, timeout_s)
@@ -77,11 +92,26 @@ def start(config: ServeDeploySchema, metrics_port: int = 9100,
     return f"http://{http.host}:{http.port}"
 
 
-def write_prometheus_sd(metrics_port: int, path: Path = PROMETHEUS_SD_FILE) -> None:
+def verify_checkpoints(config: ServeDeploySchema) -> None:
+    """Load every application's ``checkpoint`` argument on the CPU, as the replicas will:
+    safetensors only, ``config.json``'s weights SHA-256 checked. Raises ValueError/OSError
+    naming the problem (e.g. a hash mismatch) so the service refuses to start."""
+    from mita.model import load_checkpoint
+
+    from .classifier import resolve_checkpoint
+
+    for app in config.applications:
+        checkpoint = (app.args or {}).get("checkpoint")
+        if checkpoint is not None:
+            load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
+
+
+def write_prometheus_sd(metrics_port: int, path: Path = PROMETHEUS_SD_FILE,
+                        host: str = "127.0.0.1") -> None:
     """Write Ray's file-SD format: one target, this node's metrics export port."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([{"labels": {"job": "ray"},
-                                 "targets": [f"127.0.0.1:{metrics_port}"]}]) + "\n")
+                                 "targets": [f"{host}:{metrics_port}"]}]) + "\n")
 
 
 def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:

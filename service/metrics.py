@@ -62,8 +62,15 @@ class ServiceMetrics:
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
         self.requests = Counter(
             "mita_serve_requests_total",
-            description="Classification requests answered, by variant and HTTP status.",
+            description="Classification requests answered, by variant and HTTP status "
+                        "(overload refusals are not here: see rejections_total).",
             tag_keys=("variant", "status"))
+        self.rejections = Counter(
+            "mita_serve_rejections_total",
+            description="Requests refused by a classifier's back-pressure "
+                        "(max_queued_requests) and answered 503 + Retry-After; role=shadow "
+                        "when only the shadow call was refused (the primary answered).",
+            tag_keys=("variant", "role"))
         self.tokens = Counter(
             "mita_serve_tokens_total", description="Tokens classified.", tag_keys=("variant",))
         self.flops = Counter(

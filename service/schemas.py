@@ -23,7 +23,10 @@ class ClassifyRequest(BaseModel):
     """One sequence: ListOps ``text`` (space-separated tokens; LRA's ``(``/``)`` are ignored)
     or token ``ids`` — exactly one of them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"text": "[MAX 2 [MIN 4 7 ] 0 ]"},
+        {"ids": [12, 3, 11, 5, 8, 15, 1, 15], "variant": "mita", "profile": True},
+    ]})
 
     text: str | None = Field(None, description="ListOps tokens, e.g. '[MAX 2 [MIN 4 7 ] 0 ]'")
     ids: list[StrictInt] | None = Field(None, description="token ids (1..15; 0 is padding)")

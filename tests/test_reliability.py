@@ -1,0 +1,376 @@
+"""Reliability and security of the real service (Ray Serve on loopback, in this process):
+fuzzed API, nasty bodies, overload, replica failure, timeouts, safe defaults, determinism."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import ray
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from loadtest.engine import LoadConfig, run_load
+from mita.data.listops import encode, generate_long
+from service import launch
+
+from .conftest import CHECKPOINT, set_gateway, wait_for
+
+pytestmark = pytest.mark.service
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def counter(text: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzzing: schemathesis against the service's own OpenAPI schema.
+
+def test_openapi_fuzz(service):
+    """Every request schemathesis generates from the service's own OpenAPI schema (valid and
+    invalid data, every operation) gets a status the schema documents, a body matching the
+    documented model, and never a 5xx. 25 examples per operation (schema-valid and
+    schema-invalid data mixed), derandomized. Not checked:
+    that every schema-valid body is accepted — the schema cannot express the ListOps
+    vocabulary, "exactly one of text/ids" or max_n, so such bodies get a documented 422."""
+    schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/classify", "/v1/classify/batch",
+                                              "/v1/models", "/v1/stats", "/healthz"}
+    seen: dict[str, set[int]] = {}  # operation → statuses answered
+    for op in operations:
+        @given(case=st.one_of(op.as_strategy(GenerationMode.POSITIVE),
+                              op.as_strategy(GenerationMode.NEGATIVE)))
+        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case):
+            response = case.call_and_validate(timeout=60, excluded_checks=[
+                positive_data_acceptance])
+            seen.setdefault(case.operation.label, set()).add(response.status_code)
+        check()
+    print(f"fuzz statuses: {seen}")
+    assert 422 in seen["POST /v1/classify"] and 422 in seen["POST /v1/classify/batch"]
+    assert max(max(codes) for codes in seen.values()) < 500
+    # The schema's own examples are real ListOps: answered 200, response schema checked.
+    classify = next(op for op in operations if op.label == "POST /v1/classify")
+    examples = schema.raw_schema["components"]["schemas"]["ClassifyRequest"]["examples"]
+    for example in examples:
+        case = classify.Case(body=example, media_type="application/json")
+        assert case.call_and_validate(timeout=60).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-written nasty bodies (raw bytes, so the JSON itself can be odd).
+
+def raw(service, body: bytes | str, path="/v1/classify") -> httpx.Response:
+    data = body.encode() if isinstance(body, str) else body
+    return service.client.post(path, content=data, headers={"content-type": "application/json"})
+
+
+NASTY = [
+    ('{"ids": [9223372036854775808]}', 422, "out of range"),          # int64 max + 1
+    ('{"ids": [-9223372036854775809]}', 422, "out of range"),
+    ('{"ids": [3, -2]}', 422, "token id -2 at position 1"),
+    ('{"ids": [3.0]}', 422, "invalid request"),
+    ('{"ids": [1e400]}', 422, "invalid request"),
+    ('{"ids": [NaN]}', 422, "invalid request"),
+    ('{"ids": [[3, [4]]]}', 422, "invalid request"),
+    ('{"ids": ["3", 4]}', 422, "invalid request"),
+    ('{"ids": [true]}', 422, "invalid request"),
+    ('{"ids": null, "text": null}', 422, "exactly one of 'text' or 'ids'"),
+    ('{"text": "[MAX 2 ３ ]"}', 422, "unknown token '３'"),              # full-width digit
+    ('{"text": "[MAX 2 3 ] \\u0000"}', 422, "unknown token"),
+    ('{"text": "[MAX 2 💥 ]"}', 422, "unknown token '💥'"),
+    ('{"text": "\\ud800"}', 422, "unknown token"),                     # lone surrogate
+    ('{"text": "[MAX 2 3 ]", "text": "[MIN 4 ]"}', 400, "duplicate key 'text'"),
+    ('{"ids": [3], "ids": [4]}', 400, "duplicate key 'ids'"),
+    ('{"ids": ' + "[" * 5000 + "]" * 5000 + "}", 400, "malformed JSON"),  # nesting bomb
+    ('[{"text": "[MAX 2 3 ]"}]', 422, "invalid request"),
+    ('"[MAX 2 3 ]"', 422, "invalid request"),
+    ("{}", 422, "exactly one of 'text' or 'ids'"),
+    ('{"text": "[MAX 2 3 ]", "checkpoint": "/etc/passwd"}', 422, "checkpoint"),
+]
+
+
+@pytest.mark.parametrize("body,status,message", NASTY)
+def test_nasty_bodies(service, body, status, message):
+    r = raw(service, body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert message in r.json()["error"], r.json()
+
+
+def test_size_limits_and_max_n(service):
+    max_n = 16384
+    ten_mb = b'{"ids": [' + b"3," * (5 * 1024 * 1024) + b"3]}"
+    assert len(ten_mb) > 10 * 1024 * 1024
+    r = raw(service, ten_mb)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]
+    ids = encode(generate_long(max_n, seed=3)[0])
+    assert len(ids) == max_n
+    r = service.post("/v1/classify", json={"ids": ids, "variant": "mita"})
+    assert r.status_code == 200 and r.json()["n"] == max_n
+    r = service.post("/v1/classify", json={"ids": ids + [3], "variant": "mita"})
+    assert r.status_code == 422
+    assert r.json()["error"] == f"sequence length N = {max_n + 1} exceeds max_n = {max_n}"
+    r = raw(service, json.dumps({"items": [{"ids": ids + [3]}]}), "/v1/classify/batch")
+    assert r.status_code == 422 and r.json()["error"].startswith("items[0]: sequence length")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeouts.
+
+def test_request_timeout_gives_504(service):
+    ids = encode(generate_long(16384, seed=4)[0])  # ~1 s of CPU per forward
+    set_gateway(service, request_timeout_s=0.05)
+    try:
+        r = service.post("/v1/classify", json={"ids": ids, "variant": "dense"})
+    finally:
+        set_gateway(service)
+    assert r.status_code == 504, r.text
+    assert r.json()["error"] == "the dense classifier did not answer within 0.05 s"
+    assert service.post("/v1/classify", json={"ids": ids[:100]}).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe defaults.
+
+def listening(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_http_and_metrics_bind_to_loopback_no_dashboard(service):
+    http_port = int(service.url.rsplit(":", 1)[1])
+    metrics_port = int(service.metrics_url.split(":")[2].split("/")[0])
+    assert listening(http_port) == {"127.0.0.1"}
+    assert listening(metrics_port) == {"127.0.0.1"}
+    assert listening(8265) == set()  # Ray's dashboard port: not started by default
+
+
+def test_tampered_checkpoint_refuses_to_start(tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(ROOT / CHECKPOINT, bad)
+    weights = bytearray((bad / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # one flipped bit in the last tensor
+    (bad / "model.safetensors").write_bytes(bytes(weights))
+    config = (ROOT / "deploy" / "serve_config.yaml").read_text().replace(
+        "checkpoint: checkpoints/listops-default", f"checkpoint: {bad}")
+    (tmp_path / "serve.yaml").write_text(config)
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "service", "--config",
+                           str(tmp_path / "serve.yaml")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert "refusing to start" in done.stderr and "does not match" in done.stderr
+    assert "SHA-256" in done.stderr
+    assert time.monotonic() - t0 < 60  # before Ray starts
+
+
+def test_no_endpoint_takes_paths(service):
+    spec = service.client.get("/openapi.json").json()
+    for path, ops in spec["paths"].items():
+        assert "{" not in path, path  # no path parameters
+        for op in ops.values():
+            for p in op.get("parameters", []):
+                assert p["in"] == "query" and p["schema"].get("type") != "string", (path, p)
+    for name in ("ClassifyRequest", "BatchRequest"):
+        assert spec["components"]["schemas"][name]["additionalProperties"] is False
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism: same request, same variant → bit-identical probabilities, also in batches.
+
+def test_same_request_bit_identical_under_concurrent_batching(service):
+    probe = encode(generate_long(700, seed=11)[0])
+    others = [encode(generate_long(n, seed=20 + n)[0]) for n in (90, 350, 700, 1500, 2900)]
+
+    async def go(variant):
+        async with httpx.AsyncClient(base_url=service.url, timeout=120) as c:
+            alone = [await c.post("/v1/classify", json={"ids": probe, "variant": variant})
+                     for _ in range(2)]
+            bodies = [{"ids": probe, "variant": variant}] * 6 + [
+                {"ids": o, "variant": variant} for o in others * 3]
+            mixed = await asyncio.gather(*(c.post("/v1/classify", json=b) for b in bodies))
+            return alone, mixed[:6]
+
+    for variant in ("mita", "dense"):
+        alone, loaded = asyncio.run(go(variant))
+        reference = alone[0].json()["probabilities"]
+        assert all(r.status_code == 200 for r in alone + loaded)
+        for r in alone[1:] + loaded:
+            assert r.json()["probabilities"] == reference  # exact float equality
+
+
+# ---------------------------------------------------------------------------------------------
+# Overload: ~4x capacity for a bounded time; back-pressure, counted as rejections.
+
+def replica_ids(service) -> dict[str, str]:
+    variants = service.client.get("/v1/models").json()["variants"]
+    return {v: info["replica"] for v, info in variants.items()}
+
+
+def load(service, **kw):
+    cfg = LoadConfig(url=service.url, ns=[256], variants=["dense"], warmup=0,
+                     sequences_per_n=4, timeout_s=60, **kw)
+    return asyncio.run(run_load(cfg))
+
+
+def ok_rate(samples) -> float:
+    ok = [s for s in samples if s.status == 200]
+    wall = max(s.start_s + s.latency_s for s in samples) - min(s.start_s for s in samples)
+    return len(ok) / wall
+
+
+def test_overload_4x_capacity(service):
+    before_ids = replica_ids(service)
+    capacity = ok_rate(load(service, mode="closed", concurrency=8, requests=10_000,
+                            duration_s=4))
+    text0 = service.metrics_text()
+    rate = 4 * capacity
+    burst = load(service, mode="open", rate=rate, concurrency=512,
+                 requests=int(rate * 8), duration_s=8)
+    statuses = [s.status for s in burst]
+    accepted = [s for s in burst if s.status == 200]
+    rejected = [s for s in burst if s.status == 503]
+    OVERLOAD_REPORT.update(capacity_rps=capacity, offered_rps=rate, sent=len(burst),
+                           accepted=len(accepted), rejected=len(rejected),
+                           failed=len(burst) - len(accepted) - len(rejected))
+    print(f"overload: {OVERLOAD_REPORT}")
+    assert set(statuses) <= {200, 503}, {st: statuses.count(st) for st in set(statuses)}
+    assert rejected and accepted
+    assert all("overloaded" in s.error for s in rejected)
+    after = load(service, mode="closed", concurrency=8, requests=10_000, duration_s=4)
+    assert all(s.status == 200 for s in after)
+    assert ok_rate(after) > 0.5 * capacity  # back to normal (noisy 2-core machine: half)
+    assert replica_ids(service) == before_ids  # no replica died (e.g. OOM-killed)
+
+    def rejections_counted():
+        text = service.metrics_text()
+        got = (counter(text, "ray_mita_serve_rejections_total", variant="dense",
+                       role="primary")
+               - counter(text0, "ray_mita_serve_rejections_total", variant="dense",
+                         role="primary"))
+        errors = (counter(text, "ray_mita_serve_requests_total", status="503")
+                  - counter(text0, "ray_mita_serve_requests_total", status="503"))
+        return (got, errors) if got >= len(rejected) else None
+    counted = wait_for(rejections_counted, timeout_s=20)
+    assert counted == (len(rejected), 0)  # rejections, not errors
+
+
+OVERLOAD_REPORT: dict = {}
+
+
+def test_overloaded_shadow_does_not_fail_primary(service):
+    """Primary dense (fast), shadow MiTA limited to one request in flight and one queued:
+    every primary answers 200; each shadow call is either compared or counted as a
+    rejection with role=shadow."""
+    overrides = copy.deepcopy(service.overrides)
+    overrides["deployments"]["MiTAClassifier"].update(max_ongoing_requests=1,
+                                                       max_queued_requests=1)
+    gateway = next(d for d in launch.load_config(launch.CPU_CONFIG).applications[0].deployments
+                   if d.name == "Gateway").user_config
+    overrides["deployments"]["Gateway"]["user_config"] = {
+        **gateway, "weights": {"mita": 0.0, "dense": 1.0}, "shadow": True}
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))  # both changes at once
+    assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"]["shadow"])
+    ids = encode(generate_long(2048, seed=8)[0])
+    text0 = service.metrics_text()
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=service.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/classify", json={"ids": ids})
+                                          for _ in range(24)))
+    try:
+        responses = asyncio.run(burst())
+
+        def shadow_outcomes():
+            text = service.metrics_text()
+            rej = (counter(text, "ray_mita_serve_rejections_total", variant="mita",
+                           role="shadow")
+                   - counter(text0, "ray_mita_serve_rejections_total", variant="mita",
+                             role="shadow"))
+            cmp = (counter(text, "ray_mita_serve_shadow_comparisons_total", primary="dense")
+                   - counter(text0, "ray_mita_serve_shadow_comparisons_total", primary="dense"))
+            return (rej, cmp) if rej + cmp == 24 else None
+        outcome = wait_for(shadow_outcomes, timeout_s=60)
+    finally:
+        set_gateway(service)
+        launch.deploy(launch.load_config(launch.CPU_CONFIG, service.overrides))
+    assert [r.status_code for r in responses] == [200] * 24
+    assert all(r.json()["variant"] == "dense" and r.json()["shadow"] == "mita"
+               for r in responses)
+    assert outcome is not None and outcome[0] >= 1 and outcome[1] >= 1, outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica failure: kill the MiTA classifier replica during a load run.
+
+def test_replica_killed_mid_load(service):
+    set_gateway(service, request_timeout_s=30)
+    old = replica_ids(service)["mita"]
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "MiTAClassifier" in a["name"] and old in a["name"])
+    cfg = LoadConfig(url=service.url, ns=[1024], variants=["mita"], warmup=0, mode="closed",
+                     concurrency=8, requests=100_000, duration_s=20, timeout_s=45)
+    result: dict = {}
+
+    def run():
+        result["samples"] = asyncio.run(run_load(cfg))
+    import threading
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        time.sleep(4)
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+        def healthy_again():
+            try:
+                ids = replica_ids(service)
+            except (httpx.HTTPError, KeyError, ValueError):
+                return None
+            return ids["mita"] != old and service.post(
+                "/v1/classify", json={"ids": [3, 4, 5], "variant": "mita"}).status_code == 200
+        assert wait_for(healthy_again, timeout_s=90, interval_s=0.25)
+        recovery_s = time.monotonic() - killed_at
+    finally:
+        thread.join(timeout=120)
+        set_gateway(service)
+    samples = result["samples"]
+    statuses = [s.status for s in samples]
+    failed = [s for s in samples if s.status != 200]
+    KILL_REPORT.update(sent=len(samples), ok=statuses.count(200), failed=len(failed),
+                       failed_by_status={st: statuses.count(st) for st in set(statuses)
+                                         if st != 200},
+                       recovery_s=round(recovery_s, 1))
+    print(f"replica kill: {KILL_REPORT}")
+    assert 0 not in statuses  # every request got an HTTP reply (no transport error/hang)
+    assert set(statuses) <= {200, 503}, KILL_REPORT
+    assert all("replica" in s.error for s in failed)  # explicit error naming the failure
+    assert max(s.latency_s for s in samples) < 30 + 5  # nothing past the request timeout
+    assert statuses.count(200) > 0 and samples[-1].status == 200
+    assert recovery_s < 90
+
+
+KILL_REPORT: dict = {}
