@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mita.data.listops import VOCAB, encode
 
+from . import replica_state
 from .metrics import ServiceMetrics, n_bucket
 from .schemas import (
     VARIANTS,
@@ -53,10 +54,11 @@ class ApiError(Exception):
     ``rejections_total``, not as an error)."""
 
     def __init__(self, status: int, message: str, headers: dict | None = None,
-                 rejected: bool = False):
+                 rejected: bool = False, counted: bool = False):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
         self.rejected = rejected
+        self.counted = counted  # already in requests_total / rejections_total
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -83,7 +85,9 @@ class StrictJSONRequest(Request):
             except ValueError as e:
                 if isinstance(e, json.JSONDecodeError):
                     raise
-                raise json.JSONDecodeError(str(e), body.decode(errors="replace"), 0) from None
+                why = ("an integer with too many digits" if "int_max_str_digits" in str(e)
+                       else str(e))
+                raise json.JSONDecodeError(why, body.decode(errors="replace"), 0) from None
         return self._json
 
 
@@ -152,13 +156,16 @@ def to_ids(req: ClassifyRequest, max_n: int) -> list[int]:
 
 
 app = FastAPI(
+    redirect_slashes=False,  # /v1/classify/ is a 404, not a redirect built from the Host header
+    redoc_url=None,  # ReDoc loads its script from a CDN; /docs (Swagger UI) does too
     title="mita-serve",
     version=version("mita-serve"),
     description="Classify long sequences with MiTA (Mixture-of-Top-k Attention) or dense "
                 "attention; per-stage timings in responses and as Prometheus metrics.",
 )
 app.router.route_class = StrictJSONRoute
-_limits = {"max_body_bytes": GatewayConfig().max_body_bytes}  # set by Gateway.reconfigure
+CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch")
+MAX_ERRORS_SHOWN = 10
 
 
 def _error(status: int, message: str, detail=None, headers=None) -> JSONResponse:
@@ -166,50 +173,73 @@ def _error(status: int, message: str, detail=None, headers=None) -> JSONResponse
                         status_code=status, headers=headers)
 
 
+def _count_refusal(request: Request, status: int) -> None:
+    """A classification request refused before routing: ``requests_total{variant="none"}``
+    and the stats window, whichever layer refused it (middleware, parsing, validation)."""
+    gateway = replica_state.gateway
+    if gateway is not None and request.url.path in CLASSIFY_PATHS:
+        gateway.metrics.requests.inc(1, {"variant": "none", "status": str(status)})
+        gateway.window.add_request("none", status)
+
+
 @app.middleware("http")
 async def check_body(request: Request, call_next):
-    """Before any parsing: POST bodies must be JSON with a Content-Length within the limit."""
-    if request.method == "POST":
+    """Before any parsing: POST bodies to the classify endpoints must be JSON with a
+    Content-Length within the limit (other paths and methods go on to routing: 404/405)."""
+    if request.method == "POST" and request.url.path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            return _error(415, f"Content-Type must be application/json, got "
-                               f"{ctype[:60] or 'none'!r}")
         length = request.headers.get("content-length", "").strip()
-        limit = _limits["max_body_bytes"]
-        if not length:
-            return _error(411, "a Content-Length header is required (chunked uploads are not "
-                               "accepted)")
-        if not length.isdigit():
-            return _error(400, "invalid Content-Length header")
-        if int(length) > limit:
-            return _error(413, f"request body of {length} bytes exceeds the limit of "
-                               f"{limit} bytes")
+        limit = replica_state.max_body_bytes
+        refusal = None
+        if ctype != "application/json":
+            refusal = (415, f"Content-Type must be application/json, got "
+                            f"{ctype[:60] or 'none'!r}")
+        elif not length:
+            refusal = (411, "a Content-Length header is required (chunked uploads are not "
+                            "accepted)")
+        elif not length.isdigit():
+            refusal = (400, "invalid Content-Length header")
+        elif int(length) > limit:
+            refusal = (413, f"request body of {length} bytes exceeds the limit of "
+                            f"{limit} bytes")
+        if refusal is not None:
+            _count_refusal(request, refusal[0])
+            return _error(*refusal)
     return await call_next(request)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
+    _count_refusal(request, exc.status_code)
     return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
+    raw = exc.errors()
+    # A 4 MB body can hold ~10^6 bad items: report the first few, and how many there were.
     errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type")}
-              for e in exc.errors()]
-    invalid = [e for e in exc.errors() if e.get("type") == "json_invalid"]
-    if invalid:
-        why = (invalid[0].get("ctx") or {}).get("error")
-        return _error(400, f"malformed JSON body: {why}" if why else "malformed JSON body",
-                      errors)
-    if any(e["type"] == "missing" and e["loc"] == ["body"] for e in errors):
-        return _error(400, "empty request body: send a JSON object with 'text' or 'ids'")
-    msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
-                    for e in errors[:5])
-    return _error(422, f"invalid request: {msg}", errors)
+              for e in raw[:MAX_ERRORS_SHOWN]]
+    more = (f" ({len(raw)} errors; the first {MAX_ERRORS_SHOWN} in detail)"
+            if len(raw) > MAX_ERRORS_SHOWN else "")
+    if raw and raw[0].get("type") == "json_invalid":
+        why = (raw[0].get("ctx") or {}).get("error")
+        status, message = 400, f"malformed JSON body: {why}" if why else "malformed JSON body"
+    elif any(e["type"] == "missing" and e["loc"] == ["body"] for e in errors):
+        status, message = 400, "empty request body: send a JSON object with 'text' or 'ids'"
+        errors = None
+    else:
+        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
+                        for e in errors[:5])
+        status, message = 422, f"invalid request: {msg}{more}"
+    _count_refusal(request, status)
+    return _error(status, message, errors)
 
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError):
+    if not exc.counted and not exc.rejected:
+        _count_refusal(request, exc.status)
     return _error(exc.status, exc.message, headers=exc.headers)
 
 
@@ -237,6 +267,7 @@ class Gateway:
         self.handles = {"mita": mita, "dense": dense}
         self.config = GatewayConfig()
         self.metrics = ServiceMetrics()
+        replica_state.gateway = self
         self.rng = random.Random()
         self._shadow_tasks: set[asyncio.Task] = set()
         self.window = StatsWindow()
@@ -245,7 +276,7 @@ class Gateway:
 
     def reconfigure(self, config: dict) -> None:
         self.config = GatewayConfig.model_validate(config)
-        _limits["max_body_bytes"] = self.config.max_body_bytes
+        replica_state.max_body_bytes = self.config.max_body_bytes
         self.window.retention_s = self.config.stats_window_s
 
     async def _call(self, variant: str, ids: list[int]) -> dict:
@@ -297,6 +328,7 @@ class Gateway:
             else:
                 self.metrics.requests.inc(1, {"variant": primary, "status": str(e.status)})
                 self.window.add_request(primary, e.status)
+            e.counted = True
             raise
         latency, bucket = time.perf_counter() - start, n_bucket(len(ids))
         self.metrics.requests.inc(1, {"variant": primary, "status": "200"})
@@ -318,12 +350,7 @@ class Gateway:
     async def classify(self, body: ClassifyRequest, request: Request) -> dict:
         """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
         start = time.perf_counter()
-        try:
-            ids = to_ids(body, self.config.max_n)
-        except ApiError as e:
-            self.metrics.requests.inc(1, {"variant": "none", "status": str(e.status)})
-            self.window.add_request("none", e.status)
-            raise
+        ids = to_ids(body, self.config.max_n)  # ApiError: counted by its handler
         return await self._classify(body, ids, request.headers.get(self.config.sticky_header),
                                     start)
 
@@ -349,7 +376,8 @@ class Gateway:
             return_exceptions=True)
         for i, r in enumerate(results):
             if isinstance(r, ApiError):
-                raise ApiError(r.status, f"items[{i}]: {r.message}", r.headers)
+                raise ApiError(r.status, f"items[{i}]: {r.message}", r.headers,
+                               rejected=r.rejected, counted=True)
             if isinstance(r, BaseException):
                 raise r
         return {"results": results}
@@ -374,7 +402,9 @@ class Gateway:
             await asyncio.wait_for(asyncio.gather(
                 *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)), 5.0)
         except Exception as e:  # any failure means not ready; say which
-            raise ApiError(503, f"not ready: {type(e).__name__}: {e}"[:300]) from None
+            why = str(e) or ("no answer within 5 s" if isinstance(e, asyncio.TimeoutError)
+                             else "")
+            raise ApiError(503, f"not ready: {type(e).__name__}: {why}"[:300]) from None
         return {"status": "ready", "variants": list(VARIANTS)}
 
     async def _variants(self) -> dict:

@@ -33,6 +33,20 @@ pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def settled_metrics(service) -> str:
+    """Metrics text once earlier requests have been exported (two equal reads 1.5 s apart):
+    Ray exports every 0.5 s in tests, so a fresh snapshot can still miss the last test's."""
+    text = service.metrics_text()
+    for _ in range(20):
+        time.sleep(1.5)
+        again = service.metrics_text()
+        if counter(again, "ray_mita_serve_requests_total") == counter(
+                text, "ray_mita_serve_requests_total"):
+            return again
+        text = again
+    return text
+
+
 def counter(text: str, name: str, **labels) -> float:
     """Sum of a metric's samples whose labels include ``labels``."""
     total = 0.0
@@ -109,6 +123,7 @@ NASTY = [
     ('"[MAX 2 3 ]"', 422, "invalid request"),
     ("{}", 422, "exactly one of 'text' or 'ids'"),
     ('{"text": "[MAX 2 3 ]", "checkpoint": "/etc/passwd"}', 422, "checkpoint"),
+    ('{"ids": [' + "7" * 5000 + "]}", 400, "an integer with too many digits"),
 ]
 
 
@@ -118,6 +133,77 @@ def test_nasty_bodies(service, body, status, message):
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     assert message in r.json()["error"], r.json()
+
+
+def test_many_bad_items_answer_fast_and_small(service):
+    """Found by a user: 800,000 bad ids took 20 s (stalling the gateway) and returned a 70 MB
+    error. Now the first 10 errors are reported with the total."""
+    body = json.dumps({"ids": ["x"] * 200_000})
+    t0 = time.monotonic()
+    r = raw(service, body)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 422
+    assert "(200000 errors; the first 10 in detail)" in r.json()["error"]
+    assert len(r.json()["detail"]) == 10 and len(r.content) < 5000
+    assert elapsed < 5, elapsed
+
+
+def test_every_refusal_of_a_classify_request_is_counted(service):
+    """Found by a user: refusals by the middleware, the JSON parser, schema validation and the
+    router were missing from requests_total (and /v1/stats). Each one counts once, as
+    variant "none"; requests to other paths do not count."""
+    c = service.client
+    sends = [
+        (400, lambda: raw(service, '{"text": ')),
+        (422, lambda: raw(service, '{"foo": 1}')),
+        (422, lambda: raw(service, '{"items": [{"ids": [99]}]}', "/v1/classify/batch")),
+        (422, lambda: raw(service, '{"text": "[MAX X ]"}')),
+        (415, lambda: c.post("/v1/classify", content=b"{}",
+                             headers={"content-type": "text/plain"})),
+        (413, lambda: raw(service, b'{"ids": [' + b"3," * 3_000_000 + b"3]}")),
+        (405, lambda: c.get("/v1/classify")),
+        (404, lambda: c.post("/nope", content=b"x")),  # not a classify path: not counted
+    ]
+    text0 = settled_metrics(service)
+    for status, send in sends:
+        assert send().status_code == status
+    want = {400: 1, 422: 3, 415: 1, 413: 1, 405: 1, 404: 0}
+
+    def counted():
+        text = service.metrics_text()
+        got = {st: counter(text, "ray_mita_serve_requests_total", variant="none",
+                           status=str(st))
+               - counter(text0, "ray_mita_serve_requests_total", variant="none",
+                         status=str(st)) for st in want}
+        return got
+    got = wait_for(lambda: (lambda g: g if g == want else None)(counted()), timeout_s=20)
+    assert got == want, counted()
+
+
+def test_body_limit_change_applies_without_restart(service):
+    """The middleware used to keep a pickled copy of the limit: a new max_body_bytes in the
+    user_config never reached it."""
+    body = json.dumps({"ids": [3] * 1500})  # 4.5 KB
+    assert raw(service, body).status_code == 200
+    set_gateway(service, max_body_bytes=2048)
+    try:
+        r = raw(service, body)
+    finally:
+        set_gateway(service)
+    assert r.status_code == 413
+    assert r.json()["error"] == f"request body of {len(body)} bytes exceeds the limit of 2048 bytes"
+    assert raw(service, body).status_code == 200
+
+
+def test_routing_before_body_checks_and_no_redirects(service):
+    c = service.client
+    r = c.post("/nope", content=b"x")  # no JSON content type: still a 404, not a 415
+    assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+    r = c.post("/healthz", content=b"x")
+    assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
+    r = c.post("/v1/classify/", json={"text": "[MAX 2 3 ]"}, headers={"host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers  # no Host-built redirect
+    assert c.get("/redoc").status_code == 404  # ReDoc would load its script from a CDN
 
 
 def test_size_limits_and_max_n(service):
