@@ -270,7 +270,7 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
     s = experts.shape[-1]
     scale = d ** -0.5
     c_shared = scale if shared_scale == "paper" else 1.0 / d
-    out = q.new_empty(B, H, N, dv)
+    out = q.new_zeros(B, H, N, dv)  # padded queries' rows stay zero
     for b in range(B):
         live = landmark_valid[b]
         live_list = live.tolist()
@@ -285,10 +285,10 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
             counts = torch.bincount(flat, minlength=m + 1).tolist()
             rows = torch.div(order, s, rounding_mode="floor")
             if s == 1:
-                out[b, h] = _joint_blocks(qh, rows, order, counts, live, all_live,
-                                          landmarks[b, h] * c_shared, shared_values[b, h],
-                                          expert_keys[b, h] * scale, expert_values[b, h],
-                                          expert_key_valid[b, h])
+                _joint_blocks(qh, rows, order, counts, live, all_live,
+                              landmarks[b, h] * c_shared, shared_values[b, h],
+                              expert_keys[b, h] * scale, expert_values[b, h],
+                              expert_key_valid[b, h], out[b, h])
             else:
                 out[b, h] = _merged_blocks(qh, s, rows, order, counts, live, all_live,
                                            landmarks[b, h] * c_shared, shared_values[b, h],
@@ -307,22 +307,26 @@ def _expert_segments(counts: list[int]):
 
 
 def _joint_blocks(qh, rows, order, counts, live, all_live, shared_keys, shared_values,
-                  expert_keys, expert_values, expert_key_valid) -> Tensor:
+                  expert_keys, expert_values, expert_key_valid, out) -> None:
     """s = 1: each expert's queries attend to [m shared ; k routed] in one block — a single
-    matrix product, softmax and weighted sum per expert. ``expert_keys`` are pre-scaled."""
-    m, dv = shared_keys.shape[0], expert_values.shape[-1]
-    pieces = []
+    matrix product, softmax and weighted sum per expert, written straight into ``out`` at the
+    queries' rows (padded queries' rows are left as they are: zero). ``expert_keys`` are
+    pre-scaled."""
+    m = expert_keys.shape[0]
+    # [shared ; routed] keys/values of every expert in one copy each (m·(m+k)·d), not one
+    # concatenation per expert.
+    keys = torch.cat([shared_keys.expand(m, -1, -1), expert_keys], 1)
+    values = torch.cat([shared_values.expand(m, -1, -1), expert_values], 1)
+    ok = torch.cat([live.expand(m, -1), expert_key_valid & live[:, None]], 1)
+    ok_rows = ok.all(1).tolist() if all_live else [False] * m
     for e, sl in _expert_segments(counts):
         if e == m:  # padded queries
-            pieces.append(qh.new_zeros(sl.stop - sl.start, dv))
             continue
-        keys = torch.cat([shared_keys, expert_keys[e]])
-        logits = qh.index_select(0, rows[sl]) @ keys.T
-        ok = expert_key_valid[e] & live[e]
-        if not (all_live and bool(ok.all())):
-            logits = logits.masked_fill(~torch.cat([live, ok]), float("-inf"))
-        pieces.append(torch.softmax(logits, -1) @ torch.cat([shared_values, expert_values[e]]))
-    return _unsort(torch.cat(pieces), order)
+        idx = rows[sl]
+        logits = qh.index_select(0, idx) @ keys[e].T
+        if not ok_rows[e]:
+            logits = logits.masked_fill(~ok[e], float("-inf"))
+        out.index_copy_(0, idx, torch.softmax(logits, -1) @ values[e])
 
 
 def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shared_values,
