@@ -47,6 +47,14 @@ def settled_metrics(service) -> str:
     return text
 
 
+def save_report(name: str, report: dict) -> None:
+    """Numbers for the issue note: printed, and kept in test-artifacts/ (gitignored)."""
+    print(f"{name}: {report}")
+    out = ROOT / "test-artifacts"
+    out.mkdir(exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
 def counter(text: str, name: str, **labels) -> float:
     """Sum of a metric's samples whose labels include ``labels``."""
     total = 0.0
@@ -342,7 +350,7 @@ def test_overload_4x_capacity(service):
     OVERLOAD_REPORT.update(capacity_rps=capacity, offered_rps=rate, sent=len(burst),
                            accepted=len(accepted), rejected=len(rejected),
                            failed=len(burst) - len(accepted) - len(rejected))
-    print(f"overload: {OVERLOAD_REPORT}")
+    save_report("overload", OVERLOAD_REPORT)
     assert set(statuses) <= {200, 503}, {st: statuses.count(st) for st in set(statuses)}
     assert rejected and accepted
     assert all("overloaded" in s.error for s in rejected)
@@ -450,7 +458,7 @@ def test_replica_killed_mid_load(service):
                        failed_by_status={st: statuses.count(st) for st in set(statuses)
                                          if st != 200},
                        recovery_s=round(recovery_s, 1))
-    print(f"replica kill: {KILL_REPORT}")
+    save_report("replica_kill", KILL_REPORT)
     assert 0 not in statuses  # every request got an HTTP reply (no transport error/hang)
     assert set(statuses) <= {200, 503}, KILL_REPORT
     assert all("replica" in s.error for s in failed)  # explicit error naming the failure
