@@ -55,6 +55,11 @@ def save_report(name: str, report: dict) -> None:
     (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
+def delta(text: str, text0: str, name: str, **labels) -> float:
+    """How much ``counter`` grew from exposition ``text0`` to ``text``."""
+    return counter(text, name, **labels) - counter(text0, name, **labels)
+
+
 def counter(text: str, name: str, **labels) -> float:
     """Sum of a metric's samples whose labels include ``labels``."""
     total = 0.0
@@ -179,9 +184,7 @@ def test_every_refusal_of_a_classify_request_is_counted(service):
 
     def counted():
         text = service.metrics_text()
-        got = {st: counter(text, "ray_mita_serve_requests_total", variant="none",
-                           status=str(st))
-               - counter(text0, "ray_mita_serve_requests_total", variant="none",
+        got = {st: delta(text, text0, "ray_mita_serve_requests_total", variant="none",
                          status=str(st)) for st in want}
         return got
     got = wait_for(lambda: (lambda g: g if g == want else None)(counted()), timeout_s=20)
@@ -361,12 +364,9 @@ def test_overload_4x_capacity(service):
 
     def rejections_counted():
         text = service.metrics_text()
-        got = (counter(text, "ray_mita_serve_rejections_total", variant="dense",
-                       role="primary")
-               - counter(text0, "ray_mita_serve_rejections_total", variant="dense",
-                         role="primary"))
-        errors = (counter(text, "ray_mita_serve_requests_total", status="503")
-                  - counter(text0, "ray_mita_serve_requests_total", status="503"))
+        got = delta(text, text0, "ray_mita_serve_rejections_total", variant="dense",
+                    role="primary")
+        errors = delta(text, text0, "ray_mita_serve_requests_total", status="503")
         return (got, errors) if got >= len(rejected) else None
     counted = wait_for(rejections_counted, timeout_s=20)
     assert counted == (len(rejected), 0)  # rejections, not errors
@@ -400,12 +400,9 @@ def test_overloaded_shadow_does_not_fail_primary(service):
 
         def shadow_outcomes():
             text = service.metrics_text()
-            rej = (counter(text, "ray_mita_serve_rejections_total", variant="mita",
-                           role="shadow")
-                   - counter(text0, "ray_mita_serve_rejections_total", variant="mita",
-                             role="shadow"))
-            cmp = (counter(text, "ray_mita_serve_shadow_comparisons_total", primary="dense")
-                   - counter(text0, "ray_mita_serve_shadow_comparisons_total", primary="dense"))
+            rej = delta(text, text0, "ray_mita_serve_rejections_total", variant="mita",
+                        role="shadow")
+            cmp = delta(text, text0, "ray_mita_serve_shadow_comparisons_total", primary="dense")
             return (rej, cmp) if rej + cmp == 24 else None
         outcome = wait_for(shadow_outcomes, timeout_s=60)
     finally:

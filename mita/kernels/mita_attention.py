@@ -57,6 +57,19 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One flash-attention step: fold a block of logits (masked entries -inf) and its values
+    into the running max ``m_i``, sum of exp ``l_i`` and weighted values ``acc`` (fp32).
+    ``m_i`` starts finite, so an all-masked block adds exp(-inf) = 0."""
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, IEEE, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mita_fused_kernel(
     Q, K, V, SK, SV, IDX, KEY_VALID, LIVE, ORDER, TILE_E, TILE_LO, TILE_HI,
     OUT, PART_M, PART_L,
@@ -113,12 +126,7 @@ def _mita_fused_kernel(
         live = tl.load(LIVE + b * M + c, mask=cm, other=0) != 0
         logits = _dot(q, tl.trans(sk), IEEE, UPCAST)
         logits = tl.where(first[:, None] & live[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(sv.dtype), sv, IEEE, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, sv, IEEE, UPCAST)
 
     # Routed keys of expert e, read from K and V by index (eq. 10 without a copy).
     e_live = tl.load(LIVE + b * M + e) != 0
@@ -136,12 +144,7 @@ def _mita_fused_kernel(
                      + dvv[None, :] * stride_vd, mask=cm[:, None] & dvmask[None, :], other=0.0)
         logits = _dot(q, tl.trans(kt), IEEE, UPCAST) * scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, vt, IEEE, UPCAST)
 
     if S == 1:
         o = acc / l_i[:, None]
