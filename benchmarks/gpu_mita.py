@@ -70,13 +70,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def kernel_inputs(q, k, v, m, kk, s, mask):
     """The PyTorch stages up to ``route`` (float32), as ``mita_attention`` runs them."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    landmarks, live = A.pool(qf, m, mask)
-    scores = A.landmark_scores(landmarks, kf, mask)
-    index = A.topk(scores, min(kk, q.shape[2]))
-    shared_values = A.shared_compress(scores, vf)
-    experts = A.route(qf, landmarks, s, live)
-    return landmarks * q.shape[-1] ** -0.5, shared_values, live, index, experts
+    landmarks, live, index, shared_values, experts = A.routing_stages(
+        q.float(), k.float(), v.float(), m, min(kk, q.shape[2]), s, mask)
+    return (landmarks * A.shared_logit_scale(q.shape[-1], "paper"), shared_values, live,
+            index, experts)
 
 
 def check_reference(device, gen, smoke: bool) -> list[dict]:

@@ -269,12 +269,11 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
     m, dv = landmarks.shape[2], expert_values.shape[-1]
     s = experts.shape[-1]
     scale = d ** -0.5
-    c_shared = scale if shared_scale == "paper" else 1.0 / d
+    c_shared = shared_logit_scale(d, shared_scale)
     out = q.new_zeros(B, H, N, dv)  # padded queries' rows stay zero
     for b in range(B):
         live = landmark_valid[b]
-        live_list = live.tolist()
-        all_live = all(live_list)
+        all_live = bool(live.all())
         for h in range(H):
             qh = q[b, h]
             # Entries r = n·s + j sorted by expert; padded queries go to a dummy group m.
@@ -285,7 +284,7 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
             counts = torch.bincount(flat, minlength=m + 1).tolist()
             rows = torch.div(order, s, rounding_mode="floor")
             if s == 1:
-                _joint_blocks(qh, rows, order, counts, live, all_live,
+                _joint_blocks(qh, rows, counts, live, all_live,
                               landmarks[b, h] * c_shared, shared_values[b, h],
                               expert_keys[b, h] * scale, expert_values[b, h],
                               expert_key_valid[b, h], out[b, h])
@@ -306,7 +305,7 @@ def _expert_segments(counts: list[int]):
             start += count
 
 
-def _joint_blocks(qh, rows, order, counts, live, all_live, shared_keys, shared_values,
+def _joint_blocks(qh, rows, counts, live, all_live, shared_keys, shared_values,
                   expert_keys, expert_values, expert_key_valid, out) -> None:
     """s = 1: each expert's queries attend to [m shared ; k routed] in one block — a single
     matrix product, softmax and weighted sum per expert, written straight into ``out`` at the
@@ -433,23 +432,14 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         q, k, v = q.float(), k.float(), v.float()
     kk = min(topk, N)
 
-    with hook.stage("pool"):
-        landmarks, landmark_valid = pool(q, num_landmarks, key_padding_mask, landmark_grid)
-    with hook.stage("landmark_scores"):
-        scores = landmark_scores(landmarks, k, key_padding_mask)
-    with hook.stage("topk"):
-        expert_index = _topk_stage(scores, kk)
-    with hook.stage("shared_compress"):
-        shared_values = shared_compress(scores, v)
-    del scores
-    with hook.stage("route"):
-        experts = route(q, landmarks, route_topk, landmark_valid)
+    landmarks, landmark_valid, expert_index, shared_values, experts = routing_stages(
+        q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook)
     if fused:
         from .kernels import fused_attention
-        c_shared = q.shape[-1] ** -0.5 if shared_scale == "paper" else 1.0 / q.shape[-1]
         with hook.stage("attention"):  # gather is fused into this kernel
-            return fused_attention(q_in, k_in, v_in, landmarks * c_shared, shared_values,
-                                   landmark_valid, expert_index, experts, key_padding_mask)
+            return fused_attention(
+                q_in, k_in, v_in, landmarks * shared_logit_scale(q.shape[-1], shared_scale),
+                shared_values, landmark_valid, expert_index, experts, key_padding_mask)
     with hook.stage("gather"):
         expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
                                                               key_padding_mask)
@@ -459,6 +449,38 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         if key_padding_mask is not None:
             out = out.masked_fill(~valid[:, None, :, None], 0.0)
     return out.to(out_dtype)
+
+
+def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: int,
+                   route_topk: int = 1, key_padding_mask: Tensor | None = None,
+                   landmark_grid: tuple[int, int] | None = None,
+                   hook: StageHook = NULL_HOOK) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Stages ``pool`` … ``route`` (eqs. 5-9), each inside ``hook.stage(name)``: everything
+    ``attention`` (or the fused kernel) needs besides q, k, v.
+
+    Args: as ``mita_attention`` (which validates them), with ``topk`` already ≤ N.
+    Returns: ``landmarks`` ``(B, H, m, d)``, ``landmark_valid`` ``(B, m)`` bool,
+    ``expert_index`` ``(B, H, m, k)`` int64, ``shared_values`` ``(B, H, m, dv)``,
+    ``experts`` ``(B, H, N, s)`` int64. The ``(B, H, m, N)`` scores are freed on return.
+    """
+    with hook.stage("pool"):
+        landmarks, landmark_valid = pool(q, num_landmarks, key_padding_mask, landmark_grid)
+    with hook.stage("landmark_scores"):
+        scores = landmark_scores(landmarks, k, key_padding_mask)
+    with hook.stage("topk"):
+        expert_index = _topk_stage(scores, topk)
+    with hook.stage("shared_compress"):
+        shared_values = shared_compress(scores, v)
+    del scores
+    with hook.stage("route"):
+        experts = route(q, landmarks, route_topk, landmark_valid)
+    return landmarks, landmark_valid, expert_index, shared_values, experts
+
+
+def shared_logit_scale(d: int, shared_scale: str) -> float:
+    """c in the shared logit q·q̃·c: 1/√d for ``"paper"`` (eq. 11), 1/d for ``"official"``
+    (the authors' code pre-scales q̃ by d^-1/2 and the kernel scales again)."""
+    return d ** -0.5 if shared_scale == "paper" else 1.0 / d
 
 
 def _use_triton(backend: str, q: Tensor) -> bool:

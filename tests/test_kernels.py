@@ -44,16 +44,12 @@ def kernel():
         yield module
 
 
-def stage_inputs(q, k, v, m, kk, s, mask=None, shared_scale="paper"):
-    """Run the PyTorch stages up to ``route`` and return the fused kernel's arguments."""
-    landmarks, live = A.pool(q, m, mask)
-    scores = A.landmark_scores(landmarks, k, mask)
-    expert_index = A.topk(scores, min(kk, q.shape[2]))
-    shared_values = A.shared_compress(scores, v)
-    experts = A.route(q, landmarks, s, live)
-    d = q.shape[-1]
-    c = d ** -0.5 if shared_scale == "paper" else 1.0 / d
-    return landmarks * c, shared_values, live, expert_index, experts
+def stage_inputs(q, k, v, m, kk, s, mask=None):
+    """The PyTorch stages up to ``route``, as the fused kernel's arguments (paper scaling)."""
+    landmarks, live, expert_index, shared_values, experts = A.routing_stages(
+        q, k, v, m, min(kk, q.shape[2]), s, mask)
+    return (landmarks * A.shared_logit_scale(q.shape[-1], "paper"), shared_values, live,
+            expert_index, experts)
 
 
 def rel_err(out, ref):
