@@ -178,8 +178,7 @@ def _count_refusal(request: Request, status: int) -> None:
     and the stats window, whichever layer refused it (middleware, parsing, validation)."""
     gateway = replica_state.gateway
     if gateway is not None and request.url.path in CLASSIFY_PATHS:
-        gateway.metrics.requests.inc(1, {"variant": "none", "status": str(status)})
-        gateway.window.add_request("none", status)
+        gateway.record_request("none", status)
 
 
 @app.middleware("http")
@@ -279,6 +278,23 @@ class Gateway:
         replica_state.max_body_bytes = self.config.max_body_bytes
         self.window.retention_s = self.config.stats_window_s
 
+    def record_request(self, variant: str, status: int, bucket: str | None = None,
+                       latency_s: float | None = None) -> None:
+        """One answered request in the metrics and in the stats window (kept in step, so
+        ``/v1/stats`` matches ``requests_total``); answered ones (200) with their latency."""
+        self.metrics.requests.inc(1, {"variant": variant, "status": str(status)})
+        if latency_s is not None:
+            self.metrics.request_duration.observe(latency_s,
+                                                  {"variant": variant, "n_bucket": bucket})
+        self.window.add_request(variant, status, bucket, latency_s)
+
+    async def _infos(self, timeout_s: float | None = None) -> list[dict]:
+        """Both classifiers' ``info()``, in ``VARIANTS`` order. Raises asyncio.TimeoutError
+        after ``timeout_s``, or the classifier's error."""
+        return await asyncio.wait_for(asyncio.gather(
+            *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
+            timeout_s)
+
     async def _call(self, variant: str, ids: list[int]) -> dict:
         response = self.handles[variant].classify.remote(ids)
         try:
@@ -326,14 +342,11 @@ class Gateway:
             if e.rejected:  # overload refusal: not an error, not in requests_total
                 self.metrics.rejections.inc(1, {"variant": primary, "role": "primary"})
             else:
-                self.metrics.requests.inc(1, {"variant": primary, "status": str(e.status)})
-                self.window.add_request(primary, e.status)
+                self.record_request(primary, e.status)
             e.counted = True
             raise
         latency, bucket = time.perf_counter() - start, n_bucket(len(ids))
-        self.metrics.requests.inc(1, {"variant": primary, "status": "200"})
-        self.metrics.request_duration.observe(latency, {"variant": primary, "n_bucket": bucket})
-        self.window.add_request(primary, 200, bucket, latency)
+        self.record_request(primary, 200, bucket, latency)
         self.window.add_forward(primary, bucket, result["profile"]["stages_ms"])
         if shadow is not None:
             task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
@@ -386,7 +399,7 @@ class Gateway:
     async def models(self) -> dict:
         """The variants served, their m/k/s and the checkpoint's metadata, and the A/B
         policy in force."""
-        infos = await asyncio.gather(*(self.handles[v].info.remote() for v in VARIANTS))
+        infos = await self._infos()
         return {"variants": dict(zip(VARIANTS, infos, strict=True)),
                 "ab_policy": json.loads(self.config.model_dump_json())}
 
@@ -399,8 +412,7 @@ class Gateway:
     async def readyz(self) -> dict:
         """Ready when both classifier deployments answer within 5 s."""
         try:
-            await asyncio.wait_for(asyncio.gather(
-                *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)), 5.0)
+            await self._infos(5.0)
         except Exception as e:  # any failure means not ready; say which
             why = str(e) or ("no answer within 5 s" if isinstance(e, asyncio.TimeoutError)
                              else "")
@@ -413,9 +425,7 @@ class Gateway:
         busy."""
         if time.monotonic() - self._variant_info_at > 60:
             try:
-                infos = await asyncio.wait_for(asyncio.gather(
-                    *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
-                    2.0)
+                infos = await self._infos(2.0)
             except Exception:  # busy or restarting: keep the last answer, ask again next time
                 return self._variant_info
             self._variant_info_at = time.monotonic()
