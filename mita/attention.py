@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .hooks import NULL_HOOK, StageHook
 
 SHARED_SCALES = ("paper", "official")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 _CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
 _CHUNK_ELEMENTS_CUDA = 1 << 26  # 256 MiB on a GPU: fewer, larger launches
 
@@ -115,6 +115,10 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
     B, H, N, d = q.shape
     m = num_landmarks
     valid = _valid_tokens(key_padding_mask, B, N, q.device)
+    if landmark_grid is None and key_padding_mask is None and N % m == 0:
+        # Equal contiguous segments of N/m tokens: the general rule below, as one mean.
+        landmarks = q.reshape(B, H, m, N // m, d).mean(3)
+        return landmarks, torch.ones(B, m, dtype=torch.bool, device=q.device)
     if landmark_grid is None:
         rank = valid.long().cumsum(-1) - 1
         length = valid.sum(-1, keepdim=True)
@@ -220,9 +224,13 @@ def gather(k: Tensor, v: Tensor, expert_index: Tensor,
     Memory is m·k·(d + dv) per head — independent of which queries use the expert.
     """
     B, H, m, kk = expert_index.shape
-    flat = expert_index.reshape(B, H, m * kk, 1)
-    keys = k.gather(2, flat.expand(-1, -1, -1, k.shape[-1])).reshape(B, H, m, kk, -1)
-    values = v.gather(2, flat.expand(-1, -1, -1, v.shape[-1])).reshape(B, H, m, kk, -1)
+    N = k.shape[2]
+    # One index_select over the (B·H·N) rows: an expanded (B, H, m·k, d) int64 index for
+    # torch.gather would be d times larger than the rows it picks.
+    rows = (expert_index.reshape(B * H, m * kk)
+            + torch.arange(B * H, device=k.device)[:, None] * N).reshape(-1)
+    keys = k.reshape(B * H * N, -1).index_select(0, rows).view(B, H, m, kk, -1)
+    values = v.reshape(B * H * N, -1).index_select(0, rows).view(B, H, m, kk, -1)
     if key_padding_mask is None:
         key_valid = torch.ones(B, H, m, kk, dtype=torch.bool, device=k.device)
     else:
@@ -395,18 +403,24 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         landmark_grid: None for 1-D contiguous pooling, ``(H, W)`` with H·W = N for 2-D.
         shared_scale: ``"paper"`` (shared logit q·q̃/√d) or ``"official"`` (q·q̃/d, as the
             authors' code).
-        backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart),
-            ``"triton"`` (``mita.kernels.fused_attention``: ``gather`` + ``attention`` in one
-            Triton kernel, reported as stage ``attention``; no ``gather`` stage), or
-            ``"auto"``: triton for CUDA float16/bfloat16/float32 inputs when Triton imports,
-            torch otherwise. The triton path reads q, k, v in their own dtype (16-bit matrix
-            products, fp32 accumulation); the stages before it run in float32 either way.
+        backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart —
+            the reference path), ``"cpu"`` (the compiled, cache-blocked CPU kernels of
+            ``mita.kernels.cpu``: ``landmark_scores`` includes ``topk`` and
+            ``shared_compress``; for s = 1 ``route`` includes the shared half of the joint
+            softmax; no backward), ``"triton"`` (``mita.kernels.fused_attention``: ``gather``
+            + ``attention`` in one Triton kernel, reported as stage ``attention``; no
+            ``gather`` stage), or ``"auto"``: triton for CUDA float16/bfloat16/float32 inputs
+            when Triton imports; on CPU the compiled kernels when no gradient is needed and
+            they build here (else the PyTorch stages, logged once). The triton path reads q,
+            k, v in their own dtype (16-bit matrix products, fp32 accumulation); the stages
+            before it run in float32 either way.
         hook: stage hook; each stage runs inside ``hook.stage(name)``.
     Returns:
         ``(B, H, N, dv)`` in the input dtype.
     Raises:
         ValueError: shape mismatch, m/k/s < 1, s > m, unknown ``shared_scale``, bad grid,
-            a bad mask or an all-padding row, an unknown ``backend``, or ``"triton"`` for
+            a bad mask or an all-padding row, an unknown ``backend``, ``"cpu"`` for CUDA
+            tensors, with autograd or where the kernels do not build, or ``"triton"`` for
             CPU tensors (unless ``TRITON_INTERPRET=1``) or float64.
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
@@ -432,6 +446,12 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         q, k, v = q.float(), k.float(), v.float()
     kk = min(topk, N)
 
+    if backend != "triton" and not fused:
+        ext = _cpu_kernels(backend, q, k, v)
+        if ext is not None:
+            out = _cpu_path(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+                            landmark_grid, shared_scale, hook)
+            return out.to(out_dtype)
     landmarks, landmark_valid, expert_index, shared_values, experts = routing_stages(
         q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook)
     if fused:
@@ -449,6 +469,64 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         if key_padding_mask is not None:
             out = out.masked_fill(~valid[:, None, :, None], 0.0)
     return out.to(out_dtype)
+
+
+def _cpu_kernels(backend: str, q: Tensor, k: Tensor, v: Tensor):
+    """The compiled CPU kernels when ``backend`` asks for them (``"cpu"``, or ``"auto"`` on CPU
+    without autograd), else None. Raises ValueError when ``"cpu"`` cannot run."""
+    if backend == "torch" or q.is_cuda:
+        if backend == "cpu":
+            raise ValueError("backend='cpu' needs CPU tensors")
+        return None
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        if backend == "cpu":
+            raise ValueError("backend='cpu' has no backward; use backend='torch' for training")
+        return None
+    from .kernels.cpu import load
+    ext = load()
+    if ext is None and backend == "cpu":
+        raise ValueError("backend='cpu': the CPU kernels could not be built here (see the log)")
+    return ext
+
+
+def _cpu_path(ext, q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_scale,
+              hook) -> Tensor:
+    """``mita_attention`` on the compiled CPU kernels (``mita/kernels/cpu_mita.cpp``): the same
+    eqs. 5-12, cache-blocked, float32/float64 q, k, v. Stage ``landmark_scores`` also does
+    ``topk`` and ``shared_compress`` (one pass over the keys; the m × N scores are never
+    stored). For s = 1, ``route`` also computes the shared half of the joint softmax from its
+    q·q̃ products (the reuse the paper's cost model assumes) and ``attention`` gathers each
+    expert's k raw pairs by index (no ``gather`` stage) and adds the routed half per tile of
+    one expert's queries, merged by log-sum-exp. s > 1 runs ``route``, ``gather`` and
+    ``attention`` as the PyTorch stages. Peak extra memory for s = 1, beyond q, k, v and the
+    output: B·H·(m·(d + 2·dv + k) + 3·N) elements plus per thread
+    256·(d + k + dv) + k·(d + dv) — linear in N, no N × m or N × k block."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, H, N, d = q.shape
+    valid = None if key_padding_mask is None else ~key_padding_mask
+    with hook.stage("pool"):
+        landmarks, landmark_valid = pool(q, m, key_padding_mask, landmark_grid)
+    with hook.stage("landmark_scores"):
+        expert_index, shared_values = ext.landmark_pass(landmarks * d ** -0.5, k, v, valid, kk)
+    if s > 1:  # the PyTorch stages: per-slot partials merged by log-sum-exp
+        with hook.stage("route"):
+            experts = route(q, landmarks, s, landmark_valid)
+        with hook.stage("gather"):
+            expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
+                                                                  key_padding_mask)
+        with hook.stage("attention"):
+            out = attention(q, landmarks, landmark_valid, shared_values, experts, expert_keys,
+                            expert_values, expert_key_valid, shared_scale, key_padding_mask)
+            return out if valid is None else out.masked_fill(~valid[:, None, :, None], 0.0)
+    with hook.stage("route"):
+        experts, out, top, total = ext.route_shared(
+            q, landmarks, landmark_valid, shared_values, shared_logit_scale(d, shared_scale),
+            valid)
+    with hook.stage("attention"):  # gather is fused into this kernel
+        ext.routed_attention(q, k, v, expert_index, landmark_valid, valid, experts, d ** -0.5,
+                             out, top, total)
+    return out
 
 
 def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: int,
@@ -484,7 +562,7 @@ def shared_logit_scale(d: int, shared_scale: str) -> float:
 
 
 def _use_triton(backend: str, q: Tensor) -> bool:
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         return False
     if backend == "triton":
         return True

@@ -164,8 +164,9 @@ def build_model(cfg: ModelConfig) -> EncoderClassifier:
 
 
 def set_mita_backend(model: nn.Module, backend: str) -> None:
-    """Set ``backend`` (``"auto"``, ``"torch"``, ``"triton"``; see ``mita_attention``) on every
-    ``MiTAAttention`` in ``model``. Raises ValueError for an unknown name."""
+    """Set ``backend`` (``"auto"``, ``"torch"``, ``"cpu"``, ``"triton"``; see
+    ``mita_attention``) on every ``MiTAAttention`` in ``model``. Raises ValueError for an
+    unknown name."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for module in model.modules():

@@ -25,9 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "triton"],
+    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="auto: fused Triton kernel on CUDA (stage 'attention' includes "
-                        "'gather'), PyTorch stages on CPU; torch: every stage timed apart")
+                        "'gather'), compiled kernels on CPU (fewer stages, see "
+                        "mita_attention); torch: every stage timed apart")
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--budget-s", type=float, default=60.0, help="time budget per point")

@@ -60,7 +60,7 @@ class SweepConfig:
     repeats: int = 3
     budget_s: float = 60.0
     seed: int = 0
-    mita_backend: str = "auto"  # "torch": every stage apart; "triton": gather fused in attention
+    mita_backend: str = "auto"  # "torch": every stage apart; "cpu"/"triton": fused kernels
 
 
 def _run_point(model: EncoderClassifier, ids: torch.Tensor, warmup: int, repeats: int,

@@ -36,6 +36,8 @@ from mita.hooks import MITA_STAGES
 from .reference import reference_dense, reference_mita
 
 F64_TOL = 1e-10
+# The PyTorch stages (the reference path) and the compiled CPU kernels: both must match.
+CPU_BACKENDS = ["torch", "cpu"]
 
 
 def rand_qkv(B, H, N, d, seed, dv=None, dtype=torch.float64):
@@ -72,10 +74,11 @@ CASES = [  # (N, m, k, s)
 
 @pytest.mark.parametrize("shared_scale", ["paper", "official"])
 @pytest.mark.parametrize("N,m,k,s", CASES)
-def test_matches_float64_reference_1d(N, m, k, s, shared_scale):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_matches_float64_reference_1d(N, m, k, s, shared_scale, backend):
     q, kk, v = rand_qkv(2, 2, N, 8, seed=N * 100 + m, dv=6)
     got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s,
-                         shared_scale=shared_scale)
+                         shared_scale=shared_scale, backend=backend)
     want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s, shared_scale=shared_scale)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
@@ -83,11 +86,12 @@ def test_matches_float64_reference_1d(N, m, k, s, shared_scale):
 @pytest.mark.parametrize("shared_scale", ["paper", "official"])
 @pytest.mark.parametrize("grid,m,k,s", [((6, 5), 4, 6, 1), ((6, 5), 9, 4, 2), ((4, 8), 4, 40, 1),
                                         ((3, 3), 16, 2, 2)])
-def test_matches_float64_reference_2d(grid, m, k, s, shared_scale):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_matches_float64_reference_2d(grid, m, k, s, shared_scale, backend):
     N = grid[0] * grid[1]
     q, kk, v = rand_qkv(2, 2, N, 8, seed=7 * N + m)
     got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s, landmark_grid=grid,
-                         shared_scale=shared_scale)
+                         shared_scale=shared_scale, backend=backend)
     want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s, landmark_grid=grid,
                           shared_scale=shared_scale)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
@@ -96,12 +100,13 @@ def test_matches_float64_reference_2d(grid, m, k, s, shared_scale):
 @pytest.mark.parametrize("suffix", [True, False])
 @pytest.mark.parametrize("grid", [None, (5, 6)])
 @pytest.mark.parametrize("s", [1, 2])
-def test_matches_reference_with_padding(suffix, grid, s):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_matches_reference_with_padding(suffix, grid, s, backend):
     N, m, k = 30, 4, 5
     q, kk, v = rand_qkv(3, 2, N, 8, seed=11 + s + 3 * suffix)
     mask = random_mask(3, N, seed=5 + s, suffix=suffix)
     got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s,
-                         key_padding_mask=mask, landmark_grid=grid)
+                         key_padding_mask=mask, landmark_grid=grid, backend=backend)
     want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s,
                           key_padding_mask=mask.numpy(), landmark_grid=grid)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
@@ -114,19 +119,22 @@ def test_matches_reference_with_padding(suffix, grid, s):
 def test_matches_reference_fresh_random(N, m, k, s_frac, seed, scale):
     s = 1 + int(s_frac * (m - 1))
     q, kk, v = rand_qkv(1, 2, N, 4, seed=seed)
-    got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s, shared_scale=scale)
     want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s, shared_scale=scale)
-    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
+    for backend in CPU_BACKENDS:
+        got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s, shared_scale=scale,
+                             backend=backend)
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
 
-def test_ties_broken_by_lowest_index():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_ties_broken_by_lowest_index(backend):
     # Small integers make scores exact in float64, so many keys tie; the reference sorts by
     # (-score, index).
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randint(-1, 2, (1, 2, 24, 3), generator=g).double() for _ in range(3))
     v = v + torch.randn(v.shape, generator=g, dtype=torch.float64)  # distinct values expose picks
     for s in (1, 2):
-        got = mita_attention(q, k, v, num_landmarks=4, topk=5, route_topk=s)
+        got = mita_attention(q, k, v, num_landmarks=4, topk=5, route_topk=s, backend=backend)
         want = reference_mita(q.numpy(), k.numpy(), v.numpy(), 4, 5, s)
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
     scores = torch.tensor([[3.0, 1.0, 3.0, 3.0, 0.0, 3.0]])
@@ -291,11 +299,19 @@ class _Recorder:
         return torch.autograd.profiler.record_function(name)
 
 
-def test_hook_sees_every_stage_in_order():
+@pytest.mark.parametrize("backend,s,stages", [
+    ("torch", 1, MITA_STAGES),
+    ("torch", 2, MITA_STAGES),
+    # Compiled kernels: topk + shared_compress run inside landmark_scores, gather inside
+    # attention (s = 1); s > 1 runs route, gather, attention as PyTorch stages.
+    ("cpu", 1, ("pool", "landmark_scores", "route", "attention")),
+    ("cpu", 2, ("pool", "landmark_scores", "route", "gather", "attention")),
+])
+def test_hook_sees_every_stage_in_order(backend, s, stages):
     q, k, v = rand_qkv(1, 1, 16, 4, seed=0)
     rec = _Recorder()
-    mita_attention(q, k, v, num_landmarks=2, topk=3, hook=rec)
-    assert tuple(rec.names) == MITA_STAGES
+    mita_attention(q, k, v, num_landmarks=2, topk=3, route_topk=s, backend=backend, hook=rec)
+    assert tuple(rec.names) == stages
 
 
 def test_modules_share_parameters_and_state_dict():

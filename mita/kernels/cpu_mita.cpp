@@ -1,0 +1,474 @@
+// MiTA on CPU: cache-blocked kernels for the expert-grouped computation (arXiv:2602.01219,
+// §3.2, eqs. 6-12). Built on first use by mita/kernels/cpu.py (torch.utils.cpp_extension).
+//
+// Matrix products go through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
+// at::parallel_for); exponentials use ATen's
+// vectorised exp_u20 for float32 (about 1e-6 relative error) and the exact std::exp for
+// float64, so the float64 path matches the PyTorch reference to rounding.
+//
+// Every output element is computed by one thread in a fixed order: results do not depend on
+// the thread count or on the other sequences of the batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// The Fortran BLAS entry points of the BLAS torch links (MKL in the x86 wheels exports them):
+// column-major, 32-bit sizes. Called inside at::parallel_for, where MKL runs single-threaded.
+extern "C" {
+void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b,
+            const int* ldb, const double* beta, double* c, const int* ldc);
+}
+
+void blas_gemm(char ta, char tb, int m, int n, int k, const float* a, int lda, const float* b,
+               int ldb, float beta, float* c, int ldc) {
+  const float one = 1.f;
+  sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+void blas_gemm(char ta, char tb, int m, int n, int k, const double* a, int lda,
+               const double* b, int ldb, double beta, double* c, int ldc) {
+  const double one = 1.0;
+  dgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// Row-major C (M×N) = A (M×K) · Bᵀ with B (N×K) (+ beta·C). BLAS is column-major, so this is
+// Cᵀ = B · Aᵀ there.
+template <typename T>
+void mm_nt(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+           T beta, T* C, int64_t ldc) {
+  blas_gemm('T', 'N', N, M, K, B, ldb, A, lda, beta, C, ldc);
+}
+
+// Row-major C (M×N) = A (M×K) · B (K×N) (+ beta·C).
+template <typename T>
+void mm_nn(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+           T beta, T* C, int64_t ldc) {
+  blas_gemm('N', 'N', N, M, K, B, ldb, A, lda, beta, C, ldc);
+}
+
+template <typename T>
+T row_max(const T* x, int64_t n) {
+  using V = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  T mx = -std::numeric_limits<T>::infinity();
+  if (n >= V::size()) {
+    V acc = V::loadu(x);
+    for (i = V::size(); i + V::size() <= n; i += V::size()) acc = at::vec::maximum(acc, V::loadu(x + i));
+    mx = at::vec::vec_reduce_all<T>([](V a, V b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
+}
+
+// x ← exp(x − mx) in place; returns the sum. mx must be finite.
+template <typename T>
+T exp_sub_sum(T* x, int64_t n, T mx);
+
+template <>
+float exp_sub_sum<float>(float* x, int64_t n, float mx) {
+  using V = at::vec::Vectorized<float>;
+  const V vmx(mx);
+  V vsum(0.f);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    V e = (V::loadu(x + i) - vmx).exp_u20();
+    e.store(x + i);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](V a, V b) { return a + b; }, vsum);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  return sum;
+}
+
+template <>
+double exp_sub_sum<double>(double* x, int64_t n, double mx) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// Top-k of a stream of (value, index) with indices arriving in ascending order, ties broken by
+// the lowest index: a binary min-heap on "worse" = lower value, or equal value and higher
+// index. A later element with a value equal to the heap's worst is worse than it, so it enters
+// only with a strictly larger value.
+template <typename T>
+struct TopK {
+  int64_t k;
+  std::vector<std::pair<T, int64_t>> heap;
+  explicit TopK(int64_t k_) : k(k_) { heap.reserve(k_); }
+  static bool worse(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  }
+  // std heap functions build a max-heap on the comparator; with cmp(a, b) = "b is worse than
+  // a", the front is the worst element.
+  static bool cmp(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+    return worse(b, a);
+  }
+  void push_row(const T* x, int64_t n, int64_t offset) {
+    int64_t i = 0;
+    for (; i < n && static_cast<int64_t>(heap.size()) < k; ++i) {
+      heap.emplace_back(x[i], offset + i);
+      std::push_heap(heap.begin(), heap.end(), cmp);
+    }
+    if (i == n) return;
+    using V = at::vec::Vectorized<T>;
+    T thr = heap.front().first;
+    for (; i < n; ++i) {
+      // Most keys lose to the current k-th best: skip whole vectors of them at once.
+      while (i + V::size() <= n && (V::loadu(x + i) > V(thr)).zero_mask() == (1 << V::size()) - 1)
+        i += V::size();
+      if (i == n) break;
+      if (x[i] > thr) {
+        std::pop_heap(heap.begin(), heap.end(), cmp);
+        heap.back() = {x[i], offset + i};
+        std::push_heap(heap.begin(), heap.end(), cmp);
+        thr = heap.front().first;
+      }
+    }
+  }
+  void write_sorted_indices(int64_t* out) {
+    std::vector<int64_t> idx(heap.size());
+    for (size_t j = 0; j < heap.size(); ++j) idx[j] = heap[j].second;
+    std::sort(idx.begin(), idx.end());
+    std::copy(idx.begin(), idx.end(), out);
+  }
+};
+
+constexpr int64_t kLandmarkRows = 128;  // landmarks per work item
+constexpr int64_t kKeyChunk = 256;      // keys per score tile (128 × 256 float32 = 128 KiB)
+constexpr int64_t kQueryBlock = 256;    // queries per route tile
+constexpr int64_t kAttentionTile = 256; // queries per attention tile (all of one expert)
+
+template <typename T>
+void landmark_pass_impl(const at::Tensor& lm, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& key_valid, int64_t topk, at::Tensor& index,
+                        at::Tensor& shared) {
+  const int64_t B = k.size(0), H = k.size(1), N = k.size(2), d = k.size(3);
+  const int64_t m = lm.size(2), dv = v.size(3);
+  // Up to 128 landmarks per item (their key tiles are packed once), fewer when there would
+  // be fewer items than threads.
+  int64_t rows_per_item = kLandmarkRows;
+  while (rows_per_item > 16 &&
+         B * H * ((m + rows_per_item - 1) / rows_per_item) < at::get_num_threads())
+    rows_per_item /= 2;
+  const int64_t blocks = (m + rows_per_item - 1) / rows_per_item;
+  const T* L = lm.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* Vp = v.data_ptr<T>();
+  const bool* valid = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
+  int64_t* I = index.data_ptr<int64_t>();
+  T* S_out = shared.data_ptr<T>();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> S(kLandmarkRows * kKeyChunk), acc(kLandmarkRows * dv);
+    std::vector<T> mx(kLandmarkRows), sum(kLandmarkRows);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / blocks, b = bh / H;
+      const int64_t r0 = (item % blocks) * rows_per_item;
+      const int64_t R = std::min(rows_per_item, m - r0);
+      const T* Lr = L + (bh * m + r0) * d;
+      const T* Kb = K + bh * N * d;
+      const T* Vb = Vp + bh * N * dv;
+      const bool* vb = valid ? valid + b * N : nullptr;
+      std::fill(acc.begin(), acc.end(), T(0));
+      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(sum.begin(), sum.end(), T(0));
+      std::vector<TopK<T>> tops;
+      tops.reserve(R);
+      for (int64_t r = 0; r < R; ++r) tops.emplace_back(topk);
+      for (int64_t c0 = 0; c0 < N; c0 += kKeyChunk) {
+        const int64_t cn = std::min(kKeyChunk, N - c0);
+        mm_nt<T>(R, cn, d, Lr, d, Kb + c0 * d, d, T(0), S.data(), kKeyChunk);
+        bool any_valid = true;
+        if (vb) {
+          any_valid = false;
+          for (int64_t j = 0; j < cn; ++j) any_valid |= vb[c0 + j];
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = 0; j < cn; ++j)
+              if (!vb[c0 + j]) S[r * kKeyChunk + j] = neg_inf;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          T* s = S.data() + r * kKeyChunk;
+          tops[r].push_row(s, cn, c0);  // eq. 7: before the softmax overwrites the scores
+          if (!any_valid) {
+            std::fill(s, s + cn, T(0));
+            continue;
+          }
+          // eq. 8 as an online softmax over key chunks: rescale the running sum and values
+          // when the running maximum grows.
+          const T cmax = row_max(s, cn);
+          if (cmax > mx[r]) {
+            const T f = mx[r] == neg_inf ? T(0) : std::exp(mx[r] - cmax);
+            sum[r] *= f;
+            for (int64_t j = 0; j < dv; ++j) acc[r * dv + j] *= f;
+            mx[r] = cmax;
+          }
+          sum[r] += exp_sub_sum(s, cn, mx[r]);
+        }
+        if (any_valid) mm_nn<T>(R, dv, cn, S.data(), kKeyChunk, Vb + c0 * dv, dv, T(1), acc.data(), dv);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        tops[r].write_sorted_indices(I + (bh * m + r0 + r) * topk);
+        T* dst = S_out + (bh * m + r0 + r) * dv;
+        for (int64_t j = 0; j < dv; ++j) dst[j] = acc[r * dv + j] / sum[r];
+      }
+    }
+  });
+}
+
+// Stages landmark_scores + topk + shared_compress (eqs. 6-8) in one pass over the keys:
+// the (m × N) score matrix is never stored. lm: (B, H, m, d) landmarks already scaled by
+// 1/√d; k: (B, H, N, d); v: (B, H, N, dv); key_valid: (B, N) bool or None.
+// Returns expert_index (B, H, m, topk) int64 ascending and shared_values (B, H, m, dv).
+std::vector<at::Tensor> landmark_pass(at::Tensor lm, at::Tensor k, at::Tensor v,
+                                      c10::optional<at::Tensor> key_valid, int64_t topk) {
+  TORCH_CHECK(lm.dim() == 4 && k.dim() == 4 && v.dim() == 4, "expected 4-D tensors");
+  TORCH_CHECK(topk >= 1 && topk <= k.size(2), "topk must be in [1, N]");
+  lm = lm.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  at::Tensor valid;
+  if (key_valid.has_value()) valid = key_valid->contiguous();
+  auto index = at::empty({k.size(0), k.size(1), lm.size(2), topk}, k.options().dtype(at::kLong));
+  auto shared = at::empty({k.size(0), k.size(1), lm.size(2), v.size(3)}, v.options());
+  AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "landmark_pass", [&] {
+    landmark_pass_impl<scalar_t>(lm, k, v, valid, topk, index, shared);
+  });
+  return {index, shared};
+}
+
+template <typename T>
+void route_shared_impl(const at::Tensor& q, const at::Tensor& lm, const at::Tensor& live,
+                       const at::Tensor& sv, double c_shared, const at::Tensor& query_valid,
+                       at::Tensor& experts, at::Tensor& acc, at::Tensor& mx_out,
+                       at::Tensor& sum_out) {
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3), m = lm.size(2);
+  const int64_t dv = sv.size(3);
+  const int64_t blocks = (N + kQueryBlock - 1) / kQueryBlock;
+  const T* Q = q.data_ptr<T>();
+  const T* L = lm.data_ptr<T>();
+  const T* SV = sv.data_ptr<T>();
+  const bool* lv = live.data_ptr<bool>();
+  const bool* qv = query_valid.defined() ? query_valid.data_ptr<bool>() : nullptr;
+  int64_t* E = experts.data_ptr<int64_t>();
+  T* ACC = acc.data_ptr<T>();
+  T* MX = mx_out.data_ptr<T>();
+  T* SUM = sum_out.data_ptr<T>();
+  const T c = static_cast<T>(c_shared);
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> A(kQueryBlock * m);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / blocks, b = bh / H;
+      const int64_t n0 = (item % blocks) * kQueryBlock;
+      const int64_t n = std::min(kQueryBlock, N - n0);
+      // Affinities q·q̃ (eq. 9); times c they are the shared logits of eq. 11.
+      mm_nt<T>(n, m, d, Q + (bh * N + n0) * d, d, L + bh * m * d, d, T(0), A.data(), m);
+      const bool* l = lv + b * m;
+      bool all_live = true;
+      for (int64_t e = 0; e < m; ++e) all_live &= l[e];
+      for (int64_t i = 0; i < n; ++i) {
+        T* a = A.data() + i * m;
+        const int64_t row = bh * N + n0 + i;
+        if (!all_live)
+          for (int64_t e = 0; e < m; ++e)
+            if (!l[e]) a[e] = neg_inf;
+        const T best_value = row_max(a, m);
+        int64_t best = 0;  // the first maximum (lowest index) wins, as torch.argmax
+        while (best < m - 1 && a[best] != best_value) ++best;  // bounded: NaN rows
+        E[row] = best;
+        if (qv && !qv[b * N + n0 + i]) {  // padded query: no weight, output stays zero
+          MX[row] = neg_inf;
+          SUM[row] = T(0);
+          std::fill(a, a + m, T(0));
+          continue;
+        }
+        for (int64_t e = 0; e < m; ++e) a[e] *= c;
+        MX[row] = best_value * c;
+        SUM[row] = exp_sub_sum(a, m, MX[row]);
+      }
+      // Unnormalised shared-branch values Σ_i exp(ℓ_i − max) ṽ_i.
+      mm_nn<T>(n, dv, m, A.data(), m, SV + bh * m * dv, dv, T(0), ACC + (bh * N + n0) * dv, dv);
+    }
+  });
+}
+
+// Stage route for s = 1 (eq. 9) and the shared half of the joint softmax (eq. 11), from the
+// same q·q̃ products — the paper's cost model reuses them the same way (§3.2).
+// q: (B, H, N, d); lm: (B, H, m, d) landmarks (unscaled); live: (B, m) bool with ≥ 1 True per
+// row; shared_values: (B, H, m, dv); c_shared: shared logit scale; query_valid: (B, N) bool or
+// None. Returns experts (B, H, N) int64 (the live landmark with the largest q·q̃, first on
+// ties), and per query the shared branch's unnormalised values (B, H, N, dv), logit maximum
+// (B, H, N) and sum of exp(logit − maximum) (B, H, N); padded queries get (0, −inf, 0).
+std::vector<at::Tensor> route_shared(at::Tensor q, at::Tensor lm, at::Tensor live,
+                                     at::Tensor shared_values, double c_shared,
+                                     c10::optional<at::Tensor> query_valid) {
+  q = q.contiguous();
+  lm = lm.contiguous();
+  live = live.contiguous();
+  shared_values = shared_values.contiguous();
+  at::Tensor qv;
+  if (query_valid.has_value()) qv = query_valid->contiguous();
+  const auto B = q.size(0), H = q.size(1), N = q.size(2);
+  auto experts = at::empty({B, H, N}, q.options().dtype(at::kLong));
+  auto acc = at::empty({B, H, N, shared_values.size(3)}, q.options());
+  auto mx = at::empty({B, H, N}, q.options());
+  auto sum = at::empty({B, H, N}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "route_shared", [&] {
+    route_shared_impl<scalar_t>(q, lm, live, shared_values, c_shared, qv, experts, acc, mx, sum);
+  });
+  return {experts, acc, mx, sum};
+}
+
+struct Tile {
+  int64_t bh, expert, start, len;  // start: into the head's expert-sorted query list
+};
+
+template <typename T>
+void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& expert_index, const at::Tensor& live,
+                 const at::Tensor& key_valid, const at::Tensor& experts, double scale_,
+                 at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum) {
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t m = expert_index.size(2), kk = expert_index.size(3), dv = v.size(3);
+  const T scale = static_cast<T>(scale_);
+  const int64_t* E = experts.data_ptr<int64_t>();
+  const bool* qv = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
+  // Counting sort of each head's queries by expert (padded queries left out: output zero).
+  std::vector<int64_t> order(B * H * N);
+  std::vector<Tile> tiles;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H;
+    std::vector<int64_t> start(m + 1, 0);
+    for (int64_t n = 0; n < N; ++n)
+      if (!qv || qv[b * N + n]) ++start[E[bh * N + n] + 1];
+    for (int64_t e = 0; e < m; ++e) {
+      for (int64_t t = 0; t < start[e + 1]; t += kAttentionTile)
+        tiles.push_back({bh, e, start[e] + t, std::min(kAttentionTile, start[e + 1] - t)});
+      start[e + 1] += start[e];
+    }
+    for (int64_t n = 0; n < N; ++n)
+      if (!qv || qv[b * N + n]) order[bh * N + start[E[bh * N + n]]++] = n;
+  }
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* Vp = v.data_ptr<T>();
+  const int64_t* I = expert_index.data_ptr<int64_t>();
+  const bool* lv = live.data_ptr<bool>();
+  T* ACC = acc.data_ptr<T>();
+  const T* MX = mx.data_ptr<T>();
+  const T* SUM = sum.data_ptr<T>();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+  // Tiles differ in size (an expert's last tile is partial): hand them out dynamically.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<T> qbuf(kAttentionTile * d), kbuf(kk * d), vbuf(kk * dv),
+        logits(kAttentionTile * kk), obuf(kAttentionTile * dv), rmx(kAttentionTile),
+        rsum(kAttentionTile);
+    std::vector<char> key_ok(kk);
+    int64_t loaded = -1;  // (bh, expert) whose keys sit in kbuf/vbuf
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const Tile& tile = tiles[t];
+      const int64_t bh = tile.bh, b = bh / H, e = tile.expert, n = tile.len;
+      const int64_t* rows = order.data() + bh * N + tile.start;
+      bool masked = !lv[b * m + e];
+      if (loaded != bh * m + e) {  // stage gather (eq. 10), fused: expert e's k raw pairs
+        const int64_t* idx = I + (bh * m + e) * kk;
+        for (int64_t j = 0; j < kk; ++j) {
+          std::copy(K + (bh * N + idx[j]) * d, K + (bh * N + idx[j] + 1) * d, kbuf.data() + j * d);
+          std::copy(Vp + (bh * N + idx[j]) * dv, Vp + (bh * N + idx[j] + 1) * dv,
+                    vbuf.data() + j * dv);
+          key_ok[j] = lv[b * m + e] && (!qv || qv[b * N + idx[j]]);
+        }
+        loaded = bh * m + e;
+      }
+      for (int64_t j = 0; j < kk; ++j) masked |= !key_ok[j];
+      for (int64_t i = 0; i < n; ++i) {
+        const T* src = Q + (bh * N + rows[i]) * d;
+        for (int64_t j = 0; j < d; ++j) qbuf[i * d + j] = src[j] * scale;
+      }
+      mm_nt<T>(n, kk, d, qbuf.data(), d, kbuf.data(), d, T(0), logits.data(), kk);
+      for (int64_t i = 0; i < n; ++i) {
+        T* row = logits.data() + i * kk;
+        if (masked)
+          for (int64_t j = 0; j < kk; ++j)
+            if (!key_ok[j]) row[j] = neg_inf;
+        rmx[i] = row_max(row, kk);
+        if (rmx[i] == neg_inf) {  // every key of the expert is padding: no routed weight
+          std::fill(row, row + kk, T(0));
+          rsum[i] = T(0);
+        } else {
+          rsum[i] = exp_sub_sum(row, kk, rmx[i]);
+        }
+      }
+      mm_nn<T>(n, dv, kk, logits.data(), kk, vbuf.data(), dv, T(0), obuf.data(), dv);
+      // eq. 12: one softmax over [shared ; routed] = the log-sum-exp merge of the two branches.
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = bh * N + rows[i];
+        const T top = std::max(MX[row], rmx[i]);
+        const T ws = std::exp(MX[row] - top);
+        const T wr = rmx[i] == neg_inf ? T(0) : std::exp(rmx[i] - top);
+        const T inv = T(1) / (ws * SUM[row] + wr * rsum[i]);
+        T* o = ACC + row * dv;
+        const T* r = obuf.data() + i * dv;
+        for (int64_t j = 0; j < dv; ++j) o[j] = (ws * o[j] + wr * r[j]) * inv;
+      }
+    }
+  }
+}
+
+// Stages gather + attention for s = 1 (eqs. 10-12), expert-grouped: each tile of up to 256
+// queries of one expert attends to the expert's k routed keys, read from k and v by index into
+// a per-thread buffer; the result is merged in place with the shared branch from
+// route_shared (one softmax over m + k entries, by log-sum-exp).
+// q, k: (B, H, N, d); v: (B, H, N, dv); expert_index: (B, H, m, k) int64 from landmark_pass;
+// live: (B, m) bool; key_valid: (B, N) bool or None (keys and queries); experts: (B, H, N)
+// int64; scale: routed logit scale (1/√d); acc, mx, sum: route_shared's outputs — acc
+// (B, H, N, dv) is overwritten with the attention output (zero at padded queries).
+void routed_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor expert_index,
+                      at::Tensor live, c10::optional<at::Tensor> key_valid, at::Tensor experts,
+                      double scale, at::Tensor acc, at::Tensor mx, at::Tensor sum) {
+  TORCH_CHECK(acc.is_contiguous() && mx.is_contiguous() && sum.is_contiguous(),
+              "route_shared outputs must be contiguous");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  expert_index = expert_index.contiguous();
+  live = live.contiguous();
+  experts = experts.contiguous();
+  at::Tensor valid;
+  if (key_valid.has_value()) valid = key_valid->contiguous();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routed_attention", [&] {
+    routed_impl<scalar_t>(q, k, v, expert_index, live, valid, experts, scale, acc, mx, sum);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("landmark_pass", &landmark_pass);
+  m.def("route_shared", &route_shared);
+  m.def("routed_attention", &routed_attention);
+}
