@@ -2,11 +2,14 @@
 
     python benchmarks/cpu_mita.py [--quick]
 
-Part 1, attention only: q, k, v of shape (1, 2, N, 64) float32, random; MiTA (expert-grouped,
-``mita_attention``) vs ``F.scaled_dot_product_attention``, at N = 4K, 16K, 64K, for m·k ≈ N/4
-(m = k ≈ √(N/4)) and a fixed m = k = 64; s = 1. Time ratio next to the pair-count limit
-N/(2m+sk). MiTA alone at 256K and 1M, and the growth exponent of MiTA time vs N (log-log fit).
-Part 2, whole model: 3 layers, dim 128, 2 heads (Fig. 5 size), random weights and token ids, at
+Part 1, attention only: q, k, v of shape (1, 2, N, 64) float32, random; MiTA
+(``mita_attention``: the compiled CPU kernels, ``backend="cpu"``, and the PyTorch stages,
+``backend="torch"``) vs ``F.scaled_dot_product_attention``, at N = 4K, 16K, 64K, for m·k ≈ N/4
+(m = k ≈ √(N/4)) and a fixed m = k = 64; s = 1. Time ratio SDPA / MiTA (kernels) next to the
+pair-count limit N/(2m+sk). MiTA alone at 256K and 1M, and the growth exponent of MiTA time vs
+N (log-log fit).
+Part 2, whole model (``backend="auto"``: the CPU kernels under ``torch.no_grad``): 3 layers,
+dim 128, 2 heads (Fig. 5 size), random weights and token ids, at
 N = 4K, 16K, 64K for both variants (dense 64K included: one repeat), MiTA alone at 256K; then
 MiTA at N = 1M in a fresh subprocess, reporting its time and peak RSS.
 Times are medians of interleaved repeats after one warm-up.
@@ -53,16 +56,19 @@ def median_times(fns: dict, repeats: int) -> dict[str, float]:
 
 def attention_only(ns, big_ns, repeats) -> None:
     print("## Attention only: (B, H, N, d) = (1, 2, N, 64), float32, s = 1\n")
-    print("| N | setting | m | k | MiTA ms | SDPA ms | SDPA / MiTA | limit N/(2m+sk) | "
-          "ratio / limit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | setting | m | k | MiTA ms | MiTA torch-stages ms | SDPA ms | SDPA / MiTA | "
+          "limit N/(2m+sk) | ratio / limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     growth: dict[str, list[tuple[int, float]]] = {}
     for n in ns + big_ns:
         g = torch.Generator().manual_seed(n)
         q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
         for setting, (m, kk) in (("m·k≈N/4", fig5(n)), ("fixed", (64, 64))):
-            fns = {"mita": partial(mita_attention, q, k, v, num_landmarks=m, topk=kk)}
+            fns = {"mita": partial(mita_attention, q, k, v, num_landmarks=m, topk=kk,
+                                   backend="cpu")}
             if n in ns:
+                fns["torch"] = partial(mita_attention, q, k, v, num_landmarks=m, topk=kk,
+                                       backend="torch")
                 fns["sdpa"] = partial(F.scaled_dot_product_attention, q, k, v)
             t = median_times(fns, repeats if n <= 65536 else 1)
             limit = n / (2 * m + kk)
@@ -70,9 +76,10 @@ def attention_only(ns, big_ns, repeats) -> None:
             if "sdpa" in t:
                 r = t["sdpa"] / t["mita"]
                 print(f"| {n} | {setting} | {m} | {kk} | {1e3 * t['mita']:.1f} | "
-                      f"{1e3 * t['sdpa']:.1f} | {r:.1f}× | {limit:.1f}× | {r / limit:.2f} |")
+                      f"{1e3 * t['torch']:.1f} | {1e3 * t['sdpa']:.1f} | {r:.1f}× | "
+                      f"{limit:.1f}× | {r / limit:.2f} |")
             else:
-                print(f"| {n} | {setting} | {m} | {kk} | {1e3 * t['mita']:.1f} | - | - | "
+                print(f"| {n} | {setting} | {m} | {kk} | {1e3 * t['mita']:.1f} | - | - | - | "
                       f"{limit:.1f}× | - |")
     print()
     for setting, pts in growth.items():
@@ -130,7 +137,12 @@ def main() -> None:
         one_million()
         return
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu\n")
+    from mita.kernels import cpu
+
+    if cpu.load() is None:
+        raise SystemExit("the CPU kernels did not build here (see the log above)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
     ns = [4096, 16384] if a.quick else [4096, 16384, 65536]
     big = [] if a.quick else [262144, 1 << 20]
     with torch.no_grad():

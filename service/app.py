@@ -16,10 +16,12 @@ DEFAULT_CHECKPOINT = "checkpoints/listops-default"
 
 def build_app(args: dict) -> Application:
     """Args: ``checkpoint`` (folder, relative to the project root unless absolute; default
-    the shipped ``checkpoints/listops-default``) and ``device`` (``auto`` | ``cpu`` |
-    ``cuda``). Both classifier deployments load the same checkpoint."""
+    the shipped ``checkpoints/listops-default``), ``device`` (``auto`` | ``cpu`` | ``cuda``)
+    and ``mita_backend`` (``mita_attention``'s backend, default ``auto``). Both classifier
+    deployments load the same checkpoint."""
     checkpoint = args.get("checkpoint", DEFAULT_CHECKPOINT)
     device = args.get("device", "auto")
-    mita = Classifier.options(name="MiTAClassifier").bind(checkpoint, "mita", device)
+    backend = args.get("mita_backend", "auto")
+    mita = Classifier.options(name="MiTAClassifier").bind(checkpoint, "mita", device, backend)
     dense = Classifier.options(name="DenseClassifier").bind(checkpoint, "dense", device)
     return Gateway.bind(mita, dense)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from mita.model import checkpoint_metadata, load_checkpoint
+from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from profiler.cost import profile_forward
 
 from . import PROJECT_ROOT
@@ -51,18 +51,23 @@ def pick_device(device: str) -> torch.device:
 @serve.deployment
 class Classifier:
     """Args: ``checkpoint`` folder, ``attention`` (``mita`` | ``dense``), ``device``
-    (``auto`` | ``cpu`` | ``cuda``). ``user_config``: ``max_batch_size``,
+    (``auto`` | ``cpu`` | ``cuda``), ``mita_backend`` (``mita_attention``'s ``backend``:
+    ``torch`` times every MiTA stage apart; ``auto`` runs the compiled CPU kernels or the Triton
+    kernel, which report fewer, fused stages). ``user_config``: ``max_batch_size``,
     ``batch_wait_timeout_s``, ``deterministic``."""
 
-    def __init__(self, checkpoint: str, attention: str, device: str = "auto"):
+    def __init__(self, checkpoint: str, attention: str, device: str = "auto",
+                 mita_backend: str = "auto"):
         folder = resolve_checkpoint(checkpoint)
         self.device = pick_device(device)
         self.model = load_checkpoint(folder, device=self.device, attention=attention)
+        set_mita_backend(self.model, mita_backend)
         self.variant = attention
         meta = checkpoint_metadata(folder)
         self.model_id = f"{folder.name}@{meta['weights_sha256'][:12]}"
         self.info_dict = {
             "variant": attention, "model_id": self.model_id, "device": str(self.device),
+            "mita_backend": mita_backend if attention == "mita" else None,
             # Changes when Serve replaces the replica (crash, OOM kill): tests and operators
             # can see a restart.
             "replica": serve.get_replica_context().replica_id.unique_id,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mita.hooks import MITA_STAGES
-from mita.model import EncoderClassifier, ModelConfig
+from mita.kernels import cpu
+from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 from profiler.cost import model_stage_flops, profile_forward
 from profiler.sweep import SweepConfig, landmarks_for, run_sweep, write_outputs
 from profiler.timer import StageTimer
@@ -19,20 +20,31 @@ from profiler.timer import StageTimer
 CFG = ModelConfig(dim=32, depth=3, num_heads=2, ffn_dim=64, num_landmarks=8, topk=16)
 
 
-def expected_records(attention: str, depth: int) -> list[tuple[str, int | None]]:
-    attn = list(MITA_STAGES) if attention == "mita" else ["attention"]
+# The compiled CPU kernels fuse topk + shared_compress into landmark_scores and gather into
+# attention (s = 1).
+CPU_KERNEL_STAGES = ["pool", "landmark_scores", "route", "attention"]
+
+
+def expected_records(attention: str, depth: int,
+                     backend: str = "torch") -> list[tuple[str, int | None]]:
+    attn = ["attention"] if attention == "dense" else (
+        list(MITA_STAGES) if backend == "torch" else CPU_KERNEL_STAGES)
     per_layer = ["qkv_proj", *attn, "out_proj", "ffn"]
     return ([("embed", None)] + [(s, i) for i in range(depth) for s in per_layer]
             + [("head", None)])
 
 
-@pytest.mark.parametrize("attention", ["mita", "dense"])
-def test_records_complete_ordered_and_sum_below_end_to_end(attention):
+@pytest.mark.parametrize("attention,backend", [("mita", "torch"), ("mita", "cpu"),
+                                               ("dense", "torch")])
+def test_records_complete_ordered_and_sum_below_end_to_end(attention, backend):
     torch.manual_seed(0)
     model = EncoderClassifier(CFG.replace(attention=attention)).eval()
+    set_mita_backend(model, backend)
+    if backend == "cpu":
+        assert cpu.load() is not None  # loading the built extension is not part of a forward
     ids = torch.randint(1, 16, (2, 2048))
     _, prof = profile_forward(model, ids)
-    assert [(r.name, r.layer) for r in prof.records] == expected_records(attention, 3)
+    assert [(r.name, r.layer) for r in prof.records] == expected_records(attention, 3, backend)
     assert len(prof.layers_ms) == 3
     stage_sum = sum(prof.stages_ms.values())
     # Stages never overlap, so their sum cannot exceed the forward; the untimed rest (layer
@@ -61,6 +73,7 @@ def test_concurrent_forwards_keep_separate_records():
     torch.manual_seed(2)
     models = {"mita": EncoderClassifier(CFG).eval(),
               "dense": EncoderClassifier(CFG.replace(attention="dense", depth=2)).eval()}
+    set_mita_backend(models["mita"], "torch")
     results: dict[str, list] = {"mita": [], "dense": []}
     barrier = threading.Barrier(2)
 

@@ -1,6 +1,16 @@
-"""GPU kernels for MiTA (Triton). Imported lazily by ``mita.attention``: Triton is needed only
-when the fused path runs (CUDA tensors, or the CPU interpreter with ``TRITON_INTERPRET=1``)."""
+"""MiTA kernels: ``fused_attention`` (Triton, GPU) and ``cpu`` (compiled C++ CPU kernels).
 
-from .mita_attention import fused_attention
+Both are imported lazily by ``mita.attention``. The Triton module is imported only on first
+access to ``fused_attention``: Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so
+importing ``mita.kernels.cpu`` must not define the Triton kernels early.
+"""
 
 __all__ = ["fused_attention"]
+
+
+def __getattr__(name):
+    if name == "fused_attention":
+        from .mita_attention import fused_attention
+
+        return fused_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
