@@ -438,7 +438,7 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         raise ValueError(f"shared_scale must be one of {SHARED_SCALES}, got {shared_scale!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    valid = _valid_tokens(key_padding_mask, B, N, q.device)
+    _valid_tokens(key_padding_mask, B, N, q.device)  # raises on a bad mask
     out_dtype = q.dtype
     fused = _use_triton(backend, q)
     q_in, k_in, v_in = q, k, v
@@ -460,6 +460,14 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
             return fused_attention(
                 q_in, k_in, v_in, landmarks * shared_logit_scale(q.shape[-1], shared_scale),
                 shared_values, landmark_valid, expert_index, experts, key_padding_mask)
+    out = _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index,
+                             experts, shared_scale, key_padding_mask, hook)
+    return out.to(out_dtype)
+
+
+def _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index, experts,
+                       shared_scale, key_padding_mask, hook) -> Tensor:
+    """The PyTorch stages ``gather`` and ``attention``; zero at padded queries."""
     with hook.stage("gather"):
         expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
                                                               key_padding_mask)
@@ -467,8 +475,8 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         out = attention(q, landmarks, landmark_valid, shared_values, experts, expert_keys,
                         expert_values, expert_key_valid, shared_scale, key_padding_mask)
         if key_padding_mask is not None:
-            out = out.masked_fill(~valid[:, None, :, None], 0.0)
-    return out.to(out_dtype)
+            out = out.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    return out
 
 
 def _cpu_kernels(backend: str, q: Tensor, k: Tensor, v: Tensor):
@@ -512,13 +520,8 @@ def _cpu_path(ext, q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_sc
     if s > 1:  # the PyTorch stages: per-slot partials merged by log-sum-exp
         with hook.stage("route"):
             experts = route(q, landmarks, s, landmark_valid)
-        with hook.stage("gather"):
-            expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
-                                                                  key_padding_mask)
-        with hook.stage("attention"):
-            out = attention(q, landmarks, landmark_valid, shared_values, experts, expert_keys,
-                            expert_values, expert_key_valid, shared_scale, key_padding_mask)
-            return out if valid is None else out.masked_fill(~valid[:, None, :, None], 0.0)
+        return _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values,
+                                  expert_index, experts, shared_scale, key_padding_mask, hook)
     with hook.stage("route"):
         experts, out, top, total = ext.route_shared(
             q, landmarks, landmark_valid, shared_values, shared_logit_scale(d, shared_scale),
