@@ -446,7 +446,7 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         q, k, v = q.float(), k.float(), v.float()
     kk = min(topk, N)
 
-    if backend != "triton" and not fused:
+    if not fused:
         ext = _cpu_kernels(backend, q, k, v)
         if ext is not None:
             out = _cpu_path(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
@@ -508,8 +508,9 @@ def _cpu_path(ext, q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_sc
     expert's k raw pairs by index (no ``gather`` stage) and adds the routed half per tile of
     one expert's queries, merged by log-sum-exp. s > 1 runs ``route``, ``gather`` and
     ``attention`` as the PyTorch stages. Peak extra memory for s = 1, beyond q, k, v and the
-    output: B·H·(m·(d + 2·dv + k) + 3·N) elements plus per thread
-    256·(d + k + dv) + k·(d + dv) — linear in N, no N × m or N × k block."""
+    output: B·H·(m·(2·d + dv + k) + 3·N) elements (landmarks and their scaled copy, shared
+    values, expert indices; per query its expert, shared-branch maximum and sum) plus per
+    thread 256·(d + k + dv) + k·(d + dv) — linear in N, no N × m or N × k block."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, N, d = q.shape
     valid = None if key_padding_mask is None else ~key_padding_mask

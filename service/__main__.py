@@ -28,12 +28,7 @@ def main(argv: list[str] | None = None) -> None:
         launch.verify_checkpoints(config)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
-    import torch
-
-    if not torch.cuda.is_available():  # build the CPU kernels once here, not in each replica
-        from mita.kernels import cpu
-
-        cpu.load()
+    launch.prebuild_cpu_kernels(config)  # once here, not in each replica
     url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
                        dashboard_host=a.dashboard_host)
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'

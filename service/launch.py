@@ -106,6 +106,23 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
             load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
 
 
+def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:
+    """Build MiTA's CPU kernels (``mita.kernels.cpu``, ~1 min the first time on a machine)
+    before the replicas start, when an application will run them: its classifier on the CPU
+    with ``mita_backend`` other than ``torch``. Replicas then load the cached build. A failed
+    build is logged and the replicas run the PyTorch stages."""
+    import torch
+
+    for app in config.applications:
+        args = app.args or {}
+        on_cpu = args.get("device", "auto") == "cpu" or not torch.cuda.is_available()
+        if on_cpu and args.get("mita_backend", "auto") != "torch":
+            from mita.kernels import cpu
+
+            cpu.load()
+            return
+
+
 def write_prometheus_sd(metrics_port: int, path: Path = PROMETHEUS_SD_FILE,
                         host: str = "127.0.0.1") -> None:
     """Write Ray's file-SD format: one target, this node's metrics export port."""

@@ -147,3 +147,20 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     assert cpu.build_dir() == blocker
     assert cpu._build() is None
     assert "MiTA CPU kernels unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("backend,builds", [("torch", False), ("auto", True), (None, True)])
+def test_service_prebuilds_kernels_only_when_a_classifier_runs_them(monkeypatch, backend,
+                                                                    builds):
+    from service import launch
+
+    config = launch.load_config(launch.CPU_CONFIG)
+    assert config.applications[0].args["mita_backend"] == "torch"  # the shipped CPU config
+    if backend is None:
+        del config.applications[0].args["mita_backend"]  # the code default: auto
+    else:
+        config.applications[0].args["mita_backend"] = backend
+    calls = []
+    monkeypatch.setattr(cpu, "load", lambda: calls.append(1))
+    launch.prebuild_cpu_kernels(config)
+    assert len(calls) == int(builds)

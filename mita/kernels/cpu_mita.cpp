@@ -1,10 +1,10 @@
 // MiTA on CPU: cache-blocked kernels for the expert-grouped computation (arXiv:2602.01219,
 // §3.2, eqs. 6-12). Built on first use by mita/kernels/cpu.py (torch.utils.cpp_extension).
 //
-// Matrix products go through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
-// at::parallel_for); exponentials use ATen's
-// vectorised exp_u20 for float32 (about 1e-6 relative error) and the exact std::exp for
-// float64, so the float64 path matches the PyTorch reference to rounding.
+// Matrix products go through the BLAS torch links (sgemm_/dgemm_, single-threaded inside the
+// OpenMP work items); exponentials use ATen's vectorised exp_u20 for float32 (about 1e-6
+// relative error) and the exact std::exp for float64, so the float64 path matches the
+// PyTorch reference to rounding.
 //
 // Every output element is computed by one thread in a fixed order: results do not depend on
 // the thread count or on the other sequences of the batch.
@@ -23,7 +23,8 @@
 namespace {
 
 // The Fortran BLAS entry points of the BLAS torch links (MKL in the x86 wheels exports them):
-// column-major, 32-bit sizes. Called inside at::parallel_for, where MKL runs single-threaded.
+// column-major, 32-bit sizes. Called inside OpenMP parallel regions, where MKL runs
+// single-threaded.
 extern "C" {
 void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
             const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
@@ -116,13 +117,10 @@ struct TopK {
   int64_t k;
   std::vector<std::pair<T, int64_t>> heap;
   explicit TopK(int64_t k_) : k(k_) { heap.reserve(k_); }
-  static bool worse(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
-    return a.first < b.first || (a.first == b.first && a.second > b.second);
-  }
   // std heap functions build a max-heap on the comparator; with cmp(a, b) = "b is worse than
   // a", the front is the worst element.
   static bool cmp(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
-    return worse(b, a);
+    return b.first < a.first || (b.first == a.first && b.second > a.second);
   }
   void push_row(const T* x, int64_t n, int64_t offset) {
     int64_t i = 0;
@@ -147,10 +145,9 @@ struct TopK {
     }
   }
   void write_sorted_indices(int64_t* out) {
-    std::vector<int64_t> idx(heap.size());
-    for (size_t j = 0; j < heap.size(); ++j) idx[j] = heap[j].second;
-    std::sort(idx.begin(), idx.end());
-    std::copy(idx.begin(), idx.end(), out);
+    std::sort(heap.begin(), heap.end(),
+              [](const auto& a, const auto& b) { return a.second < b.second; });
+    for (size_t j = 0; j < heap.size(); ++j) out[j] = heap[j].second;
   }
 };
 
@@ -388,23 +385,24 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         rsum(kAttentionTile);
     std::vector<char> key_ok(kk);
     int64_t loaded = -1;  // (bh, expert) whose keys sit in kbuf/vbuf
+    bool masked = false;  // some of them are padding, or the expert's landmark is empty
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tiles; ++t) {
       const Tile& tile = tiles[t];
       const int64_t bh = tile.bh, b = bh / H, e = tile.expert, n = tile.len;
       const int64_t* rows = order.data() + bh * N + tile.start;
-      bool masked = !lv[b * m + e];
       if (loaded != bh * m + e) {  // stage gather (eq. 10), fused: expert e's k raw pairs
         const int64_t* idx = I + (bh * m + e) * kk;
+        masked = false;
         for (int64_t j = 0; j < kk; ++j) {
           std::copy(K + (bh * N + idx[j]) * d, K + (bh * N + idx[j] + 1) * d, kbuf.data() + j * d);
           std::copy(Vp + (bh * N + idx[j]) * dv, Vp + (bh * N + idx[j] + 1) * dv,
                     vbuf.data() + j * dv);
           key_ok[j] = lv[b * m + e] && (!qv || qv[b * N + idx[j]]);
+          masked |= !key_ok[j];
         }
         loaded = bh * m + e;
       }
-      for (int64_t j = 0; j < kk; ++j) masked |= !key_ok[j];
       for (int64_t i = 0; i < n; ++i) {
         const T* src = Q + (bh * N + rows[i]) * d;
         for (int64_t j = 0; j < d; ++j) qbuf[i * d + j] = src[j] * scale;
