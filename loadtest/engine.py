@@ -129,9 +129,15 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
         raise ValueError(f"mode must be 'closed' or 'open', got {cfg.mode!r}")
     rng = np.random.default_rng(cfg.seed)
     phases = [(n, v) for n in sorted(cfg.ns) for v in cfg.variants]
-    limits = httpx.Limits(max_connections=max(cfg.concurrency, 64))
+    # Keep every connection alive (httpx keeps 20 by default): under overload the default
+    # closes and reopens hundreds of connections a second. Failed connects are retried (the
+    # request was never sent); a request that was sent is never sent again.
+    size = max(cfg.concurrency, 64)
+    transport = httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size), retries=2)
     samples: list[Sample] = []
-    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits) as c:
+    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s,
+                                 transport=transport) as c:
         with tqdm(total=len(phases) * cfg.requests, desc="load", unit="req") as bar:
             for n in sorted(cfg.ns):
                 seqs = [encode(generate_long(n, seed=cfg.seed * 1000 + i)[0])
