@@ -152,8 +152,9 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
 
 def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
     """Per (N, requested variant): counts, errors by status, p50/p90/p99 latency (ms, numpy),
-    throughput (ok req/s and tokens/s over the phase's wall time) and median stage times;
-    plus MiTA/dense ratios per N where both ran."""
+    throughput (ok req/s and tokens/s over the phase's wall time) and median stage times per
+    served variant (``stages_ms[served][stage]``, ms summed over layers); plus MiTA/dense
+    ratios per N where both ran."""
     groups: dict[tuple[int, str], list[Sample]] = {}
     for s in samples:
         groups.setdefault((s.n, s.requested), []).append(s)
@@ -166,10 +167,17 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
         for s in ss:
             if s.status != 200:
                 errors[str(s.status)] = errors.get(str(s.status), 0) + 1
-        stage_names = list(dict.fromkeys(k for s in ok for k in s.stages_ms))
         served: dict[str, int] = {}
         for s in ok:
             served[s.variant] = served.get(s.variant, 0) + 1
+        # Per served variant: an A/B phase mixes MiTA and dense answers, whose stages differ.
+        stages_ms = {}
+        for v in served:
+            mine = [s for s in ok if s.variant == v and s.stages_ms]
+            names = list(dict.fromkeys(k for s in mine for k in s.stages_ms))
+            if names:
+                stages_ms[v] = {k: float(np.median([s.stages_ms.get(k, 0.0) for s in mine]))
+                                for k in names}
         rows.append({
             "n": n, "variant": req, "served": served, "sent": len(ss), "ok": len(ok),
             "errors": errors,
@@ -178,8 +186,7 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
             "p99_ms": float(np.percentile(lat, 99)) if len(ok) else None,
             "throughput_rps": len(ok) / wall if wall > 0 else None,
             "tokens_per_s": len(ok) * n / wall if wall > 0 else None,
-            "stages_ms": {k: float(np.median([s.stages_ms.get(k, 0.0) for s in ok]))
-                          for k in stage_names},
+            "stages_ms": stages_ms,
         })
     by = {(r["n"], r["variant"]): r for r in rows}
     ratios = []

@@ -10,6 +10,17 @@ from pathlib import Path
 from .engine import Sample
 
 
+def stage_table(summary: dict) -> list[tuple[str, dict[str, float]]]:
+    """(label, median stage ms) per (N, requested variant, served variant); an A/B row is
+    labelled ``ab→mita`` / ``ab→dense`` so the two models' stages are never mixed."""
+    out = []
+    for r in summary["rows"]:
+        for served, ms in r["stages_ms"].items():
+            name = r["variant"] if served == r["variant"] else f"{r['variant']}→{served}"
+            out.append((f"{r['n']} | {name}", ms))
+    return out
+
+
 def markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"Load test: {c['mode']} loop"
@@ -34,15 +45,15 @@ def markdown(summary: dict) -> str:
         lines += [f"| {x['n']} | {x['p50_ratio_mita_over_dense']:.2f}× | "
                   f"{x['p99_ratio_mita_over_dense']:.2f}× | "
                   f"{x['throughput_ratio_mita_over_dense']:.2f}× |" for x in summary["ratios"]]
-    stage_rows = [r for r in summary["rows"] if r["stages_ms"]]
+    stage_rows = stage_table(summary)
     if stage_rows:
-        stages = list(dict.fromkeys(s for r in stage_rows for s in r["stages_ms"]))
+        stages = list(dict.fromkeys(s for _, ms in stage_rows for s in ms))
         lines += ["", "Median per-stage time from profiled responses (ms, summed over layers):",
                   "", "| N | variant | " + " | ".join(stages) + " |",
                   "|---|---|" + "---|" * len(stages)]
-        lines += [f"| {r['n']} | {r['variant']} | " + " | ".join(
-            f"{r['stages_ms'][s]:.2f}" if s in r["stages_ms"] else "-" for s in stages) + " |"
-            for r in stage_rows]
+        lines += [f"| {label} | " + " | ".join(
+            f"{ms[s]:.2f}" if s in ms else "-" for s in stages) + " |"
+            for label, ms in stage_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -75,31 +86,43 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
     files["md"].write_text(markdown(summary))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
+    plotted = False
     for v in dict.fromkeys(r["variant"] for r in summary["rows"]):
         sel = [r for r in summary["rows"] if r["variant"] == v and r["ok"]]
-        ns = [r["n"] for r in sel]
-        ax.plot(ns, [r["p50_ms"] for r in sel], "o-", label=f"{v} p50")
-        ax.plot(ns, [r["p99_ms"] for r in sel], "x--", label=f"{v} p99")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+        if sel:
+            ns = [r["n"] for r in sel]
+            ax.plot(ns, [r["p50_ms"] for r in sel], "o-", label=f"{v} p50")
+            ax.plot(ns, [r["p99_ms"] for r in sel], "x--", label=f"{v} p99")
+            plotted = True
+    if plotted:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no successful requests", ha="center", va="center",
+                transform=ax.transAxes)
     ax.set_xlabel("N (tokens)")
     ax.set_ylabel("request latency (ms)")
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(files["latency_png"], dpi=110)
     plt.close(fig)
 
-    rows = [r for r in summary["rows"] if r["stages_ms"]]
+    rows = stage_table(summary)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
-    stages = list(dict.fromkeys(s for r in rows for s in r["stages_ms"]))
+    stages = list(dict.fromkeys(s for _, ms in rows for s in ms))
     bottom = np.zeros(len(rows))
     for st in stages:
-        vals = np.array([r["stages_ms"].get(st, 0.0) for r in rows])
+        vals = np.array([ms.get(st, 0.0) for _, ms in rows])
         ax.bar(range(len(rows)), vals, bottom=bottom, label=st)
         bottom += vals
-    ax.set_xticks(range(len(rows)), [f"{r['variant']}\nN={r['n']}" for r in rows], fontsize=7)
+    ax.set_xticks(range(len(rows)), [label.replace(" | ", "\n") for label, _ in rows],
+                  fontsize=7)
     ax.set_ylabel("median ms per request (stacked stages)")
-    ax.legend(fontsize=6, ncol=2)
+    if stages:
+        ax.legend(fontsize=6, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "no profiled responses", ha="center", va="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(files["stages_png"], dpi=110)
     plt.close(fig)

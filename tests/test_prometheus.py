@@ -125,7 +125,8 @@ def test_load_then_every_dashboard_and_rule_expression_answers(service, promethe
         assert len(lat) == 20
         for q in (50, 90, 99):
             assert row[f"p{q}_ms"] == pytest.approx(float(np.percentile(lat, q)), rel=1e-12)
-        assert set(row["stages_ms"]) >= {"embed", "attention", "head"}
+        assert set(row["stages_ms"]) == {row["variant"]}
+        assert set(row["stages_ms"][row["variant"]]) >= {"embed", "attention", "head"}
     assert {x["n"] for x in report["ratios"]} == {256, 2048}
 
 

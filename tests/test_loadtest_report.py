@@ -1,0 +1,54 @@
+"""Load-test summary and report files from hand-made samples (no service needed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loadtest.engine import LoadConfig, Sample, summarize
+from loadtest.report import markdown, write
+
+CFG = LoadConfig(url="http://127.0.0.1:8000", ns=[256], variants=["ab"])
+
+
+def test_ab_stage_medians_are_kept_apart_per_served_variant():
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(9):
+        served = "mita" if i % 3 else "dense"
+        stages = {"embed": float(rng.uniform(1, 2)), "attention": float(rng.uniform(5, 50))}
+        if served == "mita":
+            stages["topk"] = float(rng.uniform(0.1, 1))
+        samples.append(Sample(256, "ab", served, 200, 0.1 * i, 0.05, stages))
+    row = summarize(samples, CFG)["rows"][0]
+    assert row["served"] == {"dense": 3, "mita": 6}
+    for v in ("mita", "dense"):
+        mine = [s.stages_ms for s in samples if s.variant == v]
+        assert row["stages_ms"][v] == {k: float(np.median([m[k] for m in mine]))
+                                       for k in mine[0]}
+    assert "topk" not in row["stages_ms"]["dense"]
+    md = markdown(summarize(samples, CFG))
+    assert "| 256 | ab→mita |" in md and "| 256 | ab→dense |" in md
+
+
+def test_report_when_every_request_was_refused(tmp_path):
+    samples = [Sample(256, "ab", None, 503, 0.1 * i, 0.01, error="overloaded") for i in range(4)]
+    samples.append(Sample(256, "ab", None, 0, 0.5, 0.01, error="ConnectError: refused"))
+    summary = summarize(samples, CFG)
+    files = write(summary, samples, tmp_path)
+    assert all(f.stat().st_size > 0 for f in files.values())
+    row = json.loads(files["json"].read_text())["rows"][0]
+    assert (row["ok"], row["errors"], row["p50_ms"], row["stages_ms"]) == (
+        0, {"503": 4, "0": 1}, None, {})
+    assert "| 256 | ab | 5 | 0 | 503: 4, 0: 1 |" in files["md"].read_text()
+
+
+def test_summary_percentiles_equal_numpy():
+    lat = np.random.default_rng(1).uniform(0.01, 0.2, 50)
+    samples = [Sample(1024, "mita", "mita", 200, 0.01 * i, float(x)) for i, x in enumerate(lat)]
+    row = summarize(samples, CFG)["rows"][0]
+    for q in (50, 90, 99):
+        assert row[f"p{q}_ms"] == pytest.approx(float(np.percentile(lat * 1e3, q)), rel=1e-12)
+    assert row["stages_ms"] == {}
