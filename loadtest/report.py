@@ -10,15 +10,11 @@ from pathlib import Path
 from .engine import Sample
 
 
-def stage_table(summary: dict) -> list[tuple[str, dict[str, float]]]:
-    """(label, median stage ms) per (N, requested variant, served variant); an A/B row is
-    labelled ``ab→mita`` / ``ab→dense`` so the two models' stages are never mixed."""
-    out = []
-    for r in summary["rows"]:
-        for served, ms in r["stages_ms"].items():
-            name = r["variant"] if served == r["variant"] else f"{r['variant']}→{served}"
-            out.append((f"{r['n']} | {name}", ms))
-    return out
+def stage_table(summary: dict) -> list[tuple[int, str, dict[str, float]]]:
+    """(N, variant label, median stage ms) per (N, requested variant, served variant); an A/B
+    row is labelled ``ab→mita`` / ``ab→dense`` so the two models' stages are never mixed."""
+    return [(r["n"], r["variant"] if served == r["variant"] else f"{r['variant']}→{served}", ms)
+            for r in summary["rows"] for served, ms in r["stages_ms"].items()]
 
 
 def markdown(summary: dict) -> str:
@@ -47,13 +43,13 @@ def markdown(summary: dict) -> str:
                   f"{x['throughput_ratio_mita_over_dense']:.2f}× |" for x in summary["ratios"]]
     stage_rows = stage_table(summary)
     if stage_rows:
-        stages = list(dict.fromkeys(s for _, ms in stage_rows for s in ms))
+        stages = list(dict.fromkeys(s for *_, ms in stage_rows for s in ms))
         lines += ["", "Median per-stage time from profiled responses (ms, summed over layers):",
                   "", "| N | variant | " + " | ".join(stages) + " |",
                   "|---|---|" + "---|" * len(stages)]
-        lines += [f"| {label} | " + " | ".join(
+        lines += [f"| {n} | {name} | " + " | ".join(
             f"{ms[s]:.2f}" if s in ms else "-" for s in stages) + " |"
-            for label, ms in stage_rows]
+            for n, name, ms in stage_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -109,14 +105,13 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
 
     rows = stage_table(summary)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
-    stages = list(dict.fromkeys(s for _, ms in rows for s in ms))
+    stages = list(dict.fromkeys(s for *_, ms in rows for s in ms))
     bottom = np.zeros(len(rows))
     for st in stages:
-        vals = np.array([ms.get(st, 0.0) for _, ms in rows])
+        vals = np.array([ms.get(st, 0.0) for *_, ms in rows])
         ax.bar(range(len(rows)), vals, bottom=bottom, label=st)
         bottom += vals
-    ax.set_xticks(range(len(rows)), [label.replace(" | ", "\n") for label, _ in rows],
-                  fontsize=7)
+    ax.set_xticks(range(len(rows)), [f"{name}\nN={n}" for n, name, _ in rows], fontsize=7)
     ax.set_ylabel("median ms per request (stacked stages)")
     if stages:
         ax.legend(fontsize=6, ncol=2)

@@ -111,11 +111,11 @@ def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:
     before the replicas start, when an application will run them: its classifier on the CPU
     with ``mita_backend`` other than ``torch``. Replicas then load the cached build. A failed
     build is logged and the replicas run the PyTorch stages."""
-    import torch
+    from .classifier import pick_device
 
     for app in config.applications:
         args = app.args or {}
-        on_cpu = args.get("device", "auto") == "cpu" or not torch.cuda.is_available()
+        on_cpu = pick_device(args.get("device", "auto")).type == "cpu"
         if on_cpu and args.get("mita_backend", "auto") != "torch":
             from mita.kernels import cpu
 

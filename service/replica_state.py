@@ -8,5 +8,7 @@ the handlers see in the replica process.
 
 from __future__ import annotations
 
+from .schemas import GatewayConfig
+
 gateway = None  # the Gateway replica of this process, set in its __init__
-max_body_bytes: int = 4 * 1024 * 1024  # kept in step with GatewayConfig by reconfigure
+max_body_bytes: int = GatewayConfig().max_body_bytes  # kept in step by Gateway.reconfigure

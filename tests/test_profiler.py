@@ -17,18 +17,17 @@ from profiler.cost import model_stage_flops, profile_forward
 from profiler.sweep import SweepConfig, landmarks_for, run_sweep, write_outputs
 from profiler.timer import StageTimer
 
+from .test_attention import CPU_KERNEL_STAGES
+
 CFG = ModelConfig(dim=32, depth=3, num_heads=2, ffn_dim=64, num_landmarks=8, topk=16)
 
 
-# The compiled CPU kernels fuse topk + shared_compress into landmark_scores and gather into
-# attention (s = 1).
-CPU_KERNEL_STAGES = ["pool", "landmark_scores", "route", "attention"]
 
 
 def expected_records(attention: str, depth: int,
                      backend: str = "torch") -> list[tuple[str, int | None]]:
     attn = ["attention"] if attention == "dense" else (
-        list(MITA_STAGES) if backend == "torch" else CPU_KERNEL_STAGES)
+        list(MITA_STAGES) if backend == "torch" else list(CPU_KERNEL_STAGES))
     per_layer = ["qkv_proj", *attn, "out_proj", "ffn"]
     return ([("embed", None)] + [(s, i) for i in range(depth) for s in per_layer]
             + [("head", None)])

@@ -40,8 +40,8 @@ def _flags() -> list[str]:
 
 
 def load():
-    """The compiled extension (functions ``landmark_pass``, ``route_top1``,
-    ``joint_attention``), or None when it cannot be built here. Thread-safe; builds at most
+    """The compiled extension (functions ``landmark_pass``, ``route_shared``,
+    ``routed_attention``), or None when it cannot be built here. Thread-safe; builds at most
     once per process (a file lock in the build directory serialises processes)."""
     with _lock:
         if "module" not in _state:
