@@ -409,9 +409,10 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
             ``shared_compress``; for s = 1 ``route`` includes the shared half of the joint
             softmax; no backward), ``"triton"`` (``mita.kernels.fused_attention``: ``gather``
             + ``attention`` in one Triton kernel, reported as stage ``attention``; no
-            ``gather`` stage), or ``"auto"``: triton for CUDA float16/bfloat16/float32 inputs
-            when Triton imports; on CPU the compiled kernels when no gradient is needed and
-            they build here (else the PyTorch stages, logged once). The triton path reads q,
+            ``gather`` stage; head dims ≤ 128), or ``"auto"``: triton for CUDA
+            float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton imports; on CPU
+            the compiled kernels when no gradient is needed and they build here (else the
+            PyTorch stages, logged once). The triton path reads q,
             k, v in their own dtype (16-bit matrix products, fp32 accumulation); the stages
             before it run in float32 either way.
         hook: stage hook; each stage runs inside ``hook.stage(name)``.
@@ -440,7 +441,7 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _valid_tokens(key_padding_mask, B, N, q.device)  # raises on a bad mask
     out_dtype = q.dtype
-    fused = _use_triton(backend, q)
+    fused = _use_triton(backend, q, v)
     q_in, k_in, v_in = q, k, v
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -565,12 +566,16 @@ def shared_logit_scale(d: int, shared_scale: str) -> float:
     return d ** -0.5 if shared_scale == "paper" else 1.0 / d
 
 
-def _use_triton(backend: str, q: Tensor) -> bool:
+def _use_triton(backend: str, q: Tensor, v: Tensor) -> bool:
     if backend in ("torch", "cpu"):
         return False
     if backend == "triton":
         return True
+    from .kernels import MAX_HEAD_DIM  # no Triton import
+
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return False
     try:
         import triton  # noqa: F401

@@ -196,3 +196,14 @@ def test_gpu_benchmark_script_dry_run(tmp_path):
     assert fused["backend"] == "triton (fused)" and "gather" not in fused
     assert fused["attention"] > 0 and "gather" in result["stages"][1]
     assert "| 256 | 8 | 8 | float32 |" in (tmp_path / "gpu_mita.md").read_text()
+
+
+def test_launch_plan_refuses_head_dims_over_128(kernel):
+    q = torch.randn(1, 1, 8, 160)
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        kernel.launch_plan(q, q, q, torch.randn(1, 1, 2, 160), torch.randn(1, 1, 2, 160),
+                           torch.ones(1, 2, dtype=torch.bool),
+                           torch.zeros(1, 1, 2, 4, dtype=torch.long),
+                           torch.zeros(1, 1, 8, 1, dtype=torch.long))
+    # auto falls back to the PyTorch stages for such heads instead of failing
+    assert not A._use_triton("auto", q, q)

@@ -5,7 +5,9 @@ access to ``fused_attention``: Triton reads ``TRITON_INTERPRET`` when a kernel i
 importing ``mita.kernels.cpu`` must not define the Triton kernels early.
 """
 
-__all__ = ["fused_attention"]
+__all__ = ["MAX_HEAD_DIM", "fused_attention"]
+
+MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
 
 
 def __getattr__(name):

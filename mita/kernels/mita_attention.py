@@ -31,15 +31,22 @@ needs k a power of two for ``tl.topk``; not done here.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import MAX_HEAD_DIM  # BLOCK_D ≤ 128: the tiles fit sm_80's registers and shared memory
+
 BLOCK_M = 64  # entries (queries) per tile; an expert holds ~N·s/m entries (256+ at N ≥ 16K)
 BLOCK_N = 64  # keys per inner step (flash-attention-like tile for d ≤ 128)
-_NEG_INIT = -1.0e30  # running-max start: finite, so fully masked blocks give exp(-inf) = 0
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Running-max start: finite, so fully masked blocks give exp(-inf) = 0. A module global read
+# inside @jit must be a tl.constexpr: the GPU compiler rejects plain globals (the interpreter
+# does not), tests/test_kernel_compile.py compiles every specialisation to catch that class.
+_NEG_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -80,10 +87,9 @@ def _mita_fused_kernel(
     stride_svb, stride_svh, stride_svm, stride_svd,
     stride_ib, stride_ih, stride_im, stride_ik,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, N, M, KK, D, DV, T, scale,
-    S: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    H, N, M, KK, D, DV, T, S, scale,
+    SINGLE_SLOT: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B·H·N·d passes 2^31 at N = 1M
@@ -102,7 +108,7 @@ def _mita_fused_kernel(
     slot = entry % S
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    dvv = tl.arange(0, BLOCK_DV)
+    dvv = tl.arange(0, BLOCK_D)
     dvmask = dvv < DV
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + qi[:, None] * stride_qn
@@ -110,7 +116,7 @@ def _mita_fused_kernel(
 
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cols = tl.arange(0, BLOCK_N)
 
     # Shared keys: all m landmarks, for slot 0 only (each query counts them once).
@@ -146,7 +152,7 @@ def _mita_fused_kernel(
         logits = tl.where(ok[None, :], logits, float("-inf"))
         m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, vt, IEEE, UPCAST)
 
-    if S == 1:
+    if SINGLE_SLOT:
         o = acc / l_i[:, None]
         tl.store(OUT + b * stride_ob + h * stride_oh + qi[:, None] * stride_on
                  + dvv[None, :] * stride_od, o.to(OUT.dtype.element_ty),
@@ -193,36 +199,43 @@ def _tile_table(experts: Tensor, key_padding_mask: Tensor | None, m: int, block_
             torch.minimum(hi, lo + block_m).to(torch.int32))
 
 
-def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
-                    shared_values: Tensor, landmark_valid: Tensor, expert_index: Tensor,
-                    experts: Tensor, key_padding_mask: Tensor | None = None,
-                    out: Tensor | None = None) -> Tensor:
-    """Fused stages ``gather`` + ``attention`` (eqs. 10-12) with one Triton kernel.
+@dataclass
+class LaunchPlan:
+    """Everything one ``_mita_fused_kernel`` launch needs: ``grid``, the positional ``args``
+    and ``meta`` (the constexprs and ``num_stages``), plus the buffers the epilogue reads.
+    ``fused_attention`` launches it; ``mita.kernels.aot`` (run by
+    ``tests/test_kernel_compile.py``) compiles the same (args, meta) ahead of time for sm_80 /
+    sm_90 through Triton's own launch-time specialisation."""
 
-    Args:
-        q, k: ``(B, H, N, d)``; v: ``(B, H, N, dv)``; float16, bfloat16 or float32 (one dtype).
-        shared_keys: ``(B, H, m, d)`` landmarks **already multiplied by the shared scale c**
-            (1/√d paper, 1/d official); cast to q's dtype.
-        shared_values: ``(B, H, m, dv)`` from ``shared_compress``; cast to q's dtype.
-        landmark_valid: ``(B, m)`` bool, False for empty landmarks (masked everywhere).
-        expert_index: ``(B, H, m, k)`` int key indices from ``topk``.
-        experts: ``(B, H, N, s)`` int expert ids from ``route``.
-        key_padding_mask: optional ``(B, N)`` bool, True = padding.
-        out: optional ``(B, H, N, dv)`` output buffer in q's dtype (tests poison it first).
-    Returns:
-        ``(B, H, N, dv)`` in q's dtype; rows of padded queries are **zero**. Routed logits use
-        1/√d. fp32 accumulation throughout.
-    Raises:
-        ValueError: unsupported dtype, mismatched shapes, or CPU tensors without
-        ``TRITON_INTERPRET=1``.
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+    out: Tensor
+    target: Tensor
+    part_m: Tensor
+    part_l: Tensor
+
+
+def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_values: Tensor,
+                landmark_valid: Tensor, expert_index: Tensor, experts: Tensor,
+                key_padding_mask: Tensor | None = None, out: Tensor | None = None,
+                interpreter: bool | None = None) -> LaunchPlan:
+    """Validate ``fused_attention``'s arguments and build its launch (tile table, buffers,
+    kernel arguments, constexpr specialisation). Arguments, returns and errors as
+    ``fused_attention``; works on CPU tensors (no launch happens here). ``interpreter``: plan
+    for the CPU interpreter (default: when the tensors are on the CPU); ``False`` with CPU
+    tensors gives exactly the plan of a CUDA launch (``mita.kernels.aot`` compiles that).
+
+    The constexprs it can choose, and so the specialisations a GPU compiles: dtype
+    (float16 / bfloat16 / float32, ``IEEE`` iff float32), ``SINGLE_SLOT`` (s = 1),
+    ``HAS_MASK``, ``BLOCK_D`` ∈ {16, 32, 64, 128} (``max(d, dv)`` rounded up to a power of two);
+    ``UPCAST`` only for bfloat16 on the CPU interpreter, never on CUDA; ``num_stages`` 2 for
+    float32 with ``BLOCK_D`` = 128 (shared memory), else 3.
     """
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if q.dtype not in DTYPES:
         raise ValueError(f"fused MiTA kernel takes float16/bfloat16/float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the Triton MiTA kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
-                         "for the CPU interpreter); use backend='torch' on CPU")
     B, H, N, d = q.shape
     m, kk = expert_index.shape[2], expert_index.shape[3]
     s = experts.shape[-1]
@@ -230,6 +243,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q, k, v shapes disagree: {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"the fused MiTA kernel takes head dims up to {MAX_HEAD_DIM}, got "
+                         f"d = {d}, dv = {dv}; use backend='torch'")
     if tuple(shared_keys.shape) != (B, H, m, d) or tuple(shared_values.shape) != (B, H, m, dv):
         raise ValueError("shared keys/values must be (B, H, m, d) / (B, H, m, dv)")
     if tuple(experts.shape[:3]) != (B, H, N):
@@ -252,25 +268,60 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
         target = torch.empty(B, H, N, s, dv, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         part_l = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(d))
-    block_dv = max(16, triton.next_power_of_2(dv))
-    grid = (T, B * H)
-    _mita_fused_kernel[grid](
-        q, k, v, shared_keys, shared_values, expert_index, key_valid, live, order,
-        tile_e, tile_lo, tile_hi, target, part_m, part_l,
-        *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(), *shared_values.stride(),
-        *expert_index.stride(), *out.stride(),
-        H, N, m, kk, d, dv, T, d ** -0.5,
-        S=s, HAS_MASK=key_padding_mask is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d, BLOCK_DV=block_dv,
-    )
-    if s > 1:
+    args = (q, k, v, shared_keys, shared_values, expert_index, key_valid, live, order,
+            tile_e, tile_lo, tile_hi, target, part_m, part_l,
+            *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
+            *shared_values.stride(), *expert_index.stride(), *out.stride(),
+            H, N, m, kk, d, dv, T, s, d ** -0.5)
+    block_d = max(16, triton.next_power_of_2(max(d, dv)))
+    meta = dict(SINGLE_SLOT=s == 1, HAS_MASK=key_padding_mask is not None,
+                IEEE=q.dtype == torch.float32,
+                UPCAST=q.dtype == torch.bfloat16 and (
+                    not q.is_cuda if interpreter is None else interpreter),
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+                # float32 tiles of 128 columns, software-pipelined 3 deep, need 176 KiB of
+                # shared memory: over sm_80's 163 KiB (the launch would fail). 2 stages: 112 KiB.
+                num_stages=2 if q.element_size() * block_d >= 512 else 3)
+    return LaunchPlan((T, B * H), args, meta, out, target, part_m, part_l)
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
+                    shared_values: Tensor, landmark_valid: Tensor, expert_index: Tensor,
+                    experts: Tensor, key_padding_mask: Tensor | None = None,
+                    out: Tensor | None = None) -> Tensor:
+    """Fused stages ``gather`` + ``attention`` (eqs. 10-12) with one Triton kernel.
+
+    Args:
+        q, k: ``(B, H, N, d)``; v: ``(B, H, N, dv)``; float16, bfloat16 or float32 (one dtype);
+            d, dv ≤ 128.
+        shared_keys: ``(B, H, m, d)`` landmarks **already multiplied by the shared scale c**
+            (1/√d paper, 1/d official); cast to q's dtype.
+        shared_values: ``(B, H, m, dv)`` from ``shared_compress``; cast to q's dtype.
+        landmark_valid: ``(B, m)`` bool, False for empty landmarks (masked everywhere).
+        expert_index: ``(B, H, m, k)`` int key indices from ``topk``.
+        experts: ``(B, H, N, s)`` int expert ids from ``route``.
+        key_padding_mask: optional ``(B, N)`` bool, True = padding.
+        out: optional ``(B, H, N, dv)`` output buffer in q's dtype (tests poison it first).
+    Returns:
+        ``(B, H, N, dv)`` in q's dtype; rows of padded queries are **zero**. Routed logits use
+        1/√d. fp32 accumulation throughout.
+    Raises:
+        ValueError: unsupported dtype, mismatched shapes, a head dim over 128, or CPU tensors
+        without ``TRITON_INTERPRET=1``.
+    """
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton MiTA kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
+                         "for the CPU interpreter); use backend='torch' on CPU")
+    plan = launch_plan(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
+                       experts, key_padding_mask, out)
+    _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
+    out = plan.out
+    if not plan.meta["SINGLE_SLOT"]:
         # Slots with no live key have max -1e30 and weight 0; slot 0 holds the shared keys,
         # so every real query has a finite top.
-        top = part_m.amax(-1, keepdim=True)
-        w = torch.exp(part_m - top)
-        merged = (w[..., None] * target).sum(-2) / (w * part_l).sum(-1, keepdim=True)
+        top = plan.part_m.amax(-1, keepdim=True)
+        w = torch.exp(plan.part_m - top)
+        merged = (w[..., None] * plan.target).sum(-2) / (w * plan.part_l).sum(-1, keepdim=True)
         out.copy_(merged)
     if key_padding_mask is not None:
         out.masked_fill_(key_padding_mask[:, None, :, None], 0.0)

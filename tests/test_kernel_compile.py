@@ -1,0 +1,85 @@
+"""Every Triton kernel compiles ahead of time for NVIDIA sm_80 and sm_90 on this CPU machine.
+
+The interpreter tests (``test_kernels.py``) check numerics; they do not compile. A kernel that
+reads a plain module global passed every interpreter test and failed on the first GPU call
+(``NameError: Cannot access global variable _NEG_INIT``). ``mita.kernels.aot`` compiles the
+kernel through Triton's launch-time specialisation with the launcher's own arguments, for every
+specialisation the launcher can choose, to a cubin, and checks its shared memory fits the
+target. The first run takes ~3 min on 2 cores; Triton's cache (``~/.triton/cache``, keyed by
+source, options and compiler) makes later runs of unchanged kernels fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mita.kernels import aot
+
+# Triton is not imported in this process: imported before TRITON_INTERPRET=1 is set,
+# triton.language's own jit helpers (tl.zeros …) stay compiled-mode and the interpreter tests
+# in test_kernels.py fail. The compiles run in spawned processes.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="Triton is not installed")
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90():
+    """All 48 specialisations × 2 targets compile to a cubin whose shared memory fits. The
+    cases reach each (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D) the launcher can pick: 3 × 2 × 2 × 4
+    distinct constexpr sets, num_stages 2 exactly for float32 with BLOCK_D = 128. (Compiled in
+    spawned processes: this pytest process may hold the interpreter's version of the kernel.)"""
+    results = aot.check_all()
+    assert len(results) == 96
+    failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    assert all(r["cubin_bytes"] > 1000 for r in results)
+    assert max(r["shared_bytes"] for r in results if r["sm"] == 80) <= 163 * 1024
+    seen = set()
+    for r in results:
+        meta, dtype = r["meta"], r["case"].split("-")[0]
+        seen.add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"], meta["BLOCK_D"]))
+        assert meta["IEEE"] == (dtype == "float32") and meta["UPCAST"] is False
+        assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128) else 3)
+    assert len(seen) == 48 and {k[3] for k in seen} == {16, 32, 64, 128}
+
+
+BAD_KERNEL = textwrap.dedent('''
+    import torch, triton, triton.language as tl
+    from mita.kernels.aot import compile_launch
+
+    START = -1.0e30  # a plain global: the interpreter reads it, the GPU compiler refuses it
+
+    @triton.jit
+    def bad(X, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(X + offs, tl.full([BLOCK], START, tl.float32), mask=offs < n)
+
+    x = torch.zeros(16)
+    try:
+        compile_launch(bad, (x, 16), {"BLOCK": 16}, 90)
+    except Exception as e:
+        print("REFUSED", type(e).__name__, "START" in str(e))
+    else:
+        print("COMPILED")
+''')
+
+
+def test_compile_check_catches_a_plain_global(tmp_path):
+    """The class of bug this file exists for: the same check fails on a kernel that reads a
+    plain module global (as the fused kernel's _NEG_INIT did), which the interpreter runs."""
+    script = tmp_path / "bad_kernel.py"
+    script.write_text(BAD_KERNEL)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert "REFUSED CompilationError True" in done.stdout, done.stdout + done.stderr[-2000:]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env | {"TRITON_INTERPRET": "1"}, timeout=120)
+    # Under the interpreter the kernel is not compilable at all: compile_launch says so.
+    assert "REFUSED RuntimeError False" in done.stdout, done.stdout + done.stderr[-2000:]
