@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
     launch.prebuild_cpu_kernels(config)  # once here, not in each replica
+    needed = launch.gpus_needed(launch.replica_gpus(config))
+    if needed > launch.local_gpu_count():
+        print(f"mita-serve: warning: the config's minimum replicas need {needed} GPU(s), this "
+              f"machine has {launch.local_gpu_count()}; replicas that do not fit stay pending "
+              "(see the num_gpus note in deploy/serve_config.gpu.yaml)", flush=True)
     url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
                        dashboard_host=a.dashboard_host)
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'

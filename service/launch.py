@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import ipaddress
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -92,13 +93,54 @@ def start(config: ServeDeploySchema, metrics_port: int = 9100,
     return f"http://{http.host}:{http.port}"
 
 
+def replica_gpus(config: ServeDeploySchema, which: str = "min") -> list[float]:
+    """The ``num_gpus`` of every replica the config asks for: ``which="min"`` counts
+    ``num_replicas`` or ``autoscaling_config.min_replicas`` per deployment, ``"max"`` counts
+    ``num_replicas`` or ``max_replicas``. Replicas that ask for no GPU are left out."""
+    out = []
+    for app in config.applications:
+        for dep in app.deployments:
+            d = dep.model_dump(exclude_unset=True)  # unset fields are Serve's sentinels
+            gpus = float((d.get("ray_actor_options") or {}).get("num_gpus") or 0)
+            auto = d.get("autoscaling_config")
+            if auto:
+                count = auto.get("min_replicas" if which == "min" else "max_replicas", 1)
+            else:
+                count = d.get("num_replicas") if isinstance(d.get("num_replicas"), int) else 1
+            out += [gpus] * (count if gpus else 0)
+    return out
+
+
+def gpus_needed(replicas: list[float]) -> int:
+    """How many GPUs Ray needs to place replicas asking for these GPU amounts: a fraction
+    must fit inside one GPU's remainder, a whole number takes whole GPUs (first-fit
+    decreasing, which is optimal for the few fractions a config holds)."""
+    free: list[float] = []
+    whole = 0
+    for g in sorted(replicas, reverse=True):
+        if g >= 1:
+            whole += math.ceil(g)
+            continue
+        slot = next((i for i, f in enumerate(free) if f >= g - 1e-9), None)
+        if slot is None:
+            free.append(1.0 - g)
+        else:
+            free[slot] -= g
+    return whole + len(free)
+
+
+def local_gpu_count() -> int:
+    """CUDA devices torch sees on this machine (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def verify_checkpoints(config: ServeDeploySchema) -> None:
     """Load every application's ``checkpoint`` argument on the CPU, as the replicas will:
     safetensors only, ``config.json``'s weights SHA-256 checked. Raises ValueError/OSError
     naming the problem (e.g. a hash mismatch) so the service refuses to start."""
     from mita.model import load_checkpoint
 
-    from .classifier import resolve_checkpoint
+    from .engine import resolve_checkpoint
 
     for app in config.applications:
         checkpoint = (app.args or {}).get("checkpoint")
@@ -111,7 +153,7 @@ def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:
     before the replicas start, when an application will run them: its classifier on the CPU
     with ``mita_backend`` other than ``torch``. Replicas then load the cached build. A failed
     build is logged and the replicas run the PyTorch stages."""
-    from .classifier import pick_device
+    from .engine import pick_device
 
     for app in config.applications:
         args = app.args or {}

@@ -23,8 +23,33 @@ def test_serve_configs_validate_and_differ_only_in_gpu_settings():
     assert names == ["Gateway", "MiTAClassifier", "DenseClassifier"]
     for c, g in zip(cpu.applications[0].deployments[1:], gpu.applications[0].deployments[1:],
                     strict=True):
-        assert c.ray_actor_options.num_gpus == 0 and g.ray_actor_options.num_gpus == 1
+        assert c.ray_actor_options.num_gpus == 0 and 0 < g.ray_actor_options.num_gpus < 1
         assert c.max_queued_requests == g.max_queued_requests > 0
+    assert gpu.applications[0].args["dtype"] == cpu.applications[0].args["dtype"] == "auto"
+
+
+def test_shipped_gpu_config_places_both_variants_on_one_gpu():
+    """The A/B comparison needs MiTA and dense placed at once: on a single-GPU host their
+    minimum replicas (and the autoscaling maximum) must fit one GPU."""
+    gpu = launch.load_config(launch.GPU_CONFIG)
+    assert launch.replica_gpus(gpu, "min") == [0.25, 0.25]  # MiTA, dense
+    assert launch.gpus_needed(launch.replica_gpus(gpu, "min")) == 1
+    assert launch.replica_gpus(gpu, "max") == [0.25] * 4
+    assert launch.gpus_needed(launch.replica_gpus(gpu, "max")) == 1
+    assert launch.replica_gpus(launch.load_config(launch.CPU_CONFIG), "max") == []
+    # "each its own GPU", as the config's comment says: num_gpus 1 → two GPUs at the minimum.
+    own = launch.load_config(launch.GPU_CONFIG, {"deployments": {
+        name: {"ray_actor_options": {"num_gpus": 1}}
+        for name in ("MiTAClassifier", "DenseClassifier")}})
+    assert launch.gpus_needed(launch.replica_gpus(own, "min")) == 2
+    assert launch.gpus_needed(launch.replica_gpus(own, "max")) == 4
+
+
+@pytest.mark.parametrize("gpus,needed", [([], 0), ([1, 1], 2), ([0.6, 0.6], 2),
+                                         ([0.5, 0.25, 0.25, 0.5], 2), ([0.7, 0.3, 0.3], 2),
+                                         ([2, 0.5], 3)])
+def test_gpus_needed_packs_fractions_per_gpu(gpus, needed):
+    assert launch.gpus_needed(gpus) == needed
 
 
 def test_kuberay_manifest_structure_and_embedded_serve_config():
