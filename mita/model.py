@@ -124,7 +124,8 @@ class EncoderClassifier(nn.Module):
 
     Args: ``ids`` ``(B, N)`` int64 token ids; ``key_padding_mask`` ``(B, N)`` bool, True =
     padding (``None`` means no padding; ``padding_mask(ids)`` derives it from ``pad_id``).
-    Returns: ``(B, num_classes)`` float32 logits.
+    Returns: ``(B, num_classes)`` float32 logits. Activations run in the parameters' dtype
+    (``model.to(torch.bfloat16)`` for 16-bit serving); mean pooling sums in float32.
     Raises: ValueError when N exceeds ``max_len`` or a row is all padding.
     """
 
@@ -151,12 +152,15 @@ class EncoderClassifier(nn.Module):
             with hook.layer(i):
                 x = block(x, key_padding_mask, hook)
         with hook.stage("head"):
+            # Pool in float32 whatever the model's dtype: a bfloat16 sum over 10^6 tokens
+            # (or a bfloat16 token count) would keep 8 bits.
             if key_padding_mask is None:
-                pooled = x.mean(1)
+                pooled = x.mean(1, dtype=torch.float32)
             else:
                 keep = (~key_padding_mask).to(x.dtype)[..., None]
-                pooled = (x * keep).sum(1) / keep.sum(1)
-            return self.head(self.norm(pooled)).float()
+                pooled = (x * keep).sum(1, dtype=torch.float32) / (~key_padding_mask).sum(
+                    1, keepdim=True)
+            return self.head(self.norm(pooled.to(x.dtype))).float()
 
 
 def build_model(cfg: ModelConfig) -> EncoderClassifier:

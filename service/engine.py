@@ -1,0 +1,145 @@
+"""The classifier's serving logic as a plain class, without Ray.
+
+``ClassifierEngine`` is what each Serve classifier replica runs (``service.classifier`` wraps
+it): load the checkpoint on a device in a dtype, group a batch of requests, pad, run the
+profiled forward, turn logits into probabilities and hand each forward's profile to a
+recorder (the deployment's Prometheus metrics). Nothing here imports Ray, so the exact serving
+code runs on a GPU machine without it (``benchmarks/gpu_serving.py``) and in unit tests.
+
+Batching: with ``deterministic=True`` every sequence of a batch runs as its own forward,
+unpadded: the same request gives bit-identical probabilities whatever else arrived with it (a
+padded or larger batch changes BLAS blocking and the float32 rounding, ~1e-7). With
+``deterministic=False`` a batch is split into groups of similar length (power-of-two length
+buckets), each group padded with the model's key padding mask and run as one forward.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
+from profiler.cost import profile_forward
+
+from . import PROJECT_ROOT
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+# Called once per forward with the lengths of the sequences it covered and its profile dict.
+Recorder = Callable[[list[int], dict], None]
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A checkpoint folder; relative paths are taken from the project root."""
+    p = Path(path)
+    return p if p.is_absolute() else PROJECT_ROOT / p
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto``: CUDA when available, else the CPU; otherwise ``torch.device(device)``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The weights' and activations' dtype: ``auto`` is bfloat16 on CUDA (flash SDPA for the
+    dense baseline needs 16 bits; MiTA's kernel multiplies in 16 bits with fp32
+    accumulation) and float32 on the CPU. Raises ValueError for a name not in
+    ``DTYPE_CHOICES``."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices grouped by power-of-two length bucket (⌈log2 n⌉), so padding at most doubles
+    a sequence's length. Deterministic: groups in bucket order, indices ascending."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(math.ceil(math.log2(max(n, 1))), []).append(i)
+    return [groups[b] for b in sorted(groups)]
+
+
+class ClassifierEngine:
+    """One classifier variant on one device.
+
+    Args:
+        checkpoint: checkpoint folder (relative to the project root unless absolute).
+        attention: ``"mita"`` or ``"dense"``.
+        device: ``"auto"`` | ``"cpu"`` | ``"cuda"`` | ``"cuda:N"``.
+        mita_backend: ``mita_attention``'s ``backend`` (``torch`` times every MiTA stage
+            apart; ``auto`` runs the compiled CPU kernels or the Triton kernel).
+        dtype: ``"auto"`` | ``"float32"`` | ``"bfloat16"`` | ``"float16"`` for weights and
+            activations (``resolve_dtype``); logits are returned in float32 and
+            probabilities computed in float64.
+    Raises: ValueError (bad checkpoint, unknown attention/backend/dtype), FileNotFoundError.
+    """
+
+    def __init__(self, checkpoint: str, attention: str, device: str = "auto",
+                 mita_backend: str = "auto", dtype: str = "auto"):
+        folder = resolve_checkpoint(checkpoint)
+        self.device = pick_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_checkpoint(folder, device=self.device, attention=attention)
+        self.model.to(self.dtype)
+        set_mita_backend(self.model, mita_backend)
+        self.variant = attention
+        meta = checkpoint_metadata(folder)
+        self.model_id = f"{folder.name}@{meta['weights_sha256'][:12]}"
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.info = {
+            "variant": attention, "model_id": self.model_id, "device": str(self.device),
+            "dtype": self.dtype_name,
+            "mita_backend": mita_backend if attention == "mita" else None,
+            "torch_threads": torch.get_num_threads(),
+            "config": meta["config"] | {"attention": attention},
+            "training": meta.get("training", {}),
+        }
+
+    def run(self, batch: Sequence[Sequence[int] | np.ndarray], deterministic: bool = True,
+            record: Recorder | None = None) -> list[dict]:
+        """Classify a batch of validated id sequences (lists or 1-D integer numpy arrays).
+
+        Returns one dict per sequence, in order: ``label``, ``probabilities`` (float64
+        softmax of the logits, as a list), ``n``, ``variant``, ``model_id`` and ``profile``
+        (the ``ForwardProfile`` of the forward it was part of, plus ``batch_size``,
+        ``padded_n``, ``flops_total``, ``dtype`` and ``started_at`` — the forward's start in
+        Unix seconds). ``record(lengths, profile)`` is called after each forward with the
+        lengths of the sequences it covered.
+        """
+        results: list[dict | None] = [None] * len(batch)
+        pad = self.model.config.pad_id
+        lengths = [len(x) for x in batch]
+        groups = ([[i] for i in range(len(batch))] if deterministic
+                  else length_groups(lengths))
+        for group in groups:
+            n_max = max(lengths[i] for i in group)
+            ids = torch.full((len(group), n_max), pad, dtype=torch.long)
+            mask = torch.ones(len(group), n_max, dtype=torch.bool)
+            for row, i in enumerate(group):
+                ids[row, : lengths[i]] = torch.as_tensor(np.asarray(batch[i]))
+                mask[row, : lengths[i]] = False
+            # No padding in the group: no mask (dense SDPA can then take its flash path).
+            mask = mask.to(self.device) if bool(mask.any()) else None
+            started_at = time.time()
+            logits, prof = profile_forward(self.model, ids.to(self.device), mask)
+            probs = torch.softmax(logits.double(), -1).cpu()
+            profile = prof.as_dict() | {"batch_size": len(group), "padded_n": n_max,
+                                        "flops_total": sum(prof.flops.values()),
+                                        "dtype": self.dtype_name, "started_at": started_at}
+            if record is not None:
+                record([lengths[i] for i in group], profile)
+            for row, i in enumerate(group):
+                results[i] = {"label": int(probs[row].argmax()),
+                              "probabilities": probs[row].tolist(), "n": lengths[i],
+                              "variant": self.variant, "model_id": self.model_id,
+                              "profile": profile}
+        return results

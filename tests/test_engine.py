@@ -1,0 +1,170 @@
+"""``service.engine.ClassifierEngine``: the serving code path on CPU, without Ray.
+
+The Serve deployment wraps this class (``test_service.py`` checks that an HTTP answer equals
+the engine's answer for the same ids), so what holds here holds for the service.
+
+Tolerances, and why:
+- padded batch vs one forward per sequence, float32: 1e-5 absolute on probabilities (a
+  padded batch changes BLAS blocking and summation order; measured 3e-7 on these inputs).
+- bfloat16 / float16 vs float32 on the shipped checkpoint: 0.03 / 0.004 absolute on
+  probabilities. Every weight and activation is rounded to 8 (11) significant bits, unit
+  roundoff 2^-9 (2^-12), through two blocks; measured worst on these 40 sequences 6.5e-3 /
+  6.1e-4 — the bounds leave ~4-6×. Labels must agree wherever float32's top-two margin exceeds
+  twice the bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mita.data.listops import ListOpsConfig, encode, generate
+from mita.model import load_checkpoint, set_mita_backend
+from service.engine import (
+    ClassifierEngine,
+    length_groups,
+    pick_device,
+    resolve_checkpoint,
+    resolve_dtype,
+)
+
+CHECKPOINT = "checkpoints/listops-default"
+
+
+@pytest.fixture(scope="module")
+def batch():
+    data = generate(40, seed=5, cfg=ListOpsConfig(min_length=100, max_length=600))
+    return [np.array(encode(text), dtype=np.uint8) for text, _ in data]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {(a, dt): ClassifierEngine(CHECKPOINT, a, "cpu", "torch", dt)
+            for a in ("mita", "dense") for dt in ("float32", "bfloat16", "float16")}
+
+
+def probs(results):
+    return np.array([r["probabilities"] for r in results])
+
+
+@pytest.mark.parametrize("attention", ["mita", "dense"])
+def test_engine_equals_plain_model_forward(engines, batch, attention):
+    """One forward per sequence (deterministic) is exactly the model's own forward."""
+    engine = engines[(attention, "float32")]
+    model = load_checkpoint(resolve_checkpoint(CHECKPOINT), attention=attention)
+    set_mita_backend(model, "torch")  # as the engines here
+    results = engine.run(batch[:5])
+    for ids, r in zip(batch[:5], results, strict=True):
+        with torch.no_grad():
+            logits = model(torch.as_tensor(ids, dtype=torch.long)[None])
+        want = torch.softmax(logits.double(), -1)[0]
+        assert r["probabilities"] == want.tolist()
+        assert r["label"] == int(want.argmax()) and r["n"] == len(ids)
+        assert r["variant"] == attention and r["model_id"].startswith("listops-default@")
+        assert r["profile"]["batch_size"] == 1 and r["profile"]["padded_n"] == len(ids)
+        assert r["profile"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("attention", ["mita", "dense"])
+def test_padded_batching_equals_solo(engines, batch, attention):
+    engine = engines[(attention, "float32")]
+    solo, padded = engine.run(batch), engine.run(batch, deterministic=False)
+    assert np.abs(probs(solo) - probs(padded)).max() < 1e-5
+    sizes = [r["profile"]["batch_size"] for r in padded]
+    groups = length_groups([len(x) for x in batch])
+    assert sorted(set(sizes)) == sorted({len(g) for g in groups}) and max(sizes) > 1
+    for g in groups:  # every member of a group reports the group's padded length
+        assert {padded[i]["profile"]["padded_n"] for i in g} == {max(len(batch[i]) for i in g)}
+
+
+@pytest.mark.parametrize("attention", ["mita", "dense"])
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.03), ("float16", 0.004)])
+def test_16bit_serving_close_to_float32(engines, batch, attention, dtype, tol):
+    engine = engines[(attention, dtype)]
+    assert engine.info["dtype"] == dtype
+    assert {p.dtype for p in engine.model.parameters()} == {getattr(torch, dtype)}
+    full, half = engines[(attention, "float32")].run(batch), engine.run(batch)
+    assert all(r["profile"]["dtype"] == dtype for r in half)
+    p, q = probs(full), probs(half)
+    err = np.abs(p - q).max()
+    assert 0 < err < tol  # > 0: the weights really are 16-bit
+    top2 = np.sort(p, 1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
+    assert clear.sum() >= 10
+    assert (p.argmax(1)[clear] == q.argmax(1)[clear]).all()
+
+
+def test_numpy_and_list_inputs_agree(engines, batch):
+    engine = engines[("mita", "float32")]
+    as_list = engine.run([x.tolist() for x in batch[:3]])
+    as_int32 = engine.run([x.astype(np.int32) for x in batch[:3]])
+    assert probs(as_list).tolist() == probs(engine.run(batch[:3])).tolist()
+    assert probs(as_int32).tolist() == probs(as_list).tolist()
+
+
+def test_recorder_gets_one_call_per_forward(engines, batch):
+    engine = engines[("dense", "float32")]
+    calls = []
+    results = engine.run(batch[:6], deterministic=False,
+                         record=lambda lengths, profile: calls.append((lengths, profile)))
+    groups = length_groups([len(x) for x in batch[:6]])
+    assert [lengths for lengths, _ in calls] == [[len(batch[i]) for i in g] for g in groups]
+    for (_, profile), g in zip(calls, groups, strict=True):
+        assert profile is results[g[0]]["profile"]
+        assert profile["total_ms"] > 0 and profile["stages_ms"]["attention"] > 0
+        assert profile["started_at"] > 1.7e9  # Unix seconds
+    calls.clear()
+    engine.run(batch[:6], record=lambda lengths, profile: calls.append(lengths))
+    assert calls == [[len(x)] for x in batch[:6]]
+
+
+def test_resolve_dtype_and_device():
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ClassifierEngine(CHECKPOINT, "mita", "cpu", "torch", "half")
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_engine_info(engines):
+    info = engines[("mita", "bfloat16")].info
+    assert info["device"] == "cpu" and info["dtype"] == "bfloat16"
+    assert info["mita_backend"] == "torch" and info["config"]["attention"] == "mita"
+    assert engines[("dense", "float32")].info["mita_backend"] is None
+
+
+def test_gpu_serving_script_smoke(tmp_path):
+    """``benchmarks/gpu_serving.py --smoke``: the GPU serving benchmark's own code path (checks,
+    request cells, stage table, profiler overhead) on the CPU, so the GPU run is not its first
+    run. Its timings mean nothing; its structure and checks must hold."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_serving.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_serving.json").read_text())
+    assert len(result["checks"]) == 8 and all(c["ok"] for c in result["checks"])
+    cells = [(r["variant"], r["N"], r["batch"], r["mode"]) for r in result["requests"]]
+    assert cells == [(v, n, b, mode) for n in (256, 1024) for v in ("mita", "dense")
+                     for b, mode in ((1, "per-sequence"), (8, "per-sequence"), (8, "padded"))]
+    for r in result["requests"]:
+        assert 0 < r["p50_ms"] <= r["p99_ms"] and r["repeats"] >= 1
+        assert r["dtype"] == "float32" and r["device"] == "cpu"
+        assert (r["m"], r["k"], r["s"]) == ((16, 16, 1) if r["variant"] == "mita"
+                                            else (None, None, None))
+    mita_stages = next(r["stages_p50_ms"] for r in result["requests"]
+                       if r["variant"] == "mita" and r["batch"] == 1)
+    assert set(mita_stages) >= {"pool", "landmark_scores", "topk", "route", "attention"}
+    assert [(r["variant"], r["N"]) for r in result["profiler_overhead"]] == [("mita", 256),
+                                                                           ("dense", 256)]
+    table = (tmp_path / "gpu_serving.md").read_text()
+    assert "| mita | 1024 | 16 | 16 | 1 | 8 | padded | float32 |" in table
