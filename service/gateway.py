@@ -19,7 +19,9 @@ import random
 import time
 from importlib.metadata import version
 from importlib.resources import files
+from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -43,10 +45,12 @@ from .schemas import (
     ErrorResponse,
     GatewayConfig,
     StatsResponse,
+    Variant,
 )
 from .stats import PrometheusError, StatsWindow, prometheus_summary, summarize
 
 VOCAB_SIZE = len(VOCAB)
+ID_DTYPE = np.uint8 if VOCAB_SIZE <= 256 else np.int32  # ids between deployments
 
 
 class ApiError(Exception):
@@ -132,9 +136,30 @@ def kl_divergence(p: list[float], q: list[float]) -> float:
                      for pi, qi in zip(p, q, strict=True) if pi > 0))
 
 
-def to_ids(req: ClassifyRequest, max_n: int) -> list[int]:
-    """Validated token ids of a request; raises ApiError(422) saying what is wrong. The length
-    is checked before anything is allocated for the model."""
+def _out_of_range(value, position: int) -> ApiError:
+    shown = str(value)
+    shown = shown if len(shown) <= 30 else shown[:30] + "…"
+    return ApiError(422, f"token id {shown} at position {position} is out of range "
+                         f"[1, {VOCAB_SIZE - 1}] (0 is padding)")
+
+
+def check_ids(ids: np.ndarray, max_n: int) -> np.ndarray:
+    """Validate a 1-D integer array of token ids (range, then emptiness, then length) and
+    return it in the smallest dtype that holds the vocabulary (what travels to the
+    classifier). Raises ApiError(422) saying what is wrong; nothing is allocated for the model
+    before this passes."""
+    bad = np.flatnonzero((ids < 1) | (ids >= VOCAB_SIZE))
+    if bad.size:
+        raise _out_of_range(ids[bad[0]], int(bad[0]))
+    if not ids.size:
+        raise ApiError(422, "empty sequence: no tokens to classify")
+    if ids.size > max_n:
+        raise ApiError(422, f"sequence length N = {ids.size} exceeds max_n = {max_n}")
+    return ids.astype(ID_DTYPE, copy=False)
+
+
+def to_ids(req: ClassifyRequest, max_n: int) -> np.ndarray:
+    """Validated token ids of a JSON request (``check_ids``); raises ApiError(422)."""
     if req.text is not None:  # the body-size limit bounds the tokenising work
         try:
             ids = encode(req.text)
@@ -142,17 +167,29 @@ def to_ids(req: ClassifyRequest, max_n: int) -> list[int]:
             raise ApiError(422, str(e)) from None
     else:
         ids = req.ids
-        bad = next((i for i, x in enumerate(ids) if not 1 <= x < VOCAB_SIZE), None)
-        if bad is not None:
-            shown = str(ids[bad])
-            shown = shown if len(shown) <= 30 else shown[:30] + "…"
-            raise ApiError(422, f"token id {shown} at position {bad} is out of "
-                                f"range [1, {VOCAB_SIZE - 1}] (0 is padding)")
-    if not ids:
-        raise ApiError(422, "empty sequence: no tokens to classify")
-    if len(ids) > max_n:
-        raise ApiError(422, f"sequence length N = {len(ids)} exceeds max_n = {max_n}")
-    return ids
+    try:
+        arr = np.array(ids, dtype=np.int64)
+    except OverflowError:  # an integer beyond int64 is out of range too: name the first
+        bad = next(i for i, x in enumerate(ids) if not -(2**63) <= x < 2**63)
+        raise _out_of_range(ids[bad], bad) from None
+    return check_ids(arr, max_n)
+
+
+BINARY_DTYPES = {"uint8": np.dtype("<u1"), "int32": np.dtype("<i4")}
+
+
+def binary_ids(body: bytes, dtype: str, max_n: int) -> np.ndarray:
+    """Token ids from an ``application/octet-stream`` body: little-endian ``uint8`` (one byte
+    per token) or ``int32`` (four). Raises ApiError: 400 for an empty body or a length that is
+    not a whole number of ids, 422 as ``check_ids``."""
+    width = BINARY_DTYPES[dtype].itemsize
+    if not body:
+        raise ApiError(400, "empty request body: send the token ids as bytes "
+                            f"({dtype}, little-endian)")
+    if len(body) % width:
+        raise ApiError(400, f"a body of {len(body)} bytes is not a whole number of {dtype} ids "
+                            f"({width} bytes each)")
+    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n)
 
 
 app = FastAPI(
@@ -164,7 +201,9 @@ app = FastAPI(
                 "attention; per-stage timings in responses and as Prometheus metrics.",
 )
 app.router.route_class = StrictJSONRoute
-CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch")
+BINARY_PATH = "/v1/classify/binary"
+CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch", BINARY_PATH)
+ARRIVED = "mita_serve.arrived_at"  # ASGI scope key: Unix seconds the request reached the gateway
 MAX_ERRORS_SHOWN = 10
 
 
@@ -183,16 +222,20 @@ def _count_refusal(request: Request, status: int) -> None:
 
 @app.middleware("http")
 async def check_body(request: Request, call_next):
-    """Before any parsing: POST bodies to the classify endpoints must be JSON with a
-    Content-Length within the limit (other paths and methods go on to routing: 404/405)."""
+    """Before any parsing: POST bodies to the classify endpoints must be JSON (binary ids for
+    ``/v1/classify/binary``) with a Content-Length within the limit (other paths and methods
+    go on to routing: 404/405). Stamps the arrival time the response's ``pre_forward_ms`` and
+    the request latency count from."""
+    request.scope[ARRIVED] = time.time()
     if request.method == "POST" and request.url.path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         length = request.headers.get("content-length", "").strip()
         limit = replica_state.max_body_bytes
+        want = ("application/octet-stream" if request.url.path == BINARY_PATH
+                else "application/json")
         refusal = None
-        if ctype != "application/json":
-            refusal = (415, f"Content-Type must be application/json, got "
-                            f"{ctype[:60] or 'none'!r}")
+        if ctype != want:
+            refusal = (415, f"Content-Type must be {want}, got {ctype[:60] or 'none'!r}")
         elif not length:
             refusal = (411, "a Content-Length header is required (chunked uploads are not "
                             "accepted)")
@@ -295,7 +338,7 @@ class Gateway:
             *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
             timeout_s)
 
-    async def _call(self, variant: str, ids: list[int]) -> dict:
+    async def _call(self, variant: str, ids: np.ndarray) -> dict:
         response = self.handles[variant].classify.remote(ids)
         try:
             return await asyncio.wait_for(asyncio.ensure_future(response),
@@ -316,7 +359,7 @@ class Gateway:
             raise ApiError(500, f"the {variant} classifier failed: "
                                 f"{type(e).__name__}") from None
 
-    async def _shadow(self, primary: str, shadow: str, ids: list[int], served: dict) -> None:
+    async def _shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> None:
         try:
             other = await self._call(shadow, ids)
         except ApiError as e:  # the shadow is best effort; the primary already answered
@@ -331,11 +374,11 @@ class Gateway:
         self.metrics.shadow_kl.observe(
             kl_divergence(served["probabilities"], other["probabilities"]), {"primary": primary})
 
-    async def _classify(self, req: ClassifyRequest, ids: list[int], client_key: str | None,
-                        start: float) -> dict:
-        """Route validated ``ids`` (from ``to_ids(req)``) and answer; ``start`` is when the
-        request arrived (perf_counter seconds)."""
-        primary, shadow = choose_variant(self.config, req.variant, client_key, self.rng)
+    async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool,
+                        client_key: str | None, arrived_at: float) -> dict:
+        """Route validated ``ids`` (``check_ids``) to ``variant`` or by the A/B policy and
+        answer; ``arrived_at``: Unix seconds the request reached the gateway."""
+        primary, shadow = choose_variant(self.config, variant, client_key, self.rng)
         try:
             result = await self._call(primary, ids)
         except ApiError as e:
@@ -345,7 +388,7 @@ class Gateway:
                 self.record_request(primary, e.status)
             e.counted = True
             raise
-        latency, bucket = time.perf_counter() - start, n_bucket(len(ids))
+        latency, bucket = time.time() - arrived_at, n_bucket(len(ids))
         self.record_request(primary, 200, bucket, latency)
         self.window.add_forward(primary, bucket, result["profile"]["stages_ms"])
         if shadow is not None:
@@ -354,25 +397,54 @@ class Gateway:
             task.add_done_callback(self._shadow_tasks.discard)
         out = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
         out["shadow"] = shadow
-        if req.profile:
-            out["profile"] = result["profile"]
+        if profile:
+            # Arrival → forward start: body parsing, validation, the hop to the classifier,
+            # batching wait and queueing (both clocks are this machine's wall clock).
+            out["profile"] = result["profile"] | {
+                "pre_forward_ms": (result["profile"]["started_at"] - arrived_at) * 1e3}
         return out
 
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS,
               response_model_exclude_none=True)
     async def classify(self, body: ClassifyRequest, request: Request) -> dict:
         """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
-        start = time.perf_counter()
         ids = to_ids(body, self.config.max_n)  # ApiError: counted by its handler
-        return await self._classify(body, ids, request.headers.get(self.config.sticky_header),
-                                    start)
+        return await self._classify(ids, body.variant, body.profile,
+                                    request.headers.get(self.config.sticky_header),
+                                    request.scope[ARRIVED])
+
+    @app.post(BINARY_PATH, response_model=ClassifyResponse, responses=ERRORS,
+              response_model_exclude_none=True, openapi_extra={"requestBody": {
+                  "required": True, "description": "token ids as raw little-endian integers "
+                  "(dtype uint8: one byte per token; int32: four), 1 … max_n of them",
+                  "content": {"application/octet-stream": {
+                      "schema": {"type": "string", "format": "binary"}}}}})
+    async def classify_binary(
+            self, request: Request,
+            variant: Annotated[Variant | None, Query(
+                description="force a variant; default: the A/B policy")] = None,
+            profile: Annotated[bool, Query(
+                description="return per-stage timings and FLOPs")] = False,
+            dtype: Annotated[Literal["uint8", "int32"], Query(
+                description="id width: uint8 (1 byte per token) or int32 (4 bytes)")] = "uint8",
+    ) -> dict:
+        """Classify one sequence sent as binary token ids (``application/octet-stream``): the
+        same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
+        instead of ~3.6 MB of JSON."""
+        unknown = sorted(set(request.query_params) - {"variant", "profile", "dtype"})
+        if unknown:
+            raise ApiError(422, f"unknown query parameter(s) {unknown}; known: variant, "
+                                "profile, dtype")
+        ids = binary_ids(await request.body(), dtype, self.config.max_n)
+        return await self._classify(ids, variant, profile,
+                                    request.headers.get(self.config.sticky_header),
+                                    request.scope[ARRIVED])
 
     @app.post("/v1/classify/batch", response_model=BatchResponse, responses=ERRORS,
               response_model_exclude_none=True)
     async def classify_batch(self, body: BatchRequest, request: Request) -> dict:
         """Classify many sequences; all items are validated before any is run, and an error
         in one item fails the whole batch (its index is named)."""
-        start = time.perf_counter()
         if len(body.items) > self.config.max_batch_items:
             raise ApiError(422, f"{len(body.items)} items exceed max_batch_items = "
                                 f"{self.config.max_batch_items}")
@@ -383,9 +455,10 @@ class Gateway:
             except ApiError as e:
                 raise ApiError(e.status, f"items[{i}]: {e.message}") from None
         key = request.headers.get(self.config.sticky_header)
+        arrived = request.scope[ARRIVED]
         results = await asyncio.gather(
-            *(self._classify(item, x, key, start) for item, x in zip(body.items, ids,
-                                                                    strict=True)),
+            *(self._classify(x, item.variant, item.profile, key, arrived)
+              for item, x in zip(body.items, ids, strict=True)),
             return_exceptions=True)
         for i, r in enumerate(results):
             if isinstance(r, ApiError):
@@ -434,7 +507,8 @@ class Gateway:
                 cfg, mita = info["config"], info["config"]["attention"] == "mita"
                 self._variant_info[v] = {
                     "model_id": info["model_id"], "attention": cfg["attention"],
-                    "device": info["device"], "m": cfg["num_landmarks"] if mita else None,
+                    "device": info["device"], "dtype": info["dtype"],
+                    "m": cfg["num_landmarks"] if mita else None,
                     "k": cfg["topk"] if mita else None, "s": cfg["route_topk"] if mita else None}
         return self._variant_info
 

@@ -48,6 +48,7 @@ class BatchRequest(BaseModel):
 
 class StageProfile(BaseModel):
     device: str
+    dtype: str = Field(description="weights' and activations' dtype of the forward")
     batch_size: int = Field(description="requests sharing this forward")
     padded_n: int
     total_ms: float
@@ -58,6 +59,9 @@ class StageProfile(BaseModel):
     gflops_per_s: dict[str, float]
     peak_memory_bytes: int | None
     peak_memory_kind: str | None
+    pre_forward_ms: float = Field(
+        description="arrival at the gateway → start of this forward: body parsing, validation, "
+                    "transfer to the classifier, batching wait and queueing")
 
 
 class ClassifyResponse(BaseModel):
@@ -110,6 +114,7 @@ class VariantInfo(BaseModel):
     model_id: str
     attention: str
     device: str
+    dtype: str | None = Field(None, description="weights' and activations' dtype")
     m: int | None = Field(None, description="landmarks (MiTA only)")
     k: int | None = Field(None, description="routed keys per landmark (MiTA only)")
     s: int | None = Field(None, description="landmarks each query routes to (MiTA only)")

@@ -74,13 +74,13 @@ function empty(text) {
 function renderModels(models) {
   const variants = VARIANTS.filter((v) => models[v]);
   if (!variants.length) return replace("models", empty("classifiers not answering yet"));
-  const table = html("table", {}, html("tr", {}, ...["variant", "m", "k", "s", "device"]
+  const table = html("table", {}, html("tr", {}, ...["variant", "m", "k", "s", "device", "dtype"]
     .map((h) => html("th", {}, h))));
   for (const v of variants) {
     const m = models[v];
     table.append(html("tr", { "data-variant": v }, html("td", {}, swatch(v), v),
       ...[m.m, m.k, m.s].map((x) => html("td", {}, x === null ? "–" : x)),
-      html("td", {}, m.device)));
+      html("td", {}, m.device), html("td", {}, m.dtype ?? "–")));
   }
   const ids = [...new Set(variants.map((v) => models[v].model_id))];
   replace("models", html("div", { class: "note" }, `model ${ids.join(", ")}`), table);
