@@ -367,7 +367,8 @@ def test_dashboard_page_in_chromium(service, browser):
     assert legend == ["mita", "dense"]
     assert "configured: mita 50.0 % · dense 50.0 %" in ab_text and "shadow on" in ab_text
     assert shadow_text.split("\n")[0].endswith("%") and "labels agree" in shadow_text
-    assert models_rows == [["mita", "16", "16", "1", "cpu"], ["dense", "–", "–", "–", "cpu"]]
+    assert models_rows == [["mita", "16", "16", "1", "cpu", "float32"],
+                           ["dense", "–", "–", "–", "cpu", "float32"]]
     for chart, key in (("latency-chart", "p50_ms"), ("latency-chart", "p99_ms"),
                        ("throughput-chart", "rps")):
         assert {v for c, v, k in series if c == chart and k == key} == {"mita", "dense"}

@@ -168,3 +168,19 @@ def test_gpu_serving_script_smoke(tmp_path):
                                                                            ("dense", 256)]
     table = (tmp_path / "gpu_serving.md").read_text()
     assert "| mita | 1024 | 16 | 16 | 1 | 8 | padded | float32 |" in table
+
+
+def test_engine_and_gpu_benchmark_import_without_ray():
+    """A GPU machine may have no Ray: the engine (and the GPU serving benchmark that drives it)
+    must not import it. ``sys.modules["ray"] = None`` makes any ``import ray`` fail."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import service.engine, runpy\n"
+            "runpy.run_path('benchmarks/gpu_serving.py', run_name='not_main')\n"
+            "print('no ray needed')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == "no ray needed", done.stderr[-2000:]
