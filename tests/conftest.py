@@ -13,6 +13,22 @@ import pytest
 CHECKPOINT = "checkpoints/listops-default"
 
 
+def run_smoke(script: str, out) -> dict:
+    """Run ``benchmarks/<script>.py --smoke --out <out>`` in a fresh interpreter (the GPU
+    scripts' own code path on the CPU) and return the JSON it wrote; fails the test with the
+    script's output tail when it exits non-zero."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
+    done = subprocess.run([sys.executable, str(path), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((Path(out) / f"{script}.json").read_text())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

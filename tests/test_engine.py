@@ -29,7 +29,7 @@ from service.engine import (
     resolve_dtype,
 )
 
-CHECKPOINT = "checkpoints/listops-default"
+from .conftest import CHECKPOINT, run_smoke
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +142,7 @@ def test_gpu_serving_script_smoke(tmp_path):
     """``benchmarks/gpu_serving.py --smoke``: the GPU serving benchmark's own code path (checks,
     request cells, stage table, profiler overhead) on the CPU, so the GPU run is not its first
     run. Its timings mean nothing; its structure and checks must hold."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_serving.py"
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads((tmp_path / "gpu_serving.json").read_text())
+    result = run_smoke("gpu_serving", tmp_path)
     assert len(result["checks"]) == 8 and all(c["ok"] for c in result["checks"])
     cells = [(r["variant"], r["N"], r["batch"], r["mode"]) for r in result["requests"]]
     assert cells == [(v, n, b, mode) for n in (256, 1024) for v in ("mita", "dense")

@@ -28,6 +28,7 @@ from mita import attention as A
 from mita import mita_attention
 from mita.hooks import MITA_STAGES
 
+from .conftest import run_smoke
 from .reference import reference_mita
 from .test_attention import rand_qkv, random_mask
 
@@ -179,16 +180,7 @@ def test_cpu_without_interpreter_refused(kernel, monkeypatch):
 def test_gpu_benchmark_script_dry_run(tmp_path):
     """``benchmarks/gpu_mita.py --smoke``: the GPU script's own code path (checks, timing,
     table) on the CPU interpreter, so the prepared GPU run is not its first run."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_mita.py"
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads((tmp_path / "gpu_mita.json").read_text())
+    result = run_smoke("gpu_mita", tmp_path)
     assert len(result["checks"]) == 7 and all(c["ok"] for c in result["checks"])
     assert [r["N"] for r in result["speed"]] == [256]
     assert result["speed"][0]["mita_ms"] > 0 and result["speed"][0]["dense_ms"] > 0
