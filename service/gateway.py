@@ -431,10 +431,14 @@ class Gateway:
         """Classify one sequence sent as binary token ids (``application/octet-stream``): the
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
-        unknown = sorted(set(request.query_params) - {"variant", "profile", "dtype"})
+        params = request.query_params
+        unknown = sorted(set(params) - {"variant", "profile", "dtype"})
         if unknown:
             raise ApiError(422, f"unknown query parameter(s) {unknown}; known: variant, "
                                 "profile, dtype")
+        repeated = sorted(k for k in set(params) if len(params.getlist(k)) > 1)
+        if repeated:  # which copy wins is ambiguous: refuse, as duplicate JSON keys
+            raise ApiError(422, f"query parameter(s) {repeated} given more than once")
         ids = binary_ids(await request.body(), dtype, self.config.max_n)
         return await self._classify(ids, variant, profile,
                                     request.headers.get(self.config.sticky_header),

@@ -69,6 +69,7 @@ BAD_BINARY = [
     (b"\x03", {"variant": "sparse"}, 422, "variant"),
     (b"\x03", {"profile": "maybe"}, 422, "profile"),
     (b"\x03", {"varient": "mita"}, 422, "unknown query parameter(s) ['varient']"),
+    (b"\x03", {"dtype": ["uint8", "int32"]}, 422, "['dtype'] given more than once"),
 ]
 
 

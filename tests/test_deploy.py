@@ -88,3 +88,13 @@ def test_grafana_dashboard_and_provisioning():
     ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" /
                          "prometheus.yml").read_text())
     assert ds["datasources"][0]["uid"] == dash["panels"][0]["datasource"]["uid"]
+
+
+def test_build_app_refuses_unknown_dtype_at_deploy_time():
+    from ray.serve import Application
+
+    from service.app import build_app
+
+    with pytest.raises(ValueError, match="application arg 'dtype' must be one of"):
+        build_app({"dtype": "half"})
+    assert isinstance(build_app({"dtype": "bfloat16"}), Application)
