@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import ray
 from ray import serve
 
 from .engine import ClassifierEngine
@@ -32,7 +33,9 @@ class Classifier:
         # The replica id changes when Serve replaces the replica (crash, OOM kill): tests and
         # operators can see a restart.
         self.info_dict = self.engine.info | {
-            "replica": serve.get_replica_context().replica_id.unique_id}
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            # The GPUs Ray assigned this replica (CUDA_VISIBLE_DEVICES); [] without num_gpus.
+            "gpu_ids": ray.get_runtime_context().get_accelerator_ids().get("GPU", [])}
         self.metrics = ServiceMetrics()
         self.deterministic = True
 
