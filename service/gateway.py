@@ -143,14 +143,16 @@ def _out_of_range(value, position: int) -> ApiError:
                          f"[1, {VOCAB_SIZE - 1}] (0 is padding)")
 
 
-def check_ids(ids: np.ndarray, max_n: int) -> np.ndarray:
+def check_ids(ids: np.ndarray, max_n: int, hint: str = "") -> np.ndarray:
     """Validate a 1-D integer array of token ids (range, then emptiness, then length) and
     return it in the smallest dtype that holds the vocabulary (what travels to the
-    classifier). Raises ApiError(422) saying what is wrong; nothing is allocated for the model
-    before this passes."""
+    classifier). Raises ApiError(422) saying what is wrong (``hint`` appended to an
+    out-of-range message); nothing is allocated for the model before this passes."""
     bad = np.flatnonzero((ids < 1) | (ids >= VOCAB_SIZE))
     if bad.size:
-        raise _out_of_range(ids[bad[0]], int(bad[0]))
+        error = _out_of_range(ids[bad[0]], int(bad[0]))
+        error.message += hint
+        raise error
     if not ids.size:
         raise ApiError(422, "empty sequence: no tokens to classify")
     if ids.size > max_n:
@@ -189,10 +191,28 @@ def binary_ids(body: bytes, dtype: str, max_n: int) -> np.ndarray:
     if len(body) % width:
         raise ApiError(400, f"a body of {len(body)} bytes is not a whole number of {dtype} ids "
                             f"({width} bytes each)")
-    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n)
+    other = "int32" if dtype == "uint8" else "uint8"
+    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n,
+                     f"; the body was read as {dtype} little-endian (?dtype={dtype}): "
+                     f"{other} ids need ?dtype={other}")
 
 
-app = FastAPI(
+class ServiceAPI(FastAPI):
+    def openapi(self) -> dict:
+        """FastAPI's schema without the ``"example": {}`` it writes for every query parameter
+        in a Serve replica: Serve cloudpickles the app, the parameters' "unset" sentinel comes
+        back as a different object, and FastAPI then takes it for a real (object) example —
+        invalid for a string, boolean or number parameter, and what Swagger UI would send."""
+        schema = super().openapi()
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                for param in op.get("parameters", []):
+                    if param.get("example") == {}:
+                        del param["example"]
+        return schema
+
+
+app = ServiceAPI(
     redirect_slashes=False,  # /v1/classify/ is a 404, not a redirect built from the Host header
     redoc_url=None,  # ReDoc loads its script from a CDN; /docs (Swagger UI) does too
     title="mita-serve",
@@ -204,6 +224,12 @@ app.router.route_class = StrictJSONRoute
 BINARY_PATH = "/v1/classify/binary"
 CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch", BINARY_PATH)
 ARRIVED = "mita_serve.arrived_at"  # ASGI scope key: Unix seconds the request reached the gateway
+# The query parameters each endpoint takes; on these paths any other is refused (422), so a
+# ?variant= sent to the JSON endpoint is not silently ignored. Other paths (the dashboard
+# page reads its own ?refresh_s=) are not checked.
+QUERY_PARAMS = {("POST", "/v1/classify"): (), ("POST", "/v1/classify/batch"): (),
+                ("POST", BINARY_PATH): ("variant", "profile", "dtype"),
+                ("GET", "/v1/stats"): ("window_s",)}
 MAX_ERRORS_SHOWN = 10
 
 
@@ -220,6 +246,25 @@ def _count_refusal(request: Request, status: int) -> None:
         gateway.record_request("none", status)
 
 
+def query_refusal(request: Request) -> tuple[int, str] | None:
+    """(422, why) when a checked endpoint (``QUERY_PARAMS``) gets a query parameter it does not
+    take, or one parameter more than once (which copy wins is ambiguous: refused, as duplicate
+    JSON keys are); else None."""
+    known = QUERY_PARAMS.get((request.method, request.url.path))  # else routing: 404/405
+    if known is None:
+        return None
+    params = request.query_params
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        takes = (f"known: {', '.join(known)}" if known else
+                 "this endpoint takes none (variant and profile go in the JSON body)")
+        return 422, f"unknown query parameter(s) {unknown}; {takes}"
+    repeated = sorted(k for k in set(params) if len(params.getlist(k)) > 1)
+    if repeated:
+        return 422, f"query parameter(s) {repeated} given more than once"
+    return None
+
+
 @app.middleware("http")
 async def check_body(request: Request, call_next):
     """Before any parsing: POST bodies to the classify endpoints must be JSON (binary ids for
@@ -227,15 +272,24 @@ async def check_body(request: Request, call_next):
     go on to routing: 404/405). Stamps the arrival time the response's ``pre_forward_ms`` and
     the request latency count from."""
     request.scope[ARRIVED] = time.time()
+    refusal = query_refusal(request)
+    if refusal is not None:
+        _count_refusal(request, refusal[0])
+        return _error(*refusal)
     if request.method == "POST" and request.url.path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         length = request.headers.get("content-length", "").strip()
         limit = replica_state.max_body_bytes
         want = ("application/octet-stream" if request.url.path == BINARY_PATH
                 else "application/json")
-        refusal = None
-        if ctype != want:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if len(request.headers.getlist("content-type")) > 1:
+            refusal = (400, "more than one Content-Type header")
+        elif ctype != want:
             refusal = (415, f"Content-Type must be {want}, got {ctype[:60] or 'none'!r}")
+        elif encoding != "identity":
+            refusal = (415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the "
+                            "body uncompressed")
         elif not length:
             refusal = (411, "a Content-Length header is required (chunked uploads are not "
                             "accepted)")
@@ -268,7 +322,8 @@ async def _validation_error(request: Request, exc: RequestValidationError):
         why = (raw[0].get("ctx") or {}).get("error")
         status, message = 400, f"malformed JSON body: {why}" if why else "malformed JSON body"
     elif any(e["type"] == "missing" and e["loc"] == ["body"] for e in errors):
-        status, message = 400, "empty request body: send a JSON object with 'text' or 'ids'"
+        what = "'items'" if request.url.path == "/v1/classify/batch" else "'text' or 'ids'"
+        status, message = 400, f"empty request body: send a JSON object with {what}"
         errors = None
     else:
         msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
@@ -431,14 +486,6 @@ class Gateway:
         """Classify one sequence sent as binary token ids (``application/octet-stream``): the
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
-        params = request.query_params
-        unknown = sorted(set(params) - {"variant", "profile", "dtype"})
-        if unknown:
-            raise ApiError(422, f"unknown query parameter(s) {unknown}; known: variant, "
-                                "profile, dtype")
-        repeated = sorted(k for k in set(params) if len(params.getlist(k)) > 1)
-        if repeated:  # which copy wins is ambiguous: refuse, as duplicate JSON keys
-            raise ApiError(422, f"query parameter(s) {repeated} given more than once")
         ids = binary_ids(await request.body(), dtype, self.config.max_n)
         return await self._classify(ids, variant, profile,
                                     request.headers.get(self.config.sticky_header),
@@ -519,8 +566,9 @@ class Gateway:
     @app.get("/v1/stats", response_model=StatsResponse,
              responses={422: {"model": ErrorResponse}, 502: {"model": ErrorResponse}})
     async def stats(self, window_s: float | None = Query(
-            None, gt=0, le=86400, description="seconds to summarise, up to now; default and "
-            "upper bound in local mode: the gateway's stats_window_s")) -> dict:
+            None, gt=0, le=86400, allow_inf_nan=False, description="seconds to summarise, up "
+            "to now; default and upper bound in local mode: the gateway's stats_window_s")
+    ) -> dict:
         """Per-stage latency (p50/p95) per variant and N bucket, request latency and
         throughput over time, the MiTA/dense latency ratio, shadow agreement, the A/B split and
         the models in use — what ``/dashboard`` shows. From Prometheus when ``prometheus_url``

@@ -61,6 +61,8 @@ BAD_BINARY = [
     (b"\x03\x04\x05\x06\x07", {"dtype": "int32"}, 400,
      "a body of 5 bytes is not a whole number of int32 ids (4 bytes each)"),
     (b"\x03\x00\x05", {}, 422, "token id 0 at position 1 is out of range [1, 15]"),
+    (np.array([3, 4], "<i4").tobytes(), {}, 422,  # int32 ids sent without ?dtype=int32
+     "read as uint8 little-endian (?dtype=uint8): int32 ids need ?dtype=int32"),
     (b"\x03\x04\x10", {}, 422, "token id 16 at position 2 is out of range"),
     (np.array([3, -1], "<i4").tobytes(), {"dtype": "int32"}, 422, "token id -1 at position 1"),
     (np.array([3, 1 << 30], "<i4").tobytes(), {"dtype": "int32"}, 422, "token id 1073741824"),
@@ -106,3 +108,46 @@ def test_one_million_binary_ids_accepted(service):
         assert r.status_code == 422 and f"exceeds max_n = {n}" in r.json()["error"]
     finally:
         set_gateway(service)
+
+
+def test_ambiguous_or_encoded_bodies_refused(service):
+    c = service.client
+    r = c.post("/v1/classify/binary", content=b"\x03\x04",
+               headers=[("content-type", "application/octet-stream"),
+                        ("content-type", "application/json")])
+    assert r.status_code == 400 and "more than one Content-Type" in r.json()["error"]
+    r = c.post("/v1/classify/binary", content=b"\x1f\x8b\x08",
+               headers=OCTETS | {"content-encoding": "gzip"})
+    assert r.status_code == 415 and "Content-Encoding 'gzip'" in r.json()["error"]
+    r = c.post("/v1/classify", json={"text": "[MAX 2 9 ]"}, headers={"content-encoding": "br"})
+    assert r.status_code == 415
+
+
+ONE = {"text": "[MAX 2 9 ]"}
+
+
+@pytest.mark.parametrize("method,path,params,body,status,message", [
+    ("POST", "/v1/classify", {"variant": "dense"}, ONE, 422,
+     "unknown query parameter(s) ['variant']; this endpoint takes none (variant and profile "
+     "go in the JSON body)"),
+    ("POST", "/v1/classify/batch", {"profile": "true"}, {"items": [ONE]}, 422,
+     "this endpoint takes none"),
+    ("GET", "/v1/stats", {"window_s": ["10", "20"]}, None, 422,
+     "['window_s'] given more than once"),
+    ("GET", "/v1/stats", {"window_s": "nan"}, None, 422, "finite number"),
+    ("GET", "/v1/stats", {"window": "10"}, None, 422, "known: window_s"),
+    ("GET", "/v1/classify", {"variant": "dense"}, None, 405, "Method Not Allowed"),
+])
+def test_query_parameters_are_checked(service, method, path, params, body, status, message):
+    """Found by a new user: the JSON endpoint ignored ?variant=dense (answered by the A/B
+    policy), and a repeated parameter silently took its last value."""
+    r = service.client.request(method, path, params=params, json=body)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"], r.json()
+
+
+def test_empty_batch_body_names_items(service):
+    r = service.client.post("/v1/classify/batch", content=b"",
+                            headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"] == "empty request body: send a JSON object with 'items'"

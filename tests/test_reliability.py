@@ -182,11 +182,13 @@ def test_every_refusal_of_a_classify_request_is_counted(service):
                              headers={"content-type": "application/octet-stream"})),
         (415, lambda: c.post("/v1/classify/binary", content=b"\x03",
                              headers={"content-type": "application/json"})),
+        (422, lambda: c.post("/v1/classify", params={"variant": "dense"},
+                             json={"text": "[MAX 2 9 ]"})),
     ]
     text0 = settled_metrics(service)
     for status, send in sends:
         assert send().status_code == status
-    want = {400: 2, 422: 4, 415: 2, 413: 1, 405: 1, 404: 0}
+    want = {400: 2, 422: 5, 415: 2, 413: 1, 405: 1, 404: 0}
 
     def counted():
         text = service.metrics_text()
@@ -298,6 +300,7 @@ def test_no_endpoint_takes_paths(service):
             for p in op.get("parameters", []):
                 # Strings only from a closed set (an enum cannot carry a path).
                 assert p["in"] == "query", (path, p)
+                assert "example" not in p, (path, p)  # was {} for every parameter
                 assert p["schema"].get("type") != "string" or "enum" in p["schema"], (path, p)
     for name in ("ClassifyRequest", "BatchRequest"):
         assert spec["components"]["schemas"][name]["additionalProperties"] is False
