@@ -61,7 +61,8 @@ class StageProfile(BaseModel):
     peak_memory_kind: str | None
     pre_forward_ms: float = Field(
         description="arrival at the gateway → start of this forward: body parsing, validation, "
-                    "transfer to the classifier, batching wait and queueing")
+                    "transfer to the classifier, batching wait and queueing (wall clocks of the "
+                    "gateway's and the classifier's nodes: across nodes, their skew adds in)")
 
 
 class ClassifyResponse(BaseModel):
