@@ -179,6 +179,23 @@ def shared_compress(scores: Tensor, v: Tensor) -> Tensor:
     return torch.softmax(scores, dim=-1) @ v
 
 
+def shared_compress_sdpa(landmarks: Tensor, k: Tensor, v: Tensor,
+                         key_padding_mask: Tensor | None = None) -> Tensor:
+    """Stage ``shared_compress`` (eq. 8) as one fused attention call with the m landmarks as
+    the queries: ṽ_i = Σ_j softmax(q̃_i·k_j/√d)_j v_j, the value ``shared_compress(
+    landmark_scores(landmarks, k, mask), v)`` gives, without materialising the m × N weights
+    (``F.scaled_dot_product_attention``: flash attention for 16-bit CUDA inputs; on the CPU its
+    fused kernel or the math path).
+
+    Args: ``landmarks`` ``(B, H, m, d)`` (cast to k's dtype: 16-bit products with fp32
+    accumulation for 16-bit k, v), ``k`` ``(B, H, N, d)``, ``v`` ``(B, H, N, dv)``, optional
+    ``(B, N)`` bool mask (True = padding; padded keys get no weight).
+    Returns: ``(B, H, m, dv)`` in k's dtype.
+    """
+    mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(landmarks.to(k.dtype), k, v, attn_mask=mask)
+
+
 def _query_chunk(n_cols: int, cuda: bool = False) -> int:
     """Queries per chunk so a (chunk × n_cols) float32 block stays near 4 MiB (256 MiB on
     CUDA, where each chunk costs kernel launches rather than cache misses)."""
@@ -454,7 +471,8 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
                             landmark_grid, shared_scale, hook)
             return out.to(out_dtype)
     landmarks, landmark_valid, expert_index, shared_values, experts = routing_stages(
-        q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook)
+        q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook,
+        shared_kv=(k_in, v_in) if fused else None)
     if fused:
         from .kernels import fused_attention
         with hook.stage("attention"):  # gather is fused into this kernel
@@ -537,11 +555,15 @@ def _cpu_path(ext, q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_sc
 def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: int,
                    route_topk: int = 1, key_padding_mask: Tensor | None = None,
                    landmark_grid: tuple[int, int] | None = None,
-                   hook: StageHook = NULL_HOOK) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   hook: StageHook = NULL_HOOK, shared_kv: tuple[Tensor, Tensor] | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Stages ``pool`` … ``route`` (eqs. 5-9), each inside ``hook.stage(name)``: everything
     ``attention`` (or the fused kernel) needs besides q, k, v.
 
     Args: as ``mita_attention`` (which validates them), with ``topk`` already ≤ N.
+    ``shared_kv``: ``(k, v)`` to compute ``shared_compress`` from with
+    ``shared_compress_sdpa`` (the fused path passes its inputs in their own dtype); the m × N
+    scores are then freed right after ``topk``. None: ``softmax(scores) @ v``, the reference.
     Returns: ``landmarks`` ``(B, H, m, d)``, ``landmark_valid`` ``(B, m)`` bool,
     ``expert_index`` ``(B, H, m, k)`` int64, ``shared_values`` ``(B, H, m, dv)``,
     ``experts`` ``(B, H, N, s)`` int64. The ``(B, H, m, N)`` scores are freed on return.
@@ -553,8 +575,11 @@ def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: in
     with hook.stage("topk"):
         expert_index = _topk_stage(scores, topk)
     with hook.stage("shared_compress"):
-        shared_values = shared_compress(scores, v)
-    del scores
+        if shared_kv is None:
+            shared_values = shared_compress(scores, v)
+        del scores  # m × N: freed before route (and, with shared_kv, before the SDPA call)
+        if shared_kv is not None:
+            shared_values = shared_compress_sdpa(landmarks, *shared_kv, key_padding_mask)
     with hook.stage("route"):
         experts = route(q, landmarks, route_topk, landmark_valid)
     return landmarks, landmark_valid, expert_index, shared_values, experts

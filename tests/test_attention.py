@@ -357,3 +357,20 @@ def test_topk_exact_path_only_for_tied_rows():
         want = sorted(sorted(range(6), key=lambda j, row=row: (-row[j], j))[:3])
         assert got[r, 0].tolist() == want and got[r, 1].tolist() == want
     assert got[0, 0].tolist() == [0, 1, 3] and got[2, 0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mask_kind", [None, "suffix", "scattered"])
+def test_shared_compress_sdpa_equals_softmax_of_scores(mask_kind):
+    """Eq. 8 as one SDPA call with the landmarks as queries (the fused path's shared_compress)
+    gives the value of softmax(landmark_scores) @ v: float64 to 1e-10, float32 to 1e-5
+    relative (the tolerances above), with empty (all-zero) landmarks and padded keys."""
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        q, k, v = rand_qkv(2, 2, 70, 32, seed=41, dtype=dtype)
+        mask = None if mask_kind is None else random_mask(2, 70, seed=3,
+                                                          suffix=mask_kind == "suffix")
+        landmarks, _ = A.pool(q, 9, mask)
+        landmarks[0, :, 4] = 0.0  # as pool leaves an empty landmark
+        want = A.shared_compress(A.landmark_scores(landmarks, k, mask), v)
+        got = A.shared_compress_sdpa(landmarks, k, v, mask)
+        assert got.dtype == dtype
+        assert float((got - want).abs().max() / want.abs().max()) < tol

@@ -199,3 +199,21 @@ def test_launch_plan_refuses_head_dims_over_128(kernel):
                            torch.zeros(1, 1, 8, 1, dtype=torch.long))
     # auto falls back to the PyTorch stages for such heads instead of failing
     assert not A._use_triton("auto", q, q)
+
+
+def test_fused_path_computes_shared_values_by_sdpa_in_input_dtype(kernel, monkeypatch):
+    """The triton path takes eq. 8 from one SDPA call on q, k, v in their own dtype (no m × N
+    softmax); the torch path keeps softmax(scores) @ v as the reference."""
+    calls = []
+    real = A.shared_compress_sdpa
+
+    def spy(landmarks, k, v, mask=None):
+        calls.append(k.dtype)
+        return real(landmarks, k, v, mask)
+
+    monkeypatch.setattr(A, "shared_compress_sdpa", spy)
+    q, k, v = (t.to(torch.bfloat16) for t in rand_qkv(1, 2, 48, 32, seed=9,
+                                                       dtype=torch.float32))
+    mita_attention(q, k, v, num_landmarks=4, topk=8, backend="triton")
+    mita_attention(q, k, v, num_landmarks=4, topk=8, backend="torch")
+    assert calls == [torch.bfloat16]

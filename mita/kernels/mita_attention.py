@@ -23,9 +23,12 @@ key sets through one online (flash-style) softmax in fp32:
 
 Landmark scores and top-k (stages ``landmark_scores``, ``topk``) stay on PyTorch: a cuBLAS
 matrix product (2·m·N·d FLOPs) and ``torch.topk`` over the m × N fp32 scores (m·N·4 bytes,
-2 GiB per head at N = 1M, m = 512; read once by top-k and once by ``shared_compress``). A fused
-score + top-k kernel (as in NSA's streaming bitonic merge) would avoid writing that matrix but
-needs k a power of two for ``tl.topk``; not done here.
+2 GiB per head at N = 1M, m = 512; read by top-k only and freed before the next stage). On
+this path ``shared_compress`` does not read it: ``mita.attention.shared_compress_sdpa`` takes
+eq. 8 from one ``scaled_dot_product_attention`` call with the landmarks as the queries, on k and
+v in their own dtype (flash attention for 16-bit CUDA inputs). A fused score + top-k kernel
+(as in NSA's streaming bitonic merge) would avoid writing the score matrix but needs k a power
+of two for ``tl.topk``; not done here.
 """
 
 from __future__ import annotations
