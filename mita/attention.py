@@ -32,6 +32,7 @@ from .hooks import NULL_HOOK, StageHook
 
 SHARED_SCALES = ("paper", "official")
 BACKENDS = ("auto", "torch", "cpu", "triton")
+_KEYED_TOPK_ELEMENTS = 1 << 24  # float32 scores up to which top-k runs on 64-bit keys (no sync)
 _CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
 _CHUNK_ELEMENTS_CUDA = 1 << 26  # 256 MiB on a GPU: fewer, larger launches
 
@@ -64,6 +65,8 @@ def _topk_lowest_index(scores: Tensor, k: int) -> Tensor:
     N = scores.shape[-1]
     if k >= N:
         return torch.arange(N, device=scores.device).expand(*scores.shape[:-1], N)
+    if scores.dtype == torch.float32 and scores.numel() <= _KEYED_TOPK_ELEMENTS:
+        return _topk_by_key(scores, k)
     top = scores.topk(k + 1, dim=-1, sorted=True)
     kth = top.values[..., k - 1: k]
     tied = (kth == top.values[..., k:]).flatten().nonzero().flatten()
@@ -74,6 +77,21 @@ def _topk_lowest_index(scores: Tensor, k: int) -> Tensor:
         flat[tied] = _exact_topk_rows(rows, kth.reshape(-1, 1)[tied], k)
         out = flat.view(out.shape)
     return out
+
+
+def _topk_by_key(scores: Tensor, k: int) -> Tensor:
+    """``_topk_lowest_index`` for float32 scores with one ``topk`` and no host
+    synchronisation (the tie check above asks the device whether any row is tied): each score
+    and its index become one int64 key — the float's bits made order-preserving as a signed
+    integer in the high half, 2^32 − 1 − index in the low half — so the key order is (value
+    descending, index ascending), the lowest-index tie rule. −0.0 is folded into +0.0 first
+    (equal floats, different bits). 8 bytes per score: used up to ``_KEYED_TOPK_ELEMENTS``."""
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    key = ordered * (1 << 32) + ((1 << 32) - 1 - index)
+    top = key.topk(k, dim=-1, sorted=False).values
+    return ((1 << 32) - 1 - (top & 0xFFFFFFFF)).sort(-1).values
 
 
 def _exact_topk_rows(rows: Tensor, kth: Tensor, k: int) -> Tensor:
@@ -215,14 +233,14 @@ def route(q: Tensor, landmarks: Tensor, route_topk: int,
     """
     B, H, N, _ = q.shape
     m = landmarks.shape[2]
-    dead = None if bool(landmark_valid.all()) else ~landmark_valid[:, None, None, :]
+    dead = ~landmark_valid[:, None, None, :]  # masked always: asking whether any is would
+    # synchronise with the GPU once per layer
     out = torch.empty(B, H, N, route_topk, dtype=torch.long, device=q.device)
     lt = landmarks.transpose(-1, -2)
     chunk = _query_chunk(B * H * m, q.is_cuda)
     for start in range(0, N, chunk):
         aff = q[:, :, start:start + chunk] @ lt
-        if dead is not None:
-            aff = aff.masked_fill(dead, float("-inf"))
+        aff = aff.masked_fill(dead, float("-inf"))
         if route_topk == 1:  # argmax returns the first maximum: the lowest-index tie rule
             out[:, :, start:start + aff.shape[2], 0] = aff.argmax(-1)
         else:

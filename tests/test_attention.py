@@ -374,3 +374,29 @@ def test_shared_compress_sdpa_equals_softmax_of_scores(mask_kind):
         got = A.shared_compress_sdpa(landmarks, k, v, mask)
         assert got.dtype == dtype
         assert float((got - want).abs().max() / want.abs().max()) < tol
+
+
+def test_sync_free_topk_equals_the_tie_checked_path():
+    """float32 top-k on int64 (value, index) keys — no host synchronisation — picks exactly what
+    the tie-checked path picks (here on the same values in float64): ties at the boundary go to
+    the lowest index, -0.0 ties +0.0, padded (-inf) keys come last. 300 fresh random cases."""
+    g = torch.Generator().manual_seed(2024)
+    tied_cases = 0
+    for trial in range(300):
+        R = int(torch.randint(1, 6, (1,), generator=g))
+        N = int(torch.randint(2, 300, (1,), generator=g))
+        k = int(torch.randint(1, N, (1,), generator=g))
+        s = torch.randn(R, N, generator=g, dtype=torch.float32)
+        if trial % 3 == 0:
+            s = (s * 2).round() / 2  # few distinct values: ties at the boundary
+        if trial % 5 == 0:
+            s[:, ::7] = float("-inf")
+        if trial % 7 == 0:
+            s[:, ::3], s[:, 1::3] = -0.0, 0.0
+        want = A._topk_lowest_index(s.double(), k)
+        got = A._topk_by_key(s, k)
+        assert torch.equal(got, want), (trial, got, want)
+        kth = s.double().sort(-1, descending=True).values[:, k - 1: k + 1]
+        tied_cases += int((kth[:, 0] == kth[:, 1]).any())
+        assert torch.equal(A._topk_lowest_index(s, k), want)  # float32 takes the keyed path
+    assert tied_cases > 50  # the tie rule really was exercised
