@@ -25,7 +25,9 @@ class Classifier:
     (``auto`` | ``cpu`` | ``cuda``), ``mita_backend`` (``mita_attention``'s ``backend``),
     ``dtype`` (``auto`` | ``float32`` | ``bfloat16`` | ``float16``; auto: bfloat16 on CUDA,
     float32 on CPU). ``user_config``: ``max_batch_size``, ``batch_wait_timeout_s``,
-    ``deterministic``."""
+    ``deterministic``, ``staged_profile_every`` (a fused MiTA backend runs every n-th forward
+    with each stage timed apart; 0: only on request). Stage metrics come from staged forwards
+    only, so a stage name always means the same work."""
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
                  mita_backend: str = "auto", dtype: str = "auto"):
@@ -41,28 +43,31 @@ class Classifier:
 
     def reconfigure(self, config: dict) -> None:
         self.deterministic = bool(config.get("deterministic", True))
+        self.engine.staged_every = int(config.get("staged_profile_every", 100))
         self.classify_batch.set_max_batch_size(int(config.get("max_batch_size", 8)))
         self.classify_batch.set_batch_wait_timeout_s(
             float(config.get("batch_wait_timeout_s", 0.005)))
 
     def info(self) -> dict:
-        return self.info_dict
+        return self.info_dict | {"deterministic": self.deterministic,
+                                 "staged_profile_every": self.engine.staged_every}
 
-    async def classify(self, ids: np.ndarray) -> dict:
+    async def classify(self, ids: np.ndarray, staged: bool = False) -> dict:
         """Classify one validated id sequence; returns label, probabilities, n, model_id,
-        variant and the profile of the forward it was part of."""
-        return await self.classify_batch(ids)
+        variant and the profile of the forward it was part of (``staged``: time every stage
+        of that forward apart)."""
+        return await self.classify_batch(ids, staged)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
-    async def classify_batch(self, batch: list[np.ndarray]) -> list[dict]:
+    async def classify_batch(self, batch: list[np.ndarray], staged: list[bool]) -> list[dict]:
         return await asyncio.to_thread(self.engine.run, batch, self.deterministic,
-                                       self._record)
+                                       self._record, staged)
 
     def _record(self, lengths: list[int], profile: dict) -> None:
         m, variant = self.metrics, self.engine.variant
         for n in lengths:
             tags = {"variant": variant, "n_bucket": n_bucket(n)}
-            for stage, ms in profile["stages_ms"].items():
+            for stage, ms in (profile["stages_ms"] if profile["staged"] else {}).items():
                 m.stage_duration.observe(ms / 1e3, tags | {"stage": stage})
             m.forward_duration.observe(profile["total_ms"] / 1e3, tags)
             m.tokens.inc(n, {"variant": variant})

@@ -16,8 +16,10 @@ buckets), each group padded with the model's key padding mask and run as one for
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +93,12 @@ class ClassifierEngine:
         self.model = load_checkpoint(folder, device=self.device, attention=attention)
         self.model.to(self.dtype)
         set_mita_backend(self.model, mita_backend)
+        self.backend = mita_backend
+        # Every staged_every-th forward (0: none) runs the PyTorch stages, each timed apart, so
+        # dashboards see all seven MiTA stages while the rest run fused.
+        self.staged_every = 0
+        self._forwards = 0
+        self._lock = threading.Lock()
         self.variant = attention
         meta = checkpoint_metadata(folder)
         self.model_id = f"{folder.name}@{meta['weights_sha256'][:12]}"
@@ -104,16 +112,36 @@ class ClassifierEngine:
             "training": meta.get("training", {}),
         }
 
+    def fused(self) -> bool:
+        """True when this variant's forwards report fused stages (MiTA on the compiled CPU
+        kernels or the Triton kernel); a staged forward then times every stage apart."""
+        return self.variant == "mita" and self.backend != "torch"
+
+    @contextmanager
+    def _stages(self, staged: bool):
+        """Run the forward inside with the PyTorch MiTA stages when ``staged`` (one forward at
+        a time: the backend is a model attribute)."""
+        with self._lock:
+            if staged and self.fused():
+                set_mita_backend(self.model, "torch")
+            try:
+                yield
+            finally:
+                set_mita_backend(self.model, self.backend)
+
     def run(self, batch: Sequence[Sequence[int] | np.ndarray], deterministic: bool = True,
-            record: Recorder | None = None) -> list[dict]:
+            record: Recorder | None = None, staged: Sequence[bool] | None = None) -> list[dict]:
         """Classify a batch of validated id sequences (lists or 1-D integer numpy arrays).
 
         Returns one dict per sequence, in order: ``label``, ``probabilities`` (float64
         softmax of the logits, as a list), ``n``, ``variant``, ``model_id`` and ``profile``
         (the ``ForwardProfile`` of the forward it was part of, plus ``batch_size``,
         ``padded_n``, ``flops_total``, ``dtype`` and ``started_at`` — the forward's start in
-        Unix seconds). ``record(lengths, profile)`` is called after each forward with the
-        lengths of the sequences it covered.
+        Unix seconds), and ``staged``: whether every stage was timed apart (always for dense
+        and for MiTA on ``backend="torch"``; for a fused MiTA backend when the forward was
+        sampled — every ``staged_every``-th — or asked for: ``staged[i]`` True for a sequence
+        in it). ``record(lengths, profile)`` is called after each forward with the lengths of
+        the sequences it covered.
         """
         results: list[dict | None] = [None] * len(batch)
         pad = self.model.config.pad_id
@@ -129,12 +157,17 @@ class ClassifierEngine:
                 mask[row, : lengths[i]] = False
             # No padding in the group: no mask (dense SDPA can then take its flash path).
             mask = mask.to(self.device) if bool(mask.any()) else None
+            self._forwards += 1
+            want = (any(staged[i] for i in group) if staged is not None else False) or bool(
+                self.staged_every and self._forwards % self.staged_every == 0)
             started_at = time.time()
-            logits, prof = profile_forward(self.model, ids.to(self.device), mask)
+            with self._stages(want):
+                logits, prof = profile_forward(self.model, ids.to(self.device), mask)
             probs = torch.softmax(logits.double(), -1).cpu()
             profile = prof.as_dict() | {"batch_size": len(group), "padded_n": n_max,
                                         "flops_total": sum(prof.flops.values()),
-                                        "dtype": self.dtype_name, "started_at": started_at}
+                                        "dtype": self.dtype_name, "started_at": started_at,
+                                        "staged": want or not self.fused()}
             if record is not None:
                 record([lengths[i] for i in group], profile)
             for row, i in enumerate(group):

@@ -393,8 +393,8 @@ class Gateway:
             *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
             timeout_s)
 
-    async def _call(self, variant: str, ids: np.ndarray) -> dict:
-        response = self.handles[variant].classify.remote(ids)
+    async def _call(self, variant: str, ids: np.ndarray, staged: bool = False) -> dict:
+        response = self.handles[variant].classify.remote(ids, staged)
         try:
             return await asyncio.wait_for(asyncio.ensure_future(response),
                                           self.config.request_timeout_s)
@@ -422,20 +422,27 @@ class Gateway:
                 self.metrics.rejections.inc(1, {"variant": shadow, "role": "shadow"})
             return
         agree = other["label"] == served["label"]
-        self.window.add_forward(shadow, n_bucket(len(ids)), other["profile"]["stages_ms"])
+        self._add_stages(shadow, n_bucket(len(ids)), other["profile"])
         self.window.add_shadow(primary, agree)
         self.metrics.shadow_comparisons.inc(
             1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(
             kl_divergence(served["probabilities"], other["probabilities"]), {"primary": primary})
 
-    async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool,
+    def _add_stages(self, variant: str, bucket: str, profile: dict) -> None:
+        """A forward's stage times into the stats window, as the classifier records them in
+        metrics: staged forwards only (a fused forward's stages cover several)."""
+        if profile["staged"]:
+            self.window.add_forward(variant, bucket, profile["stages_ms"])
+
+    async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool | str,
                         client_key: str | None, arrived_at: float) -> dict:
         """Route validated ``ids`` (``check_ids``) to ``variant`` or by the A/B policy and
-        answer; ``arrived_at``: Unix seconds the request reached the gateway."""
+        answer; ``profile``: False, True or ``"staged"`` (the forward times every stage
+        apart); ``arrived_at``: Unix seconds the request reached the gateway."""
         primary, shadow = choose_variant(self.config, variant, client_key, self.rng)
         try:
-            result = await self._call(primary, ids)
+            result = await self._call(primary, ids, profile == "staged")
         except ApiError as e:
             if e.rejected:  # overload refusal: not an error, not in requests_total
                 self.metrics.rejections.inc(1, {"variant": primary, "role": "primary"})
@@ -445,7 +452,7 @@ class Gateway:
             raise
         latency, bucket = time.time() - arrived_at, n_bucket(len(ids))
         self.record_request(primary, 200, bucket, latency)
-        self.window.add_forward(primary, bucket, result["profile"]["stages_ms"])
+        self._add_stages(primary, bucket, result["profile"])
         if shadow is not None:
             task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
             self._shadow_tasks.add(task)
@@ -478,8 +485,9 @@ class Gateway:
             self, request: Request,
             variant: Annotated[Variant | None, Query(
                 description="force a variant; default: the A/B policy")] = None,
-            profile: Annotated[bool, Query(
-                description="return per-stage timings and FLOPs")] = False,
+            profile: Annotated[Literal["true", "false", "staged"], Query(
+                description="true: return per-stage timings and FLOPs; staged: also time "
+                            "every MiTA stage apart in this forward")] = "false",
             dtype: Annotated[Literal["uint8", "int32"], Query(
                 description="id width: uint8 (1 byte per token) or int32 (4 bytes)")] = "uint8",
     ) -> dict:
@@ -487,7 +495,8 @@ class Gateway:
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
         ids = binary_ids(await request.body(), dtype, self.config.max_n)
-        return await self._classify(ids, variant, profile,
+        mode = {"true": True, "false": False, "staged": "staged"}[profile]
+        return await self._classify(ids, variant, mode,
                                     request.headers.get(self.config.sticky_header),
                                     request.scope[ARRIVED])
 

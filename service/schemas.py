@@ -31,7 +31,10 @@ class ClassifyRequest(BaseModel):
     text: str | None = Field(None, description="ListOps tokens, e.g. '[MAX 2 [MIN 4 7 ] 0 ]'")
     ids: list[StrictInt] | None = Field(None, description="token ids (1..15; 0 is padding)")
     variant: Variant | None = Field(None, description="force a variant; default: A/B policy")
-    profile: StrictBool = Field(False, description="return per-stage timings and FLOPs")
+    profile: StrictBool | Literal["staged"] = Field(
+        False, description="true: return per-stage timings and FLOPs; \"staged\": also run "
+                           "this forward with every MiTA stage timed apart (the fused kernels "
+                           "report fewer, merged stages)")
 
     @model_validator(mode="after")
     def _exactly_one_input(self):
@@ -49,6 +52,8 @@ class BatchRequest(BaseModel):
 class StageProfile(BaseModel):
     device: str
     dtype: str = Field(description="weights' and activations' dtype of the forward")
+    staged: bool = Field(description="every stage timed apart (dense; MiTA on the PyTorch "
+                                     "stages, sampled or asked for); false: fused stages")
     batch_size: int = Field(description="requests sharing this forward")
     padded_n: int
     total_ms: float

@@ -48,7 +48,9 @@ class Service:
         return httpx.get(self.metrics_url, timeout=10).text
 
 
-# Fixed replicas and short metric export so tests see exact counts quickly.
+# Fixed replicas and short metric export so tests see exact counts quickly. Every MiTA forward
+# staged (all seven stages timed apart, as the dashboards' tests expect); the fused path with
+# sampling is tested on its own (test_service.py, set_classifier).
 TEST_OVERRIDES = {
     "deployments": {
         name: {"num_replicas": 1, "autoscaling_config": None,
@@ -56,6 +58,7 @@ TEST_OVERRIDES = {
         for name in ("MiTAClassifier", "DenseClassifier")
     } | {"Gateway": {"ray_actor_options": {"num_cpus": 0}}},
 }
+TEST_OVERRIDES["deployments"]["MiTAClassifier"]["user_config"] = {"staged_profile_every": 1}
 
 
 @pytest.fixture(scope="session")
@@ -66,6 +69,7 @@ def service():
     overrides = dict(TEST_OVERRIDES, http_options={"port": http_port},
                      args={"checkpoint": CHECKPOINT, "device": "cpu"})
     config = launch.load_config(launch.CPU_CONFIG, overrides)
+    launch.prebuild_cpu_kernels(config)  # as python -m service does, not inside a replica
     url = launch.start(config, metrics_port=metrics_port, metrics_interval_ms=500)
     svc = Service(url=url, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
                   client=httpx.Client(base_url=url, timeout=120))
@@ -89,6 +93,25 @@ def set_gateway(service, **user_config) -> None:
     launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
     want = GatewayConfig.model_validate({**gw, **user_config}).model_dump(mode="json")
     assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"] == want)
+
+
+def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None:
+    """Redeploy with one classifier's user_config changed (``reconfigure``, no restart); the
+    session's other overrides stay."""
+    from service import launch
+
+    overrides = copy.deepcopy(service.overrides)
+    base = launch.load_config(launch.CPU_CONFIG).applications[0]
+    uc = next(d for d in base.deployments if d.name == name).user_config
+    merged = {**uc, **overrides["deployments"][name].get("user_config", {}), **user_config}
+    overrides["deployments"][name]["user_config"] = merged
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    variant = "mita" if name == "MiTAClassifier" else "dense"
+
+    def applied():
+        info = service.client.get("/v1/models").json()["variants"][variant]
+        return all(info.get(k) == v for k, v in user_config.items())
+    assert wait_for(applied)
 
 
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):

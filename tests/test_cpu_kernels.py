@@ -155,7 +155,7 @@ def test_service_prebuilds_kernels_only_when_a_classifier_runs_them(monkeypatch,
     from service import launch
 
     config = launch.load_config(launch.CPU_CONFIG)
-    assert config.applications[0].args["mita_backend"] == "torch"  # the shipped CPU config
+    assert config.applications[0].args["mita_backend"] == "auto"  # the shipped CPU config
     if backend is None:
         del config.applications[0].args["mita_backend"]  # the code default: auto
     else:

@@ -175,3 +175,33 @@ def test_engine_and_gpu_benchmark_import_without_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert done.stdout.strip() == "no ray needed", done.stderr[-2000:]
+
+
+def test_staged_profile_on_request_and_sampled(batch):
+    """MiTA on the compiled CPU kernels reports fused stages; a forward asked for (staged) or
+    sampled (every staged_every-th) runs the PyTorch stages, all seven timed apart, with the
+    same answer (the two backends agree to 1e-5, as tests/test_cpu_kernels.py holds)."""
+    from mita.attention import MiTAAttention
+    from mita.hooks import MITA_STAGES
+
+    engine = ClassifierEngine(CHECKPOINT, "mita", "cpu", "auto", "float32")
+    assert engine.fused()
+    fused = engine.run(batch[:4])
+    assert [r["profile"]["staged"] for r in fused] == [False] * 4
+    assert "topk" not in fused[0]["profile"]["stages_ms"]  # inside landmark_scores there
+    asked = engine.run(batch[:4], staged=[False, True, False, False])
+    assert [r["profile"]["staged"] for r in asked] == [False, True, False, False]
+    assert set(MITA_STAGES) <= set(asked[1]["profile"]["stages_ms"])
+    assert np.abs(probs(asked) - probs(fused)).max() < 1e-5
+    assert [r["label"] for r in asked] == [r["label"] for r in fused]
+    assert {m.backend for m in engine.model.modules() if isinstance(m, MiTAAttention)} == {
+        "auto"}  # restored after the staged forward
+    engine.staged_every = 3
+    engine._forwards = 0
+    sampled = engine.run(batch[:7])
+    assert [r["profile"]["staged"] for r in sampled] == [False, False, True, False, False,
+                                                          True, False]
+    dense = ClassifierEngine(CHECKPOINT, "dense", "cpu", "auto", "float32")
+    assert not dense.fused() and all(r["profile"]["staged"] for r in dense.run(batch[:2]))
+    torch_stages = ClassifierEngine(CHECKPOINT, "mita", "cpu", "torch", "float32")
+    assert all(r["profile"]["staged"] for r in torch_stages.run(batch[:2]))

@@ -19,7 +19,7 @@ from service.gateway import choose_variant, kl_divergence, sticky_unit
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 from service.schemas import GatewayConfig
 
-from .conftest import CHECKPOINT, set_gateway, wait_for
+from .conftest import CHECKPOINT, set_classifier, set_gateway, wait_for
 
 pytestmark = pytest.mark.service
 EXAMPLES = generate(12, seed=777_001, cfg=ListOpsConfig(100, 500))
@@ -324,3 +324,49 @@ def test_overload_gets_503_with_retry_after(service):
     assert "overloaded" in rejected[0].json()["error"]
     assert service.post("/v1/classify", json={"text": text, "variant": "dense"}
                         ).status_code == 200
+
+
+def test_fused_mita_with_sampled_and_requested_staged_profiles(service):
+    """The shipped CPU config runs MiTA on the compiled CPU kernels (fused stages). Stage
+    metrics come from staged forwards only: one forward in staged_profile_every, or one asked
+    for with "profile": "staged" — all seven stages timed apart — so a stage name always means
+    the same work. Forward metrics count every forward."""
+    set_classifier(service, staged_profile_every=0)
+    try:
+        ids = encode(EXAMPLES[2][0])
+        before = service.metrics_text()
+        r = service.post("/v1/classify", json={"ids": ids, "variant": "mita", "profile": True})
+        prof = r.json()["profile"]
+        assert r.status_code == 200 and prof["staged"] is False
+        assert "topk" not in prof["stages_ms"] and "landmark_scores" in prof["stages_ms"]
+        r2 = service.post("/v1/classify", json={"ids": ids, "variant": "mita",
+                                                "profile": "staged"})
+        prof2 = r2.json()["profile"]
+        assert prof2["staged"] is True and set(MITA_STAGES) <= set(prof2["stages_ms"])
+        assert r2.json()["label"] == r.json()["label"]
+        assert max(abs(a - b) for a, b in zip(r.json()["probabilities"],
+                                              r2.json()["probabilities"], strict=True)) < 1e-5
+        bucket = n_bucket(len(ids))
+
+        def counts():
+            s = samples(service.metrics_text(), "ray_mita_serve_stage_duration_seconds_count")
+            f = samples(service.metrics_text(), "ray_mita_serve_forward_duration_seconds_count")
+            b0 = samples(before, "ray_mita_serve_stage_duration_seconds_count")
+            f0 = samples(before, "ray_mita_serve_forward_duration_seconds_count")
+            stage = {dict(k)["stage"]: v - b0.get(k, 0.0) for k, v in s.items()
+                     if dict(k)["variant"] == "mita" and dict(k)["n_bucket"] == bucket}
+            fwd = sum(v - f0.get(k, 0.0) for k, v in f.items()
+                      if dict(k)["variant"] == "mita" and dict(k)["n_bucket"] == bucket)
+            return stage, fwd
+        want = {s: 1.0 for s in prof2["stages_ms"]}
+        got = wait_for(lambda: (lambda c: c if c[0] == want and c[1] == 2 else None)(counts()),
+                       timeout_s=20)
+        assert got, counts()  # two forwards, stage records from the staged one only
+        bad = service.post("/v1/classify", json={"ids": ids, "profile": "yes"})
+        assert bad.status_code == 422
+        r3 = service.client.post("/v1/classify/binary", content=bytes(ids),
+                                 params={"variant": "mita", "profile": "staged"},
+                                 headers={"content-type": "application/octet-stream"})
+        assert r3.status_code == 200 and r3.json()["profile"]["staged"] is True
+    finally:
+        set_classifier(service, staged_profile_every=1)
