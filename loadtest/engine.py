@@ -46,6 +46,7 @@ class Sample:
     latency_s: float
     stages_ms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    staged: bool = True  # every stage timed apart (False: a fused MiTA forward)
 
 
 @dataclass
@@ -80,8 +81,9 @@ async def _send(client: httpx.AsyncClient, body: dict, n: int, requested: str,
             err = r.text
         return Sample(n, requested, None, r.status_code, start - t0, latency, error=err[:200])
     data = r.json()
-    stages = data.get("profile", {}).get("stages_ms", {})
-    return Sample(n, requested, data["variant"], 200, start - t0, latency, stages)
+    profile = data.get("profile", {})
+    return Sample(n, requested, data["variant"], 200, start - t0, latency,
+                  profile.get("stages_ms", {}), staged=profile.get("staged", True))
 
 
 async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requested: str,
@@ -170,14 +172,18 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
         served: dict[str, int] = {}
         for s in ok:
             served[s.variant] = served.get(s.variant, 0) + 1
-        # Per served variant: an A/B phase mixes MiTA and dense answers, whose stages differ.
+        # Per served variant: an A/B phase mixes MiTA and dense answers, whose stages differ;
+        # and a fused MiTA's sampled staged forwards ("mita (staged)") time other stages.
         stages_ms = {}
         for v in served:
             mine = [s for s in ok if s.variant == v and s.stages_ms]
-            names = list(dict.fromkeys(k for s in mine for k in s.stages_ms))
-            if names:
-                stages_ms[v] = {k: float(np.median([s.stages_ms.get(k, 0.0) for s in mine]))
-                                for k in names}
+            kinds = sorted({s.staged for s in mine})
+            for staged in kinds:
+                group = [s for s in mine if s.staged == staged]
+                names = list(dict.fromkeys(k for s in group for k in s.stages_ms))
+                label = f"{v} (staged)" if staged and len(kinds) > 1 else v
+                stages_ms[label] = {k: float(np.median([s.stages_ms.get(k, 0.0)
+                                                         for s in group])) for k in names}
         rows.append({
             "n": n, "variant": req, "served": served, "sent": len(ss), "ok": len(ok),
             "errors": errors,

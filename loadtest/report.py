@@ -12,8 +12,10 @@ from .engine import Sample
 
 def stage_table(summary: dict) -> list[tuple[int, str, dict[str, float]]]:
     """(N, variant label, median stage ms) per (N, requested variant, served variant); an A/B
-    row is labelled ``ab→mita`` / ``ab→dense`` so the two models' stages are never mixed."""
-    return [(r["n"], r["variant"] if served == r["variant"] else f"{r['variant']}→{served}", ms)
+    row is labelled ``ab→mita`` / ``ab→dense`` so the two models' stages are never mixed, and
+    a fused MiTA's sampled staged forwards ``mita (staged)``."""
+    return [(r["n"], served if served.split(" (")[0] == r["variant"]
+             else f"{r['variant']}→{served}", ms)
             for r in summary["rows"] for served, ms in r["stages_ms"].items()]
 
 

@@ -52,3 +52,21 @@ def test_summary_percentiles_equal_numpy():
     for q in (50, 90, 99):
         assert row[f"p{q}_ms"] == pytest.approx(float(np.percentile(lat * 1e3, q)), rel=1e-12)
     assert row["stages_ms"] == {}
+
+
+def test_fused_and_sampled_staged_stage_medians_are_kept_apart():
+    """A fused MiTA answers most requests with merged stages and one in staged_profile_every
+    with all seven: their medians are reported apart ("mita" and "mita (staged)"), never a
+    median that mixes a fused landmark_scores with a staged one or counts a missing topk as 0."""
+    fused = [Sample(1024, "mita", "mita", 200, 0.1 * i, 0.05,
+                    {"landmark_scores": 2.0 + i, "attention": 5.0}, staged=False)
+             for i in range(5)]
+    staged = [Sample(1024, "mita", "mita", 200, 0.6, 0.09,
+                     {"landmark_scores": 1.0, "topk": 0.5, "attention": 7.0}, staged=True)]
+    row = summarize(fused + staged, CFG)["rows"][0]
+    assert row["stages_ms"] == {"mita": {"landmark_scores": 4.0, "attention": 5.0},
+                                "mita (staged)": {"landmark_scores": 1.0, "topk": 0.5,
+                                                  "attention": 7.0}}
+    assert "| 1024 | mita (staged) |" in markdown(summarize(fused + staged, CFG))
+    only_staged = summarize(staged, CFG)["rows"][0]  # backend torch: every forward staged
+    assert list(only_staged["stages_ms"]) == ["mita"]
