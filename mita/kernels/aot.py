@@ -98,21 +98,16 @@ def compile_launch(fn, args: tuple, meta: dict, capability: int):
                           options=options.__dict__)
 
 
-def compile_case(case: Case, capability: int):
-    """``compile_launch`` of ``_mita_fused_kernel`` with the launcher's arguments for
-    ``case``."""
+def check(case: Case, capability: int) -> dict:
+    """``compile_launch`` of ``_mita_fused_kernel`` with the launcher's arguments for ``case``,
+    as a record: the launcher's ``meta`` for the case, ``ok``, the error text if not, shared
+    memory bytes and whether they fit the target."""
     from .mita_attention import _mita_fused_kernel
 
     plan = example_plan(case)
-    return compile_launch(_mita_fused_kernel, plan.args, plan.meta, capability)
-
-
-def check(case: Case, capability: int) -> dict:
-    """``compile_case`` as a record: the launcher's ``meta`` for the case, ``ok``, the error
-    text if not, shared memory bytes and whether they fit the target."""
-    meta = {k: v for k, v in example_plan(case).meta.items()}
+    meta = plan.meta
     try:
-        kernel = compile_case(case, capability)
+        kernel = compile_launch(_mita_fused_kernel, plan.args, plan.meta, capability)
     except Exception as e:  # report every failing specialisation, not only the first
         return {"case": str(case), "sm": capability, "meta": meta, "ok": False,
                 "error": f"{type(e).__name__}: {e}"[-1500:]}
