@@ -1,28 +1,37 @@
-"""MiTA with the fused Triton kernel vs dense SDPA (flash) on one CUDA GPU: check, then time.
+"""MiTA on the Triton kernels vs dense SDPA (flash) on one CUDA GPU: check, then time.
 
-    PYTHONPATH=. python3 benchmarks/gpu_mita.py [--out DIR]        # on the GPU (≈ 3-5 min)
+    PYTHONPATH=. python3 benchmarks/gpu_mita.py [--out DIR]        # on the GPU (≤ 6 min)
     python benchmarks/gpu_mita.py --smoke                          # CPU dry run, interpreter
 
-One prepared script for a short GPU lease (it must finish within 8 minutes on one H200):
+One prepared script for a short GPU lease (it must finish within 6 minutes on one H200):
 
 1. Correctness, fresh random inputs (seed printed):
-   a. ``mita.kernels.fused_attention`` vs the float64 per-query loop reference
-      (``tests/reference.py``) for float32 / bfloat16 / float16, s = 1, 2, 3, d = 32, 64, 128,
-      masks, N < m, output buffer poisoned with NaN first. Tolerances as in
+   a. The whole fused path, ``mita_attention(backend="triton")`` (``routing.landmark_topk``,
+      SDPA shared values, ``routing.route_shared``, ``fused_attention``), vs the float64
+      per-query loop reference (``tests/reference.py``) for float32 / bfloat16 / float16,
+      s = 1, 2, 3, d = 32, 64, 128, masks, N < m, k = 300. Tolerances as in
       ``tests/test_kernels.py``: 1e-5 / 1.5e-2 / 2e-3 relative to the largest output.
-   b. The kernel (float32, IEEE products) vs the PyTorch path in float64 on the GPU at
+   b. The routing kernels vs the PyTorch stages on small-integer inputs (exact scores, ties
+      everywhere): top-k indices equal (lowest-index ties) up to k = 512, N = 20000; route's
+      experts equal, the shared half within the dtype's tolerance.
+   c. The fused path (float32, IEEE products) vs the PyTorch path in float64 on the GPU at
       N = 8192, m = k = 64, s = 1 and 2, masked: 1e-5.
-   c. The 3-layer bfloat16 model at N = 16K: fused vs unfused (``backend="torch"``) logits.
-2. Speed: the Fig. 5 setting — 3 layers, dim 128, 2 heads (d = 64), FFN 256, batch 1,
+   d. The 3-layer bfloat16 model at N = 16K: fused vs unfused (``backend="torch"``) logits.
+2. Attention only, one layer (1, 2, N, 64), s = 1, at N = 16K, 64K, 256K, 1M: MiTA at the
+   Fig. 5 (m, k) and at a fixed m = k = 64 vs flash SDPA; MiTA's stages from one profiled
+   call; and the stock-op floor of the routing stages (pool as one mean, scores as one matmul,
+   ``torch.topk`` over them, flash SDPA with the landmarks as queries, matmul + argmax — as
+   ``../shared/tools/gpu_lower_bounds.py``).
+3. Whole model: the Fig. 5 setting — 3 layers, dim 128, 2 heads (d = 64), FFN 256, batch 1,
    bfloat16, m = k = √(N/4) (m·k = N/4), s = 1, random weights and token ids — at N = 16K,
-   64K, 256K, 1M. Whole-model forward (no grad) timed with CUDA events
-   (``profiler.StageTimer``), median of repeats after a warm-up (which compiles the kernel);
-   MiTA with the fused kernel, dense with ``F.scaled_dot_product_attention`` restricted to the
-   flash backend. Prints the ratio next to the paper's Fig. 5 ratio (RTX 4090: 4.7×, 19×,
-   56×, 159×) and the pair-count limit N/(2m + sk); peak memory per forward
-   (``torch.cuda.max_memory_allocated``). Then one profiled MiTA forward per N: milliseconds
-   per stage (``attention`` = fused gather + attention; the unfused PyTorch path at 16K for
-   comparison).
+   64K, 256K, 1M. Forward (no grad) timed with CUDA events (``profiler.StageTimer``), median
+   of repeats after a warm-up (which compiles the kernels); dense with
+   ``F.scaled_dot_product_attention`` restricted to the flash backend. Prints the ratio next
+   to the paper's Fig. 5 ratio (RTX 4090: 4.7×, 19×, 56×, 159×) and the pair-count limit
+   N/(2m + sk); peak memory per forward (``torch.cuda.max_memory_allocated``). Then one
+   profiled MiTA forward per N: milliseconds per stage (fused: ``landmark_scores`` includes
+   top-k, ``route`` the shared half, ``attention`` the gather; the unfused PyTorch path at
+   16K for comparison).
 
 ``--smoke`` runs the same code on the CPU at tiny N with ``TRITON_INTERPRET=1`` and float32,
 so CI checks the script itself (``tests/test_kernels.py``); its timings mean nothing.
@@ -49,7 +58,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mita import attention as A  # noqa: E402
-from mita.kernels import fused_attention  # noqa: E402
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
 from profiler.timer import StageTimer  # noqa: E402
 from tests.reference import reference_mita  # noqa: E402
@@ -68,46 +76,93 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).abs().max() / ref.abs().max())
 
 
-def kernel_inputs(q, k, v, m, kk, s, mask):
-    """The PyTorch stages up to ``route`` (float32), as ``mita_attention`` runs them."""
-    landmarks, live, index, shared_values, experts = A.routing_stages(
-        q.float(), k.float(), v.float(), m, min(kk, q.shape[2]), s, mask)
-    return (landmarks * A.shared_logit_scale(q.shape[-1], "paper"), shared_values, live,
-            index, experts)
+def rand_inputs(shape, gen, device, dtype, integer: bool = False):
+    """Fresh random q, k, v: normal, or small integers in [-2, 2] (then every score is exact in
+    float32 whatever the summation order, so top-k and argmax must equal the reference's
+    exactly, ties included)."""
+    if integer:
+        return tuple(torch.randint(-2, 3, shape, generator=gen).to(device, dtype)
+                     for _ in range(3))
+    return tuple(torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
+
+
+def rand_mask(B, N, gen, device, p=0.3):
+    mask = torch.rand(B, N, generator=gen) < p
+    mask[:, 0] = False
+    return mask.to(device)
 
 
 def check_reference(device, gen, smoke: bool) -> list[dict]:
+    """The whole fused path (``mita_attention(backend="triton")``: landmark top-k, SDPA
+    shared values, route + shared half, attention kernel) vs the float64 loop reference."""
     cases = [  # B, H, N, d, m, k, s, masked
         (2, 2, 96, 64, 6, 12, 1, True), (1, 2, 120, 32, 8, 20, 2, True),
-        (2, 1, 70, 128, 9, 33, 3, False), (1, 1, 5, 64, 8, 4, 1, False)]
-    dtypes = [torch.float32, torch.bfloat16, torch.float16]
-    if smoke:
-        cases, dtypes = cases[:2], [torch.float32, torch.bfloat16]
+        (2, 1, 70, 128, 9, 33, 3, False), (1, 1, 5, 64, 8, 4, 1, False),
+        (1, 2, 700, 64, 20, 300, 1, True)]
+    runs = [(case, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+            for case in cases]
+    if smoke:  # the interpreter sorts slowly: one s = 1 and one s = 2 case
+        runs = [(cases[0], torch.float32), (cases[1], torch.bfloat16)]
     rows = []
-    for dtype in dtypes:
-        for B, H, N, d, m, kk, s, masked in cases:
-            q, k, v = (torch.randn(B, H, N, d, generator=gen).to(device, dtype)
-                       for _ in range(3))
-            mask = None
-            if masked:
-                mask = torch.rand(B, N, generator=gen) < 0.3
-                mask[:, 0] = False
-                mask = mask.to(device)
-            out = torch.full_like(q, float("nan"))
-            fused_attention(q, k, v, *kernel_inputs(q, k, v, m, kk, s, mask), mask, out=out)
-            ref = reference_mita(*(t.double().cpu().numpy() for t in (q, k, v)), m, kk, s,
-                                 None if mask is None else mask.cpu().numpy())
-            err = rel_err(out, torch.from_numpy(ref))
-            rows.append({"check": "kernel vs float64 loop reference", "dtype": str(dtype),
-                         "shape": f"B{B} H{H} N{N} d{d} m{m} k{kk} s{s}"
-                                  + (" masked" if masked else ""),
-                         "rel_err": err, "tol": TOL[dtype],
-                         "ok": bool(torch.isfinite(out).all()) and err < TOL[dtype]})
+    for (B, H, N, d, m, kk, s, masked), dtype in runs:
+        q, k, v = rand_inputs((B, H, N, d), gen, device, dtype)
+        mask = rand_mask(B, N, gen, device) if masked else None
+        out = A.mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+                               key_padding_mask=mask, backend="triton")
+        ref = reference_mita(*(t.double().cpu().numpy() for t in (q, k, v)), m, kk, s,
+                             None if mask is None else mask.cpu().numpy())
+        err = rel_err(out, torch.from_numpy(ref))
+        rows.append({"check": "fused path vs float64 loop reference", "dtype": str(dtype),
+                     "shape": f"B{B} H{H} N{N} d{d} m{m} k{kk} s{s}"
+                              + (" masked" if masked else ""),
+                     "rel_err": err, "tol": TOL[dtype],
+                     "ok": bool(torch.isfinite(out).all()) and err < TOL[dtype]})
+    return rows
+
+
+def check_routing(device, gen, smoke: bool) -> list[dict]:
+    """The routing kernels vs the PyTorch stages on integer-valued inputs (exact scores):
+    ``landmark_topk`` indices equal ``topk(landmark_scores(...))`` (lowest-index ties), and
+    ``route_shared``'s experts equal ``route``'s, its shared partials within 1e-5."""
+    from mita.kernels import routing
+
+    # d a power of 4: 1/√d is a power of two, so scaling before or after the sum is exact
+    cases = [(1, 2, 150, 64, 9, 7)]  # B, H, N, d, m, k
+    if not smoke:
+        cases += [(2, 2, 3000, 16, 40, 100), (1, 2, 20000, 64, 64, 512),
+                  (1, 1, 5000, 16, 17, 256)]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, H, N, d, m, kk in cases:
+            q, k, v = rand_inputs((B, H, N, d), gen, device, dtype, integer=True)
+            mask = rand_mask(B, N, gen, device)
+            landmarks, live = A.pool(q, m, mask)
+            landmarks = landmarks.round()  # integer landmarks: exact scores again
+            got = routing.landmark_topk(landmarks, k, kk, d ** -0.5, mask)
+            want = A.topk(A.landmark_scores(landmarks, k.float(), mask), kk)
+            shape = f"B{B} H{H} N{N} d{d} m{m} k{kk} masked"
+            same = int((got != want).any(-1).sum())
+            rows.append({"check": "landmark_topk == topk(landmark_scores), ties lowest index",
+                         "dtype": str(dtype), "shape": shape, "rel_err": float(same),
+                         "tol": 0.0, "ok": same == 0})
+            sv = torch.randn(B, H, m, d, generator=gen).to(device)
+            experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, live, d ** -0.5)
+            ref_experts = A.route(q.float(), landmarks, 1, live)
+            logits = (q.float() @ landmarks.transpose(-1, -2) * d ** -0.5).masked_fill(
+                ~live[:, None, None, :], float("-inf"))
+            weights = torch.softmax(logits, -1)
+            shared = pa / pl[..., None]
+            err = rel_err(shared, weights @ sv.to(dtype).float())
+            wrong = int((experts != ref_experts).sum())
+            # the shared half multiplies p·ṽ in the input dtype (as flash): TOL per dtype
+            rows.append({"check": "route_shared experts == route; shared half", "dtype":
+                         str(dtype), "shape": shape, "rel_err": err, "tol": TOL[dtype],
+                         "ok": wrong == 0 and err < TOL[dtype]})
     return rows
 
 
 def check_torch_path(device, gen, smoke: bool) -> list[dict]:
-    n, m, kk = (256, 8, 8) if smoke else (8192, 64, 64)
+    n, m, kk = (128, 8, 8) if smoke else (8192, 64, 64)
     rows = []
     for s in (1, 2):
         q, k, v = (torch.randn(2, 2, n, 64, generator=gen).to(device) for _ in range(3))
@@ -133,7 +188,7 @@ def build(n: int, attention: str, device, dtype) -> EncoderClassifier:
 
 
 def check_model(device, dtype, gen, smoke: bool) -> dict:
-    n = 256 if smoke else 16384
+    n = 128 if smoke else 16384
     model = build(n, "mita", device, dtype)
     ids = torch.randint(1, 16, (1, n), generator=gen).to(device)
     set_mita_backend(model, "triton")
@@ -211,7 +266,89 @@ def speed(device, dtype, ns, repeats: int, budget_s: float,
     return rows, stages
 
 
-def markdown(checks, rows, stages, header: str) -> str:
+def cuda_ms(fn, device, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on GPU, host clock on CPU) after one
+    warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        timer = StageTimer(device)
+        with timer.forward():
+            fn()
+        times.append(timer.result().total_ms)
+    return float(np.median(times))
+
+
+def stock_floor(q, k, v, m, kk, device, repeats: int) -> dict[str, float]:
+    """The routing stages as stock PyTorch ops on the same (1, H, N, d) inputs — the floor
+    the kernels should beat (as ``../shared/tools/gpu_lower_bounds.py``): pool as one mean,
+    landmark scores as one matmul in the input dtype, ``torch.topk`` over those scores, the
+    shared values as flash SDPA with the landmarks as queries, route as matmul + argmax."""
+    B, H, N, d = q.shape
+    lm = q.view(B, H, m, N // m, d).mean(3)
+    scores = lm @ k.transpose(-1, -2)
+    with flash_only(device):
+        floor = {"pool": cuda_ms(lambda: q.view(B, H, m, N // m, d).mean(3), device, repeats),
+                 "landmark_scores": cuda_ms(lambda: lm @ k.transpose(-1, -2), device, repeats),
+                 "topk": cuda_ms(lambda: scores.topk(kk, dim=-1), device, repeats),
+                 "shared_compress": cuda_ms(
+                     lambda: torch.nn.functional.scaled_dot_product_attention(lm, k, v),
+                     device, repeats),
+                 "route": cuda_ms(lambda: (q @ lm.transpose(-1, -2)).argmax(-1), device,
+                                  repeats)}
+    return floor  # scores (m × N) freed on return
+
+
+def attention_only(device, dtype, ns, repeats: int, smoke: bool) -> list[dict]:
+    """One attention layer, (1, 2, N, 64): MiTA (fused path) at the Fig. 5 (m, k) and at a
+    fixed m = k = 64, flash SDPA, the stock-op floor of MiTA's routing stages, and MiTA's
+    stages from one profiled call."""
+    rows = []
+    for n in ns:
+        rows += attention_rows_at(n, device, dtype, repeats, smoke)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def attention_rows_at(n, device, dtype, repeats: int, smoke: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(n + 1)
+    q, k, v = rand_inputs((1, 2, n, 64), gen, device, dtype)
+    with flash_only(device):
+        dense = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                        device, 1 if n > 300000 else repeats)
+    rows = []
+    for m, kk in [fig5(n)] + ([] if smoke else [(64, 64)]):
+        def run(hook=A.NULL_HOOK, m=m, kk=kk):
+            return A.mita_attention(q, k, v, num_landmarks=m, topk=kk, backend="triton",
+                                    hook=hook)
+        row = {"N": n, "m": m, "k": kk, "s": 1, "batch": 1, "heads": 2, "d": 64,
+               "dtype": str(dtype), "mita_ms": cuda_ms(run, device, repeats),
+               "dense_ms": dense}
+        timer = StageTimer(device)
+        with timer.forward():
+            run(timer)
+        row["stages"] = {st: round(ms, 3) for st, ms in timer.result().stages_ms.items()}
+        if (m, kk) == fig5(n):
+            row["floor"] = stock_floor(q, k, v, m, kk, device, repeats)
+        rows.append(row)
+    return rows
+
+
+def attention_markdown(rows) -> list[str]:
+    out = ["", "### Attention only: one layer, (1, 2, N, 64), s = 1", "",
+           "| N | m | k | dtype | MiTA ms | flash ms | flash / MiTA | MiTA stages (ms) | "
+           "stock-op floor of the routing stages (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items())
+        floor = ", ".join(f"{k} {v:.2f}" for k, v in r.get("floor", {}).items()) or "-"
+        out.append(f"| {r['N']} | {r['m']} | {r['k']} | {r['dtype'].replace('torch.', '')} | "
+                   f"{r['mita_ms']:.2f} | {r['dense_ms']:.2f} | "
+                   f"{r['dense_ms'] / r['mita_ms']:.1f}× | {stages} | {floor} |")
+    return out
+
+
+def markdown(checks, rows, stages, header: str, attention_rows=()) -> str:
     out = [header, "", "### Correctness", "",
            "| check | dtype | shape | rel. error | tolerance | ok |", "|---|---|---|---|---|---|"]
     for c in checks:
@@ -239,6 +376,7 @@ def markdown(checks, rows, stages, header: str) -> str:
     for st in stages:
         out.append(f"| {st['N']} | {st['backend']} | "
                    + " | ".join(f"{st[k]:.2f}" if k in st else "-" for k in names) + " |")
+    out += attention_markdown(attention_rows)
     return "\n".join(out)
 
 
@@ -251,7 +389,7 @@ def main() -> int:
     a = p.parse_args()
     start = time.perf_counter()
     if a.smoke:
-        device, dtype, ns, repeats = torch.device("cpu"), torch.float32, [256], 1
+        device, dtype, ns, repeats = torch.device("cpu"), torch.float32, [128], 1
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --smoke for the CPU dry run", file=sys.stderr)
@@ -266,20 +404,24 @@ def main() -> int:
               f", random seed {seed}")
     print(header, flush=True)
     with torch.no_grad():
-        checks = check_reference(device, gen, a.smoke) + check_torch_path(device, gen, a.smoke)
+        checks = (check_reference(device, gen, a.smoke) + check_routing(device, gen, a.smoke)
+                  + check_torch_path(device, gen, a.smoke))
         checks.append(check_model(device, dtype, gen, a.smoke))
     for c in checks:
         print(f"{'ok ' if c['ok'] else 'BAD'} {c['check']} {c['dtype']} {c['shape']}: "
               f"{c['rel_err']:.2e} (tol {c['tol']:.1e})", flush=True)
+    with torch.no_grad():
+        attention_rows = attention_only(device, dtype, ns, repeats, a.smoke)
     rows, stages = speed(device, dtype, ns, repeats, a.budget_s, start)
-    table = markdown(checks, rows, stages, header)
+    table = markdown(checks, rows, stages, header, attention_rows)
     print("\n" + table)
     print(f"\nwall time {time.perf_counter() - start:.0f} s")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         Path(a.out, "gpu_mita.md").write_text(table + "\n")
         Path(a.out, "gpu_mita.json").write_text(json.dumps(
-            {"header": header, "checks": checks, "speed": rows, "stages": stages}, indent=1))
+            {"header": header, "checks": checks, "speed": rows, "stages": stages,
+             "attention_only": attention_rows}, indent=1))
     return 0 if all(c["ok"] for c in checks) else 1
 
 

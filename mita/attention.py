@@ -17,7 +17,8 @@ runs them in order, each inside ``hook.stage(name)``:
 Conventions: ``key_padding_mask`` is ``(B, N)`` bool with ``True`` marking padding (as in
 ``torch.nn.MultiheadAttention``); it masks keys and, since this is self-attention, queries.
 Outputs at padded query positions are zero. float16/bfloat16 inputs are computed in float32
-and the output cast back.
+and the output cast back, except on the Triton path (input-dtype products, fp32 accumulation,
+as flash attention).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def _valid_tokens(key_padding_mask: Tensor | None, B: int, N: int, device) -> Te
         raise ValueError(f"key_padding_mask must have shape {(B, N)}, "
                          f"got {tuple(key_padding_mask.shape)}")
     valid = ~key_padding_mask
+    if valid.is_cuda and torch.cuda.is_current_stream_capturing():
+        return valid  # a CUDA graph capture (service.graphs) cannot read the device; the
+        # same mask was checked by the warm-up forwards before it
     empty = (~valid.any(-1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"batch rows {empty} are all padding: nothing to attend to")
@@ -124,7 +128,8 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
         key_padding_mask: optional ``(B, N)`` bool, True = padding.
         landmark_grid: optional ``(H, W)`` token grid.
     Returns:
-        ``landmarks`` ``(B, H, m, d)`` (zero for empty landmarks) and ``landmark_valid``
+        ``landmarks`` ``(B, H, m, d)`` in q's dtype, float32 for 16-bit q (averaged in
+        float32), zero for empty landmarks, and ``landmark_valid``
         ``(B, m)`` bool — False for a landmark whose segment/window holds no valid token
         (happens when L < m); such landmarks are excluded from routing and the shared branch.
     Raises:
@@ -133,9 +138,10 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
     B, H, N, d = q.shape
     m = num_landmarks
     valid = _valid_tokens(key_padding_mask, B, N, q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)  # 16-bit q: sums in float32
     if landmark_grid is None and key_padding_mask is None and N % m == 0:
         # Equal contiguous segments of N/m tokens: the general rule below, as one mean.
-        landmarks = q.reshape(B, H, m, N // m, d).mean(3)
+        landmarks = q.reshape(B, H, m, N // m, d).mean(3, dtype=dtype)
         return landmarks, torch.ones(B, m, dtype=torch.bool, device=q.device)
     if landmark_grid is None:
         rank = valid.long().cumsum(-1) - 1
@@ -143,9 +149,9 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
         segment = torch.where(valid, torch.div(rank * m, length, rounding_mode="floor"), m)
         # index_add per batch row: a 1-D index instead of a (B, H, N, d) int64 one (1 GiB at
         # N = 1M).
-        sums = torch.stack([q.new_zeros(H, m + 1, d).index_add(1, segment[b], q[b])
-                            for b in range(B)])
-        counts = q.new_zeros(B, m + 1).scatter_add_(1, segment, valid.to(q.dtype))
+        sums = torch.stack([q.new_zeros(H, m + 1, d, dtype=dtype).index_add(
+            1, segment[b], q[b].to(dtype)) for b in range(B)])
+        counts = q.new_zeros(B, m + 1, dtype=dtype).scatter_add_(1, segment, valid.to(dtype))
         counts, sums = counts[:, :m], sums[:, :, :m]
     else:
         gh, gw = landmark_grid
@@ -154,13 +160,13 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
         p = math.isqrt(m)
         if p * p != m:
             raise ValueError(f"2-D pooling needs num_landmarks to be a square, got {m}")
-        w = valid.to(q.dtype)
-        grid = (q * w[:, None, :, None]).transpose(2, 3).reshape(B * H, d, gh, gw)
+        w = valid.to(dtype)
+        grid = (q.to(dtype) * w[:, None, :, None]).transpose(2, 3).reshape(B * H, d, gh, gw)
         # Mean of (q·valid) over a window divided by mean of valid = mean over valid tokens.
         sums = F.adaptive_avg_pool2d(grid, p).reshape(B, H, d, m).transpose(2, 3)
         counts = F.adaptive_avg_pool2d(w.reshape(B, 1, gh, gw), p).reshape(B, m)
     landmark_valid = counts > 0
-    landmarks = sums / counts.clamp_min(torch.finfo(q.dtype).tiny)[:, None, :, None]
+    landmarks = sums / counts.clamp_min(torch.finfo(dtype).tiny)[:, None, :, None]
     return landmarks, landmark_valid
 
 
@@ -239,7 +245,7 @@ def route(q: Tensor, landmarks: Tensor, route_topk: int,
     lt = landmarks.transpose(-1, -2)
     chunk = _query_chunk(B * H * m, q.is_cuda)
     for start in range(0, N, chunk):
-        aff = q[:, :, start:start + chunk] @ lt
+        aff = q[:, :, start:start + chunk].to(lt.dtype) @ lt
         aff = aff.masked_fill(dead, float("-inf"))
         if route_topk == 1:  # argmax returns the first maximum: the lowest-index tie rule
             out[:, :, start:start + aff.shape[2], 0] = aff.argmax(-1)
@@ -438,18 +444,18 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         landmark_grid: None for 1-D contiguous pooling, ``(H, W)`` with H·W = N for 2-D.
         shared_scale: ``"paper"`` (shared logit q·q̃/√d) or ``"official"`` (q·q̃/d, as the
             authors' code).
-        backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart —
-            the reference path), ``"cpu"`` (the compiled, cache-blocked CPU kernels of
-            ``mita.kernels.cpu``: ``landmark_scores`` includes ``topk`` and
-            ``shared_compress``; for s = 1 ``route`` includes the shared half of the joint
-            softmax; no backward), ``"triton"`` (``mita.kernels.fused_attention``: ``gather``
-            + ``attention`` in one Triton kernel, reported as stage ``attention``; no
-            ``gather`` stage; head dims ≤ 128), or ``"auto"``: triton for CUDA
-            float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton imports; on CPU
-            the compiled kernels when no gradient is needed and they build here (else the
-            PyTorch stages, logged once). The triton path reads q,
-            k, v in their own dtype (16-bit matrix products, fp32 accumulation); the stages
-            before it run in float32 either way.
+        backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart — the
+            reference path), ``"cpu"`` (the compiled, cache-blocked CPU kernels of
+            ``mita.kernels.cpu``: ``landmark_scores`` includes ``topk`` and ``shared_compress``; for
+            s = 1 ``route`` includes the shared half of the joint softmax; no backward),
+            ``"triton"`` (the Triton kernels, ``_triton_path``: ``landmark_scores`` includes
+            ``topk``, ``route`` the shared half for s = 1, ``attention`` the gather; head dims ≤
+            128; no backward), or ``"auto"``: triton for CUDA float16/bfloat16/float32 inputs with
+            head dims ≤ 128 when Triton imports and no gradient is needed; on CPU the compiled
+            kernels when no gradient is needed and they build here (else the PyTorch stages, logged
+            once). The triton path computes in q, k, v's own dtype (16-bit matrix products, fp32
+            accumulation; landmarks averaged in float32, rounded to the input dtype for the
+            products); the other paths compute 16-bit inputs in float32.
         hook: stage hook; each stage runs inside ``hook.stage(name)``.
     Returns:
         ``(B, H, N, dv)`` in the input dtype.
@@ -457,7 +463,7 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         ValueError: shape mismatch, m/k/s < 1, s > m, unknown ``shared_scale``, bad grid,
             a bad mask or an all-padding row, an unknown ``backend``, ``"cpu"`` for CUDA
             tensors, with autograd or where the kernels do not build, or ``"triton"`` for
-            CPU tensors (unless ``TRITON_INTERPRET=1``) or float64.
+            CPU tensors (unless ``TRITON_INTERPRET=1``), float64 or with autograd.
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k (B, H, N, d) and v (B, H, N, dv) with equal B, H, N; "
@@ -476,27 +482,19 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _valid_tokens(key_padding_mask, B, N, q.device)  # raises on a bad mask
     out_dtype = q.dtype
-    fused = _use_triton(backend, q, v)
-    q_in, k_in, v_in = q, k, v
+    kk = min(topk, N)
+    if _use_triton(backend, q, v, k):
+        return _triton_path(q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+                            landmark_grid, shared_scale, hook)
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    kk = min(topk, N)
-
-    if not fused:
-        ext = _cpu_kernels(backend, q, k, v)
-        if ext is not None:
-            out = _cpu_path(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
-                            landmark_grid, shared_scale, hook)
-            return out.to(out_dtype)
+    ext = _cpu_kernels(backend, q, k, v)
+    if ext is not None:
+        out = _cpu_path(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+                        landmark_grid, shared_scale, hook)
+        return out.to(out_dtype)
     landmarks, landmark_valid, expert_index, shared_values, experts = routing_stages(
-        q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook,
-        shared_kv=(k_in, v_in) if fused else None)
-    if fused:
-        from .kernels import fused_attention
-        with hook.stage("attention"):  # gather is fused into this kernel
-            return fused_attention(
-                q_in, k_in, v_in, landmarks * shared_logit_scale(q.shape[-1], shared_scale),
-                shared_values, landmark_valid, expert_index, experts, key_padding_mask)
+        q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook)
     out = _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index,
                              experts, shared_scale, key_padding_mask, hook)
     return out.to(out_dtype)
@@ -570,18 +568,51 @@ def _cpu_path(ext, q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_sc
     return out
 
 
+def _triton_path(q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_scale,
+                 hook) -> Tensor:
+    """``mita_attention`` on the Triton kernels (``mita/kernels``), q, k, v in their own dtype
+    (no float32 copies; matrix products in the input dtype with fp32 accumulation):
+    ``pool`` (PyTorch, float32 landmarks); ``landmark_scores`` also does ``topk``
+    (``routing.landmark_topk``: one streaming pass, exact top-k, no m × N scores; for
+    k > 512 the PyTorch stages on float32 scores); ``shared_compress`` as one SDPA call
+    (``shared_compress_sdpa``); ``route`` — for s = 1 ``routing.route_shared``, which also
+    computes the shared half of the joint softmax, for s > 1 the PyTorch stage; ``attention``
+    (``fused_attention``: gather fused, routed keys read by index). No host synchronisation.
+    """
+    from .kernels import fused_attention, routing
+
+    d = q.shape[-1]
+    c = shared_logit_scale(d, shared_scale)
+    with hook.stage("pool"):
+        landmarks, landmark_valid = pool(q, m, key_padding_mask, landmark_grid)
+    with hook.stage("landmark_scores"):  # + topk, streamed
+        if kk <= routing.MAX_TOPK:
+            expert_index = routing.landmark_topk(landmarks, k, kk, d ** -0.5,
+                                                 key_padding_mask)
+        else:
+            expert_index = topk(landmark_scores(landmarks, k.float(), key_padding_mask), kk)
+    with hook.stage("shared_compress"):
+        shared_values = shared_compress_sdpa(landmarks, k, v, key_padding_mask)
+    with hook.stage("route"):
+        if s == 1:
+            experts, *partial = routing.route_shared(q, landmarks, shared_values,
+                                                     landmark_valid, c)
+        else:
+            experts, partial = route(q, landmarks, s, landmark_valid), None
+    with hook.stage("attention"):  # gather is fused into this kernel
+        return fused_attention(q, k, v, landmarks * c, shared_values, landmark_valid,
+                               expert_index, experts, key_padding_mask, shared_partial=partial)
+
+
 def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: int,
                    route_topk: int = 1, key_padding_mask: Tensor | None = None,
                    landmark_grid: tuple[int, int] | None = None,
-                   hook: StageHook = NULL_HOOK, shared_kv: tuple[Tensor, Tensor] | None = None
+                   hook: StageHook = NULL_HOOK
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Stages ``pool`` … ``route`` (eqs. 5-9), each inside ``hook.stage(name)``: everything
     ``attention`` (or the fused kernel) needs besides q, k, v.
 
     Args: as ``mita_attention`` (which validates them), with ``topk`` already ≤ N.
-    ``shared_kv``: ``(k, v)`` to compute ``shared_compress`` from with
-    ``shared_compress_sdpa`` (the fused path passes its inputs in their own dtype); the m × N
-    scores are then freed right after ``topk``. None: ``softmax(scores) @ v``, the reference.
     Returns: ``landmarks`` ``(B, H, m, d)``, ``landmark_valid`` ``(B, m)`` bool,
     ``expert_index`` ``(B, H, m, k)`` int64, ``shared_values`` ``(B, H, m, dv)``,
     ``experts`` ``(B, H, N, s)`` int64. The ``(B, H, m, N)`` scores are freed on return.
@@ -593,11 +624,8 @@ def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: in
     with hook.stage("topk"):
         expert_index = _topk_stage(scores, topk)
     with hook.stage("shared_compress"):
-        if shared_kv is None:
-            shared_values = shared_compress(scores, v)
-        del scores  # m × N: freed before route (and, with shared_kv, before the SDPA call)
-        if shared_kv is not None:
-            shared_values = shared_compress_sdpa(landmarks, *shared_kv, key_padding_mask)
+        shared_values = shared_compress(scores, v)
+        del scores  # m × N: freed before route
     with hook.stage("route"):
         experts = route(q, landmarks, route_topk, landmark_valid)
     return landmarks, landmark_valid, expert_index, shared_values, experts
@@ -609,11 +637,20 @@ def shared_logit_scale(d: int, shared_scale: str) -> float:
     return d ** -0.5 if shared_scale == "paper" else 1.0 / d
 
 
-def _use_triton(backend: str, q: Tensor, v: Tensor) -> bool:
+def _use_triton(backend: str, q: Tensor, v: Tensor, k: Tensor | None = None) -> bool:
+    """Whether ``mita_attention`` runs the Triton kernels. They have no backward: with autograd
+    on, ``"auto"`` takes the PyTorch stages (training on a GPU) and ``"triton"`` is refused."""
     if backend in ("torch", "cpu"):
         return False
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v))
     if backend == "triton":
+        if needs_grad:
+            raise ValueError("backend='triton' has no backward; use backend='torch' (or "
+                             "'auto') for training")
         return True
+    if needs_grad:
+        return False
     from .kernels import MAX_HEAD_DIM  # no Triton import
 
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

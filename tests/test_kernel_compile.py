@@ -5,7 +5,7 @@ reads a plain module global passed every interpreter test and failed on the firs
 (``NameError: Cannot access global variable _NEG_INIT``). ``mita.kernels.aot`` compiles the
 kernel through Triton's launch-time specialisation with the launcher's own arguments, for every
 specialisation the launcher can choose, to a cubin, and checks its shared memory fits the
-target. The first run takes ~3 min on 2 cores; Triton's cache (``~/.triton/cache``, keyed by
+target. The first run takes ~5 min on 2 cores; Triton's cache (``~/.triton/cache``, keyed by
 source, options and compiler) makes later runs of unchanged kernels fast.
 """
 
@@ -29,23 +29,38 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():
-    """All 48 specialisations × 2 targets compile to a cubin whose shared memory fits. The
-    cases reach each (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D) the launcher can pick: 3 × 2 × 2 × 4
-    distinct constexpr sets, num_stages 2 exactly for float32 with BLOCK_D = 128. (Compiled in
-    spawned processes: this pytest process may hold the interpreter's version of the kernel.)"""
+    """All 84 specialisations × 2 targets compile to a cubin whose shared memory fits. The cases
+    reach every constexpr set the launchers can pick: for the attention kernel each (dtype,
+    SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, num_stages 2 exactly for float32 with
+    BLOCK_D = 128 (also for route_shared); for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
+    K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4. (Compiled in
+    spawned processes: this pytest process may hold the interpreter's version of the kernels.)"""
     results = aot.check_all()
-    assert len(results) == 96
+    assert len(results) == 168
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
     assert max(r["shared_bytes"] for r in results if r["sm"] == 80) <= 163 * 1024
-    seen = set()
+    seen = {kernel: set() for kernel in aot.KERNELS}
     for r in results:
-        meta, dtype = r["meta"], r["case"].split("-")[0]
-        seen.add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"], meta["BLOCK_D"]))
+        meta, dtype = r["meta"], r["case"].split("-")[1]
         assert meta["IEEE"] == (dtype == "float32") and meta["UPCAST"] is False
-        assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128) else 3)
-    assert len(seen) == 48 and {k[3] for k in seen} == {16, 32, 64, 128}
+        if r["kernel"] == "attention":
+            seen["attention"].add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"],
+                                   meta["BLOCK_D"]))
+            assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128)
+                                          else 3)
+        elif r["kernel"] == "landmark_topk":
+            seen["landmark_topk"].add((dtype, meta["BLOCK_D"], meta["K_PAD"]))
+            assert meta["num_warps"] == (8 if meta["K_PAD"] >= 256 else 4)
+        else:
+            seen["route_shared"].add((dtype, meta["BLOCK_D"]))
+            assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128)
+                                          else 3)
+    assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
+                                                     "route_shared": 12}
+    assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
+    assert {k[2] for k in seen["landmark_topk"]} == {64, 128, 256, 512}
 
 
 BAD_KERNEL = textwrap.dedent('''

@@ -39,9 +39,12 @@ def kernel():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         module = importlib.import_module("mita.kernels.mita_attention")
+        routing = importlib.import_module("mita.kernels.routing")
         if type(module._mita_fused_kernel).__name__ != "InterpretedFunction":
             module = importlib.reload(module)
             importlib.reload(importlib.import_module("mita.kernels"))
+        if type(routing._landmark_topk_kernel).__name__ != "InterpretedFunction":
+            importlib.reload(routing)
         yield module
 
 
@@ -158,7 +161,10 @@ def test_stage_names_fused_and_unfused(kernel):
     mita_attention(q, k, v, num_landmarks=4, topk=4, backend="triton", hook=fused)
     mita_attention(q, k, v, num_landmarks=4, topk=4, backend="torch", hook=unfused)
     assert unfused.names == list(MITA_STAGES)
-    assert fused.names == [n for n in MITA_STAGES if n != "gather"]
+    # landmark_scores streams topk (routing.landmark_topk), route computes the shared half,
+    # attention gathers by index
+    assert fused.names == ["pool", "landmark_scores", "shared_compress", "route", "attention"]
+    assert set(fused.names) < set(MITA_STAGES)
 
 
 def test_bad_backend_and_dtype(kernel):
@@ -181,13 +187,20 @@ def test_gpu_benchmark_script_dry_run(tmp_path):
     """``benchmarks/gpu_mita.py --smoke``: the GPU script's own code path (checks, timing,
     table) on the CPU interpreter, so the prepared GPU run is not its first run."""
     result = run_smoke("gpu_mita", tmp_path)
-    assert len(result["checks"]) == 7 and all(c["ok"] for c in result["checks"])
-    assert [r["N"] for r in result["speed"]] == [256]
+    assert len(result["checks"]) == 9 and all(c["ok"] for c in result["checks"])
+    assert sum("landmark_topk ==" in c["check"] for c in result["checks"]) == 2
+    assert [r["N"] for r in result["speed"]] == [128]
     assert result["speed"][0]["mita_ms"] > 0 and result["speed"][0]["dense_ms"] > 0
     fused = result["stages"][0]
     assert fused["backend"] == "triton (fused)" and "gather" not in fused
     assert fused["attention"] > 0 and "gather" in result["stages"][1]
-    assert "| 256 | 8 | 8 | float32 |" in (tmp_path / "gpu_mita.md").read_text()
+    table = (tmp_path / "gpu_mita.md").read_text()
+    assert "| 128 | 4 | 4 | float32 |" in table and "### Attention only" in table
+    only = result["attention_only"][0]
+    assert (only["N"], only["m"], only["k"]) == (128, 4, 4) and only["mita_ms"] > 0
+    assert set(only["floor"]) == {"pool", "landmark_scores", "topk", "shared_compress", "route"}
+    assert set(only["stages"]) == {"pool", "landmark_scores", "shared_compress", "route",
+                                   "attention"}
 
 
 def test_launch_plan_refuses_head_dims_over_128(kernel):
@@ -217,3 +230,103 @@ def test_fused_path_computes_shared_values_by_sdpa_in_input_dtype(kernel, monkey
     mita_attention(q, k, v, num_landmarks=4, topk=8, backend="triton")
     mita_attention(q, k, v, num_landmarks=4, topk=8, backend="torch")
     assert calls == [torch.bfloat16]
+
+
+# --- routing kernels (mita/kernels/routing.py) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def routing(kernel):
+    return importlib.import_module("mita.kernels.routing")
+
+
+def integer_qk(B, H, N, m, d, seed):
+    """Small-integer keys and landmarks, d a power of 4: every score (and 1/√d) is exact in
+    float32 whatever the summation order, and ties are everywhere — so the kernel must equal
+    the PyTorch stages exactly, ties included."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-2, 3, (B, H, N, d), generator=g).float()
+    landmarks = torch.randint(-2, 3, (B, H, m, d), generator=g).float()
+    return landmarks, k
+
+
+@pytest.mark.parametrize("B,H,N,d,m,kk,masked", [
+    (1, 2, 150, 16, 5, 7, False),    # 3 super-tiles of 64, ties at the boundary
+    (2, 1, 100, 64, 18, 70, True),   # two landmark blocks, K_PAD 128, padding
+    (1, 1, 40, 16, 3, 40, True),     # k = N: padded keys fill the rows, lowest index first
+])
+def test_landmark_topk_equals_torch_stages_with_ties(routing, B, H, N, d, m, kk, masked):
+    landmarks, k = integer_qk(B, H, N, m, d, seed=N + kk)
+    mask = random_mask(B, N, seed=kk) if masked else None
+    want = A.topk(A.landmark_scores(landmarks, k, mask), kk)
+    scores = A.landmark_scores(landmarks, k, mask)
+    kth = scores.sort(-1, descending=True).values[..., kk - 1:kk]
+    if kk < N:
+        assert ((scores == kth).sum(-1) > 1).any()  # the test really has ties at the k-th
+    else:
+        assert mask.any(-1).all()  # every row takes padded (-inf) keys
+    for dtype in (torch.float32, torch.bfloat16):  # integers: exact in bfloat16 too
+        got = routing.landmark_topk(landmarks, k.to(dtype), kk, d ** -0.5, mask)
+        assert got.dtype == torch.int64 and torch.equal(got, want), dtype
+
+
+def test_landmark_topk_random_scores_match_float64(routing):
+    """Fresh normal inputs: the kernel's k keys are the float64 top-k on every row whose k-th
+    and (k+1)-th float64 scores differ by more than 1e-4 (fp32 products of ~unit entries over
+    d = 32 are exact to ~1e-6; closer pairs may legitimately swap)."""
+    g = torch.Generator().manual_seed(21)
+    k = torch.randn(2, 2, 200, 32, generator=g)
+    landmarks = torch.randn(2, 2, 5, 32, generator=g)
+    got = routing.landmark_topk(landmarks, k, 9, 32 ** -0.5)
+    scores = (landmarks.double() @ k.double().transpose(-1, -2)) * 32 ** -0.5
+    top = scores.sort(-1, descending=True)
+    clear = (top.values[..., 8] - top.values[..., 9]) > 1e-4
+    assert clear.float().mean() > 0.9
+    want = top.indices[..., :9].sort(-1).values
+    assert torch.equal(got[clear], want[clear])
+
+
+def test_landmark_topk_refuses_bad_k(routing):
+    k, lm = torch.randn(1, 1, 600, 16), torch.randn(1, 1, 2, 16)
+    with pytest.raises(ValueError, match="k ≤ min"):
+        routing.landmark_topk(lm, k, 513, 0.25)
+    with pytest.raises(ValueError, match="k ≤ min"):
+        routing.landmark_topk(lm, k[:, :, :10], 11, 0.25)
+
+
+def test_route_shared_equals_route_and_shared_branch(routing):
+    """Experts equal ``route`` (integer inputs: ties, lowest index; dead landmarks never
+    picked); the shared partials equal softmax over the live landmarks' c·q·q̃ (1e-6: fp32
+    online softmax over 70 entries)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-2, 3, (2, 2, 130, 16), generator=g).float()
+    landmarks = torch.randint(-2, 3, (2, 2, 70, 16), generator=g).float()
+    sv = torch.randn(2, 2, 70, 24, generator=g)
+    live = torch.rand(2, 70, generator=g) > 0.3
+    experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, live, 0.25)
+    assert torch.equal(experts, A.route(q, landmarks, 1, live))
+    assert live.gather(1, experts[:, :, :, 0].flatten(1)).all()
+    logits = (q @ landmarks.transpose(-1, -2) * 0.25).masked_fill(~live[:, None, None], -1e30)
+    assert torch.equal(pm, logits.amax(-1))
+    w = torch.exp(logits - pm[..., None])
+    assert rel_err(pl, w.sum(-1).double()) < 1e-6
+    assert rel_err(pa, (w @ sv).double()) < 1e-6
+
+
+def test_k_over_512_falls_back_to_torch_topk(kernel):
+    q, k, v = rand_qkv(1, 1, 600, 16, seed=8, dtype=torch.float32)
+    out = mita_attention(q, k, v, num_landmarks=3, topk=520, backend="triton")
+    ref = reference_mita(q.double().numpy(), k.double().numpy(), v.double().numpy(), 3, 520)
+    assert rel_err(out, torch.from_numpy(ref)) < 1e-5
+
+
+def test_triton_refuses_autograd_and_auto_trains_on_torch(kernel, monkeypatch):
+    """The Triton kernels have no backward: "triton" refuses inputs that need gradients, and
+    "auto" (what training on a GPU uses) takes the PyTorch stages, whose gradients flow."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 32, 16, seed=3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="no backward"):
+        mita_attention(q, k, v, num_landmarks=4, topk=4, backend="triton")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert not A._use_triton("auto", q, v, k)  # as on a GPU: is_cuda, float32, d ≤ 128
+    with torch.no_grad():
+        assert A._use_triton("auto", q, v, k)

@@ -1,11 +1,11 @@
-"""Ahead-of-time compilation of the Triton MiTA kernel for NVIDIA GPUs, on any machine.
+"""Ahead-of-time compilation of the Triton MiTA kernels for NVIDIA GPUs, on any machine.
 
 The CPU interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python, not its compilation: it
-accepted a plain module global inside ``@triton.jit`` that the GPU compiler rejects, so every
-MiTA request on a GPU host failed. This module compiles the kernel the way a GPU launch does —
-the launcher's own arguments (``launch_plan``) through Triton's launch-time specialisation
-(argument types, ``== 1`` integers, 16-byte alignment) to ttir → ttgir → llir → ptx → cubin —
-for a chosen ``GPUTarget``, without a GPU (Triton ships ``ptxas``).
+accepted a plain module global inside ``@triton.jit`` that the GPU compiler rejects, so every MiTA
+request on a GPU host failed. This module compiles each kernel the way a GPU launch does — the
+launcher's own arguments (``launch_plan``, ``routing.*_plan``) through Triton's launch-time
+specialisation (argument types, ``== 1`` integers, 16-byte alignment) to ttir → ttgir → llir → ptx →
+cubin — for a chosen ``GPUTarget``, without a GPU (Triton ships ``ptxas``).
 
     python -m mita.kernels.aot            # every specialisation, sm_80 and sm_90
 
@@ -27,48 +27,85 @@ CAPABILITIES = (80, 90)  # A100, H100/H200
 MAX_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}
 
 
+KERNELS = ("attention", "landmark_topk", "route_shared")
+
+
 @dataclass(frozen=True)
 class Case:
-    """One launcher choice: the constexprs it leads to are dtype, s = 1 or not, mask or not,
-    and BLOCK_D from the head dim."""
+    """One launcher choice of one kernel. ``attention`` (``_mita_fused_kernel``): dtype,
+    s = 1 or not, mask or not, BLOCK_D from the head dim. ``landmark_topk``: dtype, BLOCK_D,
+    K_PAD from ``topk``. ``route_shared``: dtype, BLOCK_D."""
 
+    kernel: str
     dtype: str  # "float16" | "bfloat16" | "float32"
-    s: int
-    masked: bool
     d: int
+    s: int = 1
+    masked: bool = False
+    topk: int = 0
 
     def __str__(self):
-        return f"{self.dtype}-s{self.s}-{'mask' if self.masked else 'nomask'}-d{self.d}"
+        if self.kernel == "attention":
+            return (f"attention-{self.dtype}-s{self.s}-{'mask' if self.masked else 'nomask'}"
+                    f"-d{self.d}")
+        if self.kernel == "landmark_topk":
+            return f"landmark_topk-{self.dtype}-d{self.d}-k{self.topk}"
+        return f"route_shared-{self.dtype}-d{self.d}"
+
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
 
 
 def cases() -> list[Case]:
-    """Every specialisation ``launch_plan`` can choose on CUDA: 3 dtypes × (s = 1, s > 1) ×
-    (mask, none) × BLOCK_D ∈ {16, 32, 64, 128} (head dims 8, 32, 48, 128 reach each one)."""
-    return [Case(dt, s, masked, d) for dt, s, masked, d in itertools.product(
-        ("float16", "bfloat16", "float32"), (1, 3), (False, True), (8, 32, 48, 128))]
+    """Every specialisation the launchers can choose on CUDA. ``attention``: 3 dtypes ×
+    (s = 1, s > 1) × (mask, none) × BLOCK_D ∈ {16, 32, 64, 128} (head dims 8, 32, 48, 128
+    reach each one) = 48. ``landmark_topk``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
+    K_PAD ∈ {64, 128, 256, 512} (k 40, 100, 200, 512) = 24. ``route_shared``: 3 dtypes ×
+    BLOCK_D ∈ {16, 32, 64, 128} = 12."""
+    out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
+        DTYPE_NAMES, (1, 3), (False, True), (8, 32, 48, 128))]
+    out += [Case("landmark_topk", dt, d, topk=kk) for dt, d, kk in itertools.product(
+        DTYPE_NAMES, (48, 128), (40, 100, 200, 512))]
+    out += [Case("route_shared", dt, d) for dt, d in itertools.product(
+        DTYPE_NAMES, (8, 32, 48, 128))]
+    return out
 
 
-def example_plan(case: Case):
-    """``launch_plan`` on small CPU tensors shaped for ``case`` (B = 2, H = 2, N = 96, m = 6,
-    k = 8), planned as for CUDA (``interpreter=False``): the same arguments and constexprs a
-    CUDA launch of that case passes."""
-    from .mita_attention import launch_plan
+def example_plan(case: Case) -> tuple:
+    """The kernel of ``case`` and its launcher's ``(args, meta)`` on small CPU tensors
+    (B = 2, H = 2, N = 600, m = 6, k = 8 unless the case sets k), planned as for CUDA
+    (``interpreter=False``): the same arguments and constexprs a CUDA launch of that case
+    passes. Returns ``(kernel, args, meta)``."""
+    from . import routing
+    from .mita_attention import _mita_fused_kernel, launch_plan
 
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
-    B, H, N, m, kk = 2, 2, 96, 6, 8
+    B, H, N, m, kk = 2, 2, 600, 6, case.topk or 8
     q, k, v = (torch.randn(B, H, N, case.d, generator=g).to(dtype) for _ in range(3))
-    shared_keys = torch.randn(B, H, m, case.d, generator=g)
+    landmarks = torch.randn(B, H, m, case.d, generator=g)
     shared_values = torch.randn(B, H, m, case.d, generator=g)
     live = torch.ones(B, m, dtype=torch.bool)
-    index = torch.randint(0, N, (B, H, m, kk), generator=g)
-    experts = torch.randint(0, m, (B, H, N, case.s), generator=g)
     mask = None
     if case.masked:
         mask = torch.zeros(B, N, dtype=torch.bool)
         mask[1, N - 10:] = True
-    return launch_plan(q, k, v, shared_keys, shared_values, live, index, experts, mask,
-                       interpreter=False)
+    if case.kernel == "landmark_topk":
+        _, args, meta, _ = routing.landmark_topk_plan(landmarks, k, kk, case.d ** -0.5, mask,
+                                                      interpreter=False)
+        return routing._landmark_topk_kernel, args, meta
+    if case.kernel == "route_shared":
+        _, args, meta, _ = routing.route_shared_plan(q, landmarks, shared_values, live,
+                                                     case.d ** -0.5, interpreter=False)
+        return routing._route_shared_kernel, args, meta
+    index = torch.randint(0, N, (B, H, m, kk), generator=g)
+    experts = torch.randint(0, m, (B, H, N, case.s), generator=g)
+    partial = None
+    if case.s == 1:
+        partial = (torch.randn(B, H, N, generator=g), torch.rand(B, H, N, generator=g) + 1,
+                   torch.randn(B, H, N, case.d, generator=g))
+    plan = launch_plan(q, k, v, landmarks, shared_values, live, index, experts, mask,
+                       interpreter=False, shared_partial=partial)
+    return _mita_fused_kernel, plan.args, plan.meta
 
 
 def compile_launch(fn, args: tuple, meta: dict, capability: int):
@@ -99,20 +136,18 @@ def compile_launch(fn, args: tuple, meta: dict, capability: int):
 
 
 def check(case: Case, capability: int) -> dict:
-    """``compile_launch`` of ``_mita_fused_kernel`` with the launcher's arguments for ``case``,
-    as a record: the launcher's ``meta`` for the case, ``ok``, the error text if not, shared
-    memory bytes and whether they fit the target."""
-    from .mita_attention import _mita_fused_kernel
-
-    plan = example_plan(case)
-    meta = plan.meta
+    """``compile_launch`` of the case's kernel with its launcher's arguments, as a record: the
+    kernel, the launcher's ``meta`` for the case, ``ok``, the error text if not, shared memory
+    bytes and whether they fit the target."""
+    fn, args, meta = example_plan(case)
     try:
-        kernel = compile_launch(_mita_fused_kernel, plan.args, plan.meta, capability)
+        kernel = compile_launch(fn, args, meta, capability)
     except Exception as e:  # report every failing specialisation, not only the first
-        return {"case": str(case), "sm": capability, "meta": meta, "ok": False,
+        return {"case": str(case), "kernel": case.kernel, "sm": capability, "meta": meta,
+                "ok": False,
                 "error": f"{type(e).__name__}: {e}"[-1500:]}
     shared = int(kernel.metadata.shared)
-    return {"case": str(case), "sm": capability, "meta": meta,
+    return {"case": str(case), "kernel": case.kernel, "sm": capability, "meta": meta,
             "ok": shared <= MAX_SHARED_BYTES[capability],
             "shared_bytes": shared, "cubin_bytes": len(kernel.asm["cubin"]),
             "error": None if shared <= MAX_SHARED_BYTES[capability] else
@@ -130,7 +165,9 @@ def check_all(capabilities=CAPABILITIES, workers: int | None = None) -> list[dic
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(c, cap) for cap in capabilities for c in cases()]
+    # slowest first (the large top-k sorts), so the pool ends evenly
+    jobs = sorted(((c, cap) for cap in capabilities for c in cases()),
+                  key=lambda job: (job[0].kernel != "landmark_topk", -job[0].topk, job[1]))
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
         with ProcessPoolExecutor(workers or os.cpu_count() or 1,

@@ -9,8 +9,10 @@ key sets through one online (flash-style) softmax in fp32:
    ``BLOCK_M`` entries; a tile table (expert, first entry, end) is built on the device, so
    nothing synchronises with the host and the grid size is the bound cdiv(N·s, BLOCK_M) + m.
 2. Kernel, one program per tile: load the tile's queries (gathered by query index), then
-   - the m shared keys/values (landmarks q̃ pre-scaled by the shared scale c, ṽ), landmarks
-     that are empty (``landmark_valid`` False) masked;
+   - s = 1: start from the shared half of the joint softmax that ``routing.route_shared``
+     computed per query (max, sum of exp, weighted ṽ: the m shared keys were scored there,
+     once, with route's q·q̃ products); s > 1: the m shared keys/values (landmarks q̃
+     pre-scaled by the shared scale c, ṽ), empty landmarks (``landmark_valid`` False) masked;
    - the expert's k routed keys/values **read by index from K and V** (``expert_index``), no
      gathered copy of K or V is written; keys that are padding masked;
    with running max / sum / weighted-value accumulators in fp32 (matrix products in the input
@@ -21,14 +23,9 @@ key sets through one online (flash-style) softmax in fp32:
    together cover the m + s·k entries once; a short PyTorch epilogue merges the slots by
    log-sum-exp — exactly the joint softmax of eq. 12.
 
-Landmark scores and top-k (stages ``landmark_scores``, ``topk``) stay on PyTorch: a cuBLAS
-matrix product (2·m·N·d FLOPs) and ``torch.topk`` over the m × N fp32 scores (m·N·4 bytes,
-2 GiB per head at N = 1M, m = 512; read by top-k only and freed before the next stage). On
-this path ``shared_compress`` does not read it: ``mita.attention.shared_compress_sdpa`` takes
-eq. 8 from one ``scaled_dot_product_attention`` call with the landmarks as the queries, on k and
-v in their own dtype (flash attention for 16-bit CUDA inputs). A fused score + top-k kernel
-(as in NSA's streaming bitonic merge) would avoid writing the score matrix but needs k a power
-of two for ``tl.topk``; not done here.
+The stages before it run as ``mita.attention._triton_path`` does: ``routing.landmark_topk``
+(landmark scores + exact top-k, streamed, no m × N scores), ``shared_compress_sdpa`` (eq. 8 as
+one SDPA call with the landmarks as queries) and ``routing.route_shared`` (s = 1).
 """
 
 from __future__ import annotations
@@ -82,7 +79,7 @@ def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: t
 @triton.jit
 def _mita_fused_kernel(
     Q, K, V, SK, SV, IDX, KEY_VALID, LIVE, ORDER, TILE_E, TILE_LO, TILE_HI,
-    OUT, PART_M, PART_L,
+    OUT, PART_M, PART_L, SHARED_ACC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -117,25 +114,34 @@ def _mita_fused_kernel(
     q = tl.load(Q + b * stride_qb + h * stride_qh + qi[:, None] * stride_qn
                 + dd[None, :] * stride_qd, mask=in_tile[:, None] & dmask[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-
-    # Shared keys: all m landmarks, for slot 0 only (each query counts them once).
-    first = slot == 0
-    for start in range(0, M, BLOCK_N):
-        c = start + cols
-        cm = c < M
-        sk = tl.load(SK + b * stride_skb + h * stride_skh + c[:, None] * stride_skm
-                     + dd[None, :] * stride_skd, mask=cm[:, None] & dmask[None, :], other=0.0)
-        sv = tl.load(SV + b * stride_svb + h * stride_svh + c[:, None] * stride_svm
-                     + dvv[None, :] * stride_svd, mask=cm[:, None] & dvmask[None, :],
-                     other=0.0)
-        live = tl.load(LIVE + b * M + c, mask=cm, other=0) != 0
-        logits = _dot(q, tl.trans(sk), IEEE, UPCAST)
-        logits = tl.where(first[:, None] & live[None, :], logits, float("-inf"))
-        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, sv, IEEE, UPCAST)
+    if SINGLE_SLOT:
+        # The shared half was computed by route_shared (routing.py): continue from its
+        # (max, sum of exp, weighted values) for this query.
+        row = bh * N + qi
+        m_i = tl.load(PART_M + row, mask=in_tile, other=_NEG_INIT)
+        l_i = tl.load(PART_L + row, mask=in_tile, other=0.0)
+        acc = tl.load(SHARED_ACC + row[:, None] * DV + dvv[None, :],
+                      mask=in_tile[:, None] & dvmask[None, :], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Shared keys: all m landmarks, for slot 0 only (each query counts them once).
+        first = slot == 0
+        for start in range(0, M, BLOCK_N):
+            c = start + cols
+            cm = c < M
+            sk = tl.load(SK + b * stride_skb + h * stride_skh + c[:, None] * stride_skm
+                         + dd[None, :] * stride_skd, mask=cm[:, None] & dmask[None, :],
+                         other=0.0)
+            sv = tl.load(SV + b * stride_svb + h * stride_svh + c[:, None] * stride_svm
+                         + dvv[None, :] * stride_svd, mask=cm[:, None] & dvmask[None, :],
+                         other=0.0)
+            live = tl.load(LIVE + b * M + c, mask=cm, other=0) != 0
+            logits = _dot(q, tl.trans(sk), IEEE, UPCAST)
+            logits = tl.where(first[:, None] & live[None, :], logits, float("-inf"))
+            m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, sv, IEEE, UPCAST)
 
     # Routed keys of expert e, read from K and V by index (eq. 10 without a copy).
     e_live = tl.load(LIVE + b * M + e) != 0
@@ -222,7 +228,8 @@ class LaunchPlan:
 def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_values: Tensor,
                 landmark_valid: Tensor, expert_index: Tensor, experts: Tensor,
                 key_padding_mask: Tensor | None = None, out: Tensor | None = None,
-                interpreter: bool | None = None) -> LaunchPlan:
+                interpreter: bool | None = None,
+                shared_partial: tuple[Tensor, Tensor, Tensor] | None = None) -> LaunchPlan:
     """Validate ``fused_attention``'s arguments and build its launch (tile table, buffers,
     kernel arguments, constexpr specialisation). Arguments, returns and errors as
     ``fused_attention``; works on CPU tensors (no launch happens here). ``interpreter``: plan
@@ -266,13 +273,20 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
     elif tuple(out.shape) != (B, H, N, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be {(B, H, N, dv)} {q.dtype}")
     if s == 1:
-        target, part_m, part_l = out, out, out  # partial buffers unused
+        if shared_partial is None:
+            raise ValueError("s = 1 needs shared_partial from routing.route_shared")
+        part_m, part_l, shared_acc = (t.contiguous() for t in shared_partial)
+        if (tuple(part_m.shape) != (B, H, N) or tuple(part_l.shape) != (B, H, N)
+                or tuple(shared_acc.shape) != (B, H, N, dv)):
+            raise ValueError("shared_partial must be (B, H, N), (B, H, N), (B, H, N, dv)")
+        target = out
     else:
         target = torch.empty(B, H, N, s, dv, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         part_l = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
+        shared_acc = part_l  # unused for s > 1
     args = (q, k, v, shared_keys, shared_values, expert_index, key_valid, live, order,
-            tile_e, tile_lo, tile_hi, target, part_m, part_l,
+            tile_e, tile_lo, tile_hi, target, part_m, part_l, shared_acc,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),
             H, N, m, kk, d, dv, T, s, d ** -0.5)
@@ -291,7 +305,8 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
                     shared_values: Tensor, landmark_valid: Tensor, expert_index: Tensor,
                     experts: Tensor, key_padding_mask: Tensor | None = None,
-                    out: Tensor | None = None) -> Tensor:
+                    out: Tensor | None = None,
+                    shared_partial: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """Fused stages ``gather`` + ``attention`` (eqs. 10-12) with one Triton kernel.
 
     Args:
@@ -305,6 +320,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
         experts: ``(B, H, N, s)`` int expert ids from ``route``.
         key_padding_mask: optional ``(B, N)`` bool, True = padding.
         out: optional ``(B, H, N, dv)`` output buffer in q's dtype (tests poison it first).
+        shared_partial: s = 1 only, optional: the shared half of the joint softmax per query
+            from ``routing.route_shared`` (max, sum of exp, weighted ṽ); computed here from
+            ``shared_keys`` when not given.
     Returns:
         ``(B, H, N, dv)`` in q's dtype; rows of padded queries are **zero**. Routed logits use
         1/√d. fp32 accumulation throughout.
@@ -315,8 +333,12 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton MiTA kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
                          "for the CPU interpreter); use backend='torch' on CPU")
+    if experts.shape[-1] == 1 and shared_partial is None:
+        from .routing import route_shared
+
+        shared_partial = route_shared(q, shared_keys, shared_values, landmark_valid, 1.0)[1:]
     plan = launch_plan(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
-                       experts, key_padding_mask, out)
+                       experts, key_padding_mask, out, shared_partial=shared_partial)
     _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
     out = plan.out
     if not plan.meta["SINGLE_SLOT"]:
