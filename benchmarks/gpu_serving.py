@@ -7,7 +7,8 @@ classifier replica runs) for MiTA and dense on the shipped checkpoint.
 1. Checks (real ListOps, 24 sequences of 100-600 tokens): the GPU engine vs the CPU float32
    engine — float32 on the GPU within 1e-4 of the CPU's probabilities with every label equal;
    bfloat16 (the GPU default) within 0.03 (``tests/test_engine.py``'s bound) — and a padded
-   batch vs one forward per sequence on the GPU (float32: 1e-5; bfloat16: 0.03).
+   batch vs one forward per sequence on the GPU (float32: 1e-5; bfloat16: 0.03); CUDA-graph
+   replays vs plain forwards (1e-6).
 2. Requests: N = 1K, 4K, 16K, 64K, 256K, 1M random ids, batch 1 and 8 (8 requests of the same
    N arriving together, as ``@serve.batch`` hands them over), each batch as the service runs
    it: ``deterministic: true`` (one forward per sequence, the shipped default) and, for batch
@@ -16,6 +17,8 @@ classifier replica runs) for MiTA and dense on the shipped checkpoint.
    over repeats; per-stage p50 from the CUDA-event profile of the batch-1 runs; peak memory
    (``torch.cuda.max_memory_allocated`` per forward). Repeats adapt to a time budget; a cell
    predicted to overrun it is skipped and marked.
+   Unstaged forwards replay CUDA graphs per shape (``service.graphs``, N ≤ 16K; the column
+   counts the replays); the stage p50 then comes from staged forwards.
 3. Profiler overhead: the engine's profiled forward (``profile_forward``: a CUDA-event pair per
    stage) vs the plain ``model(ids)``, interleaved, CUDA events around the whole forward,
    median of repeats, at N = 1K, 16K, 256K.
@@ -78,7 +81,28 @@ def checks(device: str, smoke: bool) -> list[dict]:
             rows.append(check_row(f"{variant} {device} {eng.dtype_name} padded vs solo",
                                   np.abs(padded - got).max(),
                                   1e-5 if eng.dtype == torch.float32 else 0.03))
+        rows.append(check_graphs(variant, device, batch[:3], smoke))
     return rows
+
+
+def check_graphs(variant: str, device: str, seqs, smoke: bool) -> dict:
+    """CUDA-graph replays (``service.graphs``; the CPU dry run uses ``eager_capture``) vs the
+    same engine's plain forwards: each sequence three times, the 2nd captured, the 3rd
+    replayed. Tolerance 1e-6 absolute: a replay runs the captured kernels on the same
+    inputs."""
+    from service.graphs import GraphCache, eager_capture
+
+    eng = ClassifierEngine(CHECKPOINT, variant, device, "torch" if smoke else "auto", "auto")
+    plain = probs(eng.run(seqs))
+    if eng.graphs is None:
+        eng.graphs = GraphCache(eng.model, capture=eager_capture)
+    runs = [eng.run(seqs) for _ in range(3)]
+    replayed = all(r["profile"]["cuda_graph"] for r in runs[2])
+    row = check_row(f"{variant} {device} {eng.dtype_name} graph replay vs plain forward "
+                    f"({'3rd run replayed' if replayed else '3rd run NOT replayed'})",
+                    max(np.abs(probs(r) - plain).max() for r in runs), 1e-6)
+    row["ok"] = row["ok"] and replayed
+    return row
 
 
 def sync(device):
@@ -147,11 +171,15 @@ def requests(device: str, ns, batches, budget_s, start, smoke) -> list[dict]:
                                p99_ms=float(np.percentile(times, 99)), repeats=len(times),
                                peak_bytes=profiles[-1]["peak_memory_bytes"],
                                peak_kind=profiles[-1]["peak_memory_kind"])
+                    row["cuda_graph_replays"] = sum(p["cuda_graph"] for p in profiles)
                     if b == 1:
                         one_ms[(variant, n)] = row["p50_ms"]
+                        # replays have no stages: take the stages from staged forwards
+                        staged = [p for p in profiles if p["stages_ms"]] or [
+                            eng.run(batch, det, staged=[True])[0]["profile"] for _ in range(3)]
                         row["stages_p50_ms"] = {
-                            s: float(np.median([p["stages_ms"][s] for p in profiles]))
-                            for s in profiles[0]["stages_ms"]}
+                            s: float(np.median([p["stages_ms"][s] for p in staged]))
+                            for s in staged[0]["stages_ms"]}
                     rows.append(row)
                     print(f"{variant:5} N={n:>8} batch={b} {row['mode']:12} p50 "
                           f"{row['p50_ms']:9.2f} ms  p99 {row['p99_ms']:9.2f} ms  "

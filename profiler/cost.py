@@ -58,16 +58,21 @@ def activation_bytes_estimate(cfg: ModelConfig, batch: int, n: int,
 
 
 def profile_forward(model: EncoderClassifier, ids: torch.Tensor,
-                    key_padding_mask: torch.Tensor | None = None
+                    key_padding_mask: torch.Tensor | None = None, replay=None
                     ) -> tuple[torch.Tensor, ForwardProfile]:
     """Run ``model(ids, key_padding_mask)`` under a fresh ``StageTimer`` on the ids' device.
 
+    ``replay``: optional ``(ids, mask) -> logits | None`` tried first (``service.graphs``: a
+    CUDA-graph replay, timed as a whole — its profile has no stages); None falls back to the
+    hooked forward.
     Returns the logits ``(B, num_classes)`` and the ``ForwardProfile`` with analytic FLOPs and
     peak memory (CUDA: measured; CPU: ``activation_bytes_estimate``).
     """
     timer = StageTimer(ids.device)
     with torch.no_grad(), timer.forward():
-        logits = model(ids, key_padding_mask, hook=timer)
+        logits = None if replay is None else replay(ids, key_padding_mask)
+        if logits is None:
+            logits = model(ids, key_padding_mask, hook=timer)
     B, N = ids.shape
     dtype = next(model.parameters()).dtype
     profile = timer.result(flops=model_stage_flops(model.config, B, N),

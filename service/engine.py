@@ -29,6 +29,7 @@ from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from profiler.cost import profile_forward
 
 from . import PROJECT_ROOT
+from .graphs import GraphCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -82,11 +83,13 @@ class ClassifierEngine:
         dtype: ``"auto"`` | ``"float32"`` | ``"bfloat16"`` | ``"float16"`` for weights and
             activations (``resolve_dtype``); logits are returned in float32 and
             probabilities computed in float64.
+        cuda_graphs: on CUDA, replay unstaged forwards from CUDA graphs per input shape
+            (``service.graphs.GraphCache``: captured the 2nd time a shape is seen, N ≤ 16384).
     Raises: ValueError (bad checkpoint, unknown attention/backend/dtype), FileNotFoundError.
     """
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
-                 mita_backend: str = "auto", dtype: str = "auto"):
+                 mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True):
         folder = resolve_checkpoint(checkpoint)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -94,6 +97,9 @@ class ClassifierEngine:
         self.model.to(self.dtype)
         set_mita_backend(self.model, mita_backend)
         self.backend = mita_backend
+        # Unstaged forwards replay CUDA graphs per input shape (service.graphs; CUDA only).
+        self.graphs = (GraphCache(self.model) if cuda_graphs and self.device.type == "cuda"
+                       else None)
         # Every staged_every-th forward (0: none) runs the PyTorch stages, each timed apart, so
         # dashboards see all seven MiTA stages while the rest run fused.
         self.staged_every = 0
@@ -136,9 +142,10 @@ class ClassifierEngine:
         Returns one dict per sequence, in order: ``label``, ``probabilities`` (float64
         softmax of the logits, as a list), ``n``, ``variant``, ``model_id`` and ``profile``
         (the ``ForwardProfile`` of the forward it was part of, plus ``batch_size``,
-        ``padded_n``, ``flops_total``, ``dtype`` and ``started_at`` — the forward's start in
-        Unix seconds), and ``staged``: whether every stage was timed apart (always for dense
-        and for MiTA on ``backend="torch"``; for a fused MiTA backend when the forward was
+        ``padded_n``, ``flops_total``, ``dtype``, ``started_at`` — the forward's start in
+        Unix seconds — and ``cuda_graph``: whether it was a CUDA-graph replay, timed as a whole,
+        no stages), and ``staged``: whether every stage was timed apart (for dense and for
+        MiTA on ``backend="torch"`` unless replayed; for a fused MiTA backend when the forward was
         sampled — every ``staged_every``-th — or asked for: ``staged[i]`` True for a sequence
         in it). ``record(lengths, profile)`` is called after each forward with the lengths of
         the sequences it covered.
@@ -161,13 +168,18 @@ class ClassifierEngine:
             want = (any(staged[i] for i in group) if staged is not None else False) or bool(
                 self.staged_every and self._forwards % self.staged_every == 0)
             started_at = time.time()
+            replays = self.graphs.replays if self.graphs is not None else 0
             with self._stages(want):
-                logits, prof = profile_forward(self.model, ids.to(self.device), mask)
+                logits, prof = profile_forward(
+                    self.model, ids.to(self.device), mask,
+                    replay=None if want or self.graphs is None else self.graphs.run)
+            graph = self.graphs is not None and self.graphs.replays > replays
             probs = torch.softmax(logits.double(), -1).cpu()
             profile = prof.as_dict() | {"batch_size": len(group), "padded_n": n_max,
                                         "flops_total": sum(prof.flops.values()),
                                         "dtype": self.dtype_name, "started_at": started_at,
-                                        "staged": want or not self.fused()}
+                                        "staged": (want or not self.fused()) and not graph,
+                                        "cuda_graph": graph}
             if record is not None:
                 record([lengths[i] for i in group], profile)
             for row, i in enumerate(group):

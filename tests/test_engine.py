@@ -143,7 +143,8 @@ def test_gpu_serving_script_smoke(tmp_path):
     request cells, stage table, profiler overhead) on the CPU, so the GPU run is not its first
     run. Its timings mean nothing; its structure and checks must hold."""
     result = run_smoke("gpu_serving", tmp_path)
-    assert len(result["checks"]) == 8 and all(c["ok"] for c in result["checks"])
+    assert len(result["checks"]) == 10 and all(c["ok"] for c in result["checks"])
+    assert sum("graph replay" in c["check"] for c in result["checks"]) == 2
     cells = [(r["variant"], r["N"], r["batch"], r["mode"]) for r in result["requests"]]
     assert cells == [(v, n, b, mode) for n in (256, 1024) for v in ("mita", "dense")
                      for b, mode in ((1, "per-sequence"), (8, "per-sequence"), (8, "padded"))]
@@ -205,3 +206,36 @@ def test_staged_profile_on_request_and_sampled(batch):
     assert not dense.fused() and all(r["profile"]["staged"] for r in dense.run(batch[:2]))
     torch_stages = ClassifierEngine(CHECKPOINT, "mita", "cpu", "torch", "float32")
     assert all(r["profile"]["staged"] for r in torch_stages.run(batch[:2]))
+
+
+def test_graph_replays_equal_plain_forwards(batch):
+    """``service.graphs.GraphCache`` bookkeeping through the engine, with the CPU stand-in for
+    the CUDA capture (``eager_capture``; the real capture runs in benchmarks/gpu_serving.py on
+    a GPU): a shape is captured the 2nd time it is seen, replays give the plain forward's
+    probabilities exactly, sampled/asked staged forwards are never replayed, and the least
+    recently used graph is dropped past max_graphs."""
+    from service.graphs import GraphCache, eager_capture
+
+    plain = ClassifierEngine(CHECKPOINT, "mita", "cpu", "auto", "float32")
+    engine = ClassifierEngine(CHECKPOINT, "mita", "cpu", "auto", "float32")
+    assert engine.graphs is None  # CPU: no CUDA graphs unless set up as here
+    engine.graphs = GraphCache(engine.model, capture=eager_capture, max_graphs=2)
+    seqs = [batch[0], batch[0], batch[1], batch[0], batch[1], batch[2], batch[0]]
+    want = plain.run(seqs)
+    got = engine.run(seqs)
+    assert probs(got).tolist() == probs(want).tolist()
+    assert [r["profile"]["cuda_graph"] for r in got] == [False, True, False, True, True,
+                                                          False, True]
+    assert all(r["profile"]["stages_ms"] == {} for r in got if r["profile"]["cuda_graph"])
+    assert all(r["profile"]["total_ms"] > 0 for r in got)
+    assert [key[1] for key in engine.graphs.graphs] == [len(batch[1]), len(batch[0])]
+    staged = engine.run(seqs[:2], staged=[True, True])
+    assert [r["profile"]["cuda_graph"] for r in staged] == [False, False]
+    assert all(r["profile"]["staged"] and "topk" in r["profile"]["stages_ms"] for r in staged)
+    # the PyTorch stages vs the CPU kernels: float32, other summation order (1e-5, as above)
+    assert np.abs(probs(staged) - probs(want[:2])).max() < 1e-5
+    # padded batches: one graph per (batch, N, masked)
+    padded = engine.run(batch[:6], deterministic=False)
+    again = engine.run(batch[:6], deterministic=False)
+    assert np.abs(probs(padded) - probs(again)).max() == 0
+    assert any(r["profile"]["cuda_graph"] for r in again)
