@@ -80,9 +80,25 @@ class ModelConfig:
         return cls(**data)
 
 
+_POSITION_TABLES: dict[tuple, Tensor] = {}
+
+
 def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
     """``(n, dim)`` sinusoidal encoding (Vaswani et al., 2017, §3.5): sin on even, cos on odd
-    channels, wavelengths 2π…10000·2π. Computed on the fly; no table caps N."""
+    channels, wavelengths 2π…10000·2π. No table caps N: one table per (dim, device, dtype) is
+    kept, grown to the next power of two ≥ n when a longer sequence comes, and sliced (a
+    1M-token table took ~1 ms per layer stack to rebuild on every forward). Rows are the same
+    values ``_sinusoidal(n, …)`` gives (each row depends only on its position)."""
+    key = (dim, str(torch.device(device) if device is not None else torch.device("cpu")),
+           dtype)
+    table = _POSITION_TABLES.get(key)
+    if table is None or table.shape[0] < n:
+        table = _sinusoidal(1 << max(0, n - 1).bit_length(), dim, device, dtype)
+        _POSITION_TABLES[key] = table
+    return table[:n]
+
+
+def _sinusoidal(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
     pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
     freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32)
                      * (-math.log(10000.0) / dim))

@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# CUDA events whose timings were read, for reuse (list append/pop are atomic in CPython, so
+# concurrent timers in one process can share it).
+_FREE_EVENTS: list = []
+_MAX_FREE_EVENTS = 4096
+
 
 @dataclass(frozen=True)
 class StageRecord:
@@ -98,10 +103,14 @@ class StageTimer:
         self._marks: list[tuple[str, int | None, object, object]] = []
         self._layer: int | None = None
         self._forward: tuple[object, object] | None = None
+        self._resolved: tuple[list[StageRecord], float] | None = None
 
     def _now(self):
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            try:  # a recycled event: creating one per stage boundary costs more than recording
+                event = _FREE_EVENTS.pop()
+            except IndexError:
+                event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter_ns()
@@ -145,16 +154,25 @@ class StageTimer:
         ``flops``: analytic FLOPs per stage to attach. ``activation_bytes``: the analytic
         estimate reported as peak memory on CPU (ignored on CUDA, which measures).
         """
-        if self._forward is None:
-            raise RuntimeError("no forward recorded: wrap the model call in timer.forward()")
+        if self._resolved is None:
+            if self._forward is None:
+                raise RuntimeError("no forward recorded: wrap the model call in "
+                                   "timer.forward()")
+            if self.cuda:
+                self._forward[1].synchronize()
+            records = [StageRecord(n, layer, self._ms(s, e)) for n, layer, s, e in self._marks]
+            self._resolved = (records, self._ms(*self._forward))
+            if self.cuda and len(_FREE_EVENTS) < _MAX_FREE_EVENTS:
+                # every event completed (the last one did): they can be recorded again
+                _FREE_EVENTS.extend(e for _, _, s, t in self._marks for e in (s, t))
+                _FREE_EVENTS.extend(self._forward)
+        records, total_ms = self._resolved
         if self.cuda:
-            self._forward[1].synchronize()
             peak = int(torch.cuda.max_memory_allocated(self.device))
             kind = "cuda_max_allocated"
         else:
             peak, kind = activation_bytes, (
                 "analytic_activation_estimate" if activation_bytes is not None else None)
-        records = [StageRecord(n, layer, self._ms(s, e)) for n, layer, s, e in self._marks]
-        return ForwardProfile(records=records, total_ms=self._ms(*self._forward),
+        return ForwardProfile(records=records, total_ms=total_ms,
                               device=str(self.device), flops=dict(flops or {}),
                               peak_memory_bytes=peak, peak_memory_kind=kind)

@@ -139,3 +139,18 @@ def test_shipped_checkpoint_beats_majority_class_with_both_attentions():
         model = load_checkpoint("checkpoints/listops-default", attention=attention)
         acc = evaluate(model, test)
         assert acc > 0.28, (attention, acc, majority)
+
+
+def test_position_table_is_cached_and_sliced():
+    """The cached table gives the values a fresh computation gives, at every length, after a
+    longer table was built (rows depend only on their position)."""
+    from mita import model as M
+
+    M._POSITION_TABLES.clear()
+    short = M.sinusoidal_positions(100, 16)
+    assert torch.equal(short, M._sinusoidal(100, 16))
+    long = M.sinusoidal_positions(3000, 16)  # grows the table to 4096 rows
+    assert M._POSITION_TABLES[(16, "cpu", torch.float32)].shape == (4096, 16)
+    assert torch.equal(long, M._sinusoidal(3000, 16))
+    assert torch.equal(M.sinusoidal_positions(100, 16), short)
+    assert M.sinusoidal_positions(7, 16, dtype=torch.bfloat16).dtype == torch.bfloat16
