@@ -132,6 +132,9 @@ def test_ragged_experts_and_poisoned_output(kernel, s):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1.5e-2), (torch.float16, 2e-3)])
 def test_half_precision_inputs(kernel, dtype, tol):
+    # 16-bit scores can route a near-tie key or query differently from float64; on these
+    # fixed inputs none is that close (benchmarks/gpu_mita.py, on fresh inputs, compares with
+    # the float64 stages given the kernel's own routing decisions instead)
     q, k, v = (t.to(dtype) for t in rand_qkv(2, 2, 80, 64, seed=11, dtype=torch.float32))
     mask = random_mask(2, 80, seed=5)
     out = mita_attention(q, k, v, num_landmarks=8, topk=16, route_topk=2,
