@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from torch import Tensor, nn
 
 from .attention import BACKENDS, SHARED_SCALES, DenseAttention, MiTAAttention
 from .hooks import NULL_HOOK, StageHook
+
+log = logging.getLogger(__name__)
 
 ATTENTIONS = ("dense", "mita")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -64,7 +67,8 @@ class ModelConfig:
                              f"num_heads ({self.num_heads})")
         if self.route_topk > self.num_landmarks:
             raise ValueError("config field 'route_topk' exceeds 'num_landmarks'")
-        if not 0 <= self.pad_id < self.vocab_size:
+        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool) or not (
+                0 <= self.pad_id < self.vocab_size):
             raise ValueError(f"config field 'pad_id' must be in [0, {self.vocab_size})")
 
     def replace(self, **changes) -> ModelConfig:
@@ -221,8 +225,9 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     Raises:
         FileNotFoundError: missing ``config.json`` or ``model.safetensors``.
         ValueError: malformed ``config.json``, unknown or invalid config fields, a weights
-            file whose SHA-256 differs from ``config.json``, or tensors whose names or shapes
-            do not match the config (the message names them).
+            file whose SHA-256 differs from ``config.json``, tensors whose names or shapes
+            do not match the config, tensors that are not floating point, or non-finite
+            weights (the message names them; ``check_weights``).
     """
     folder = Path(folder)
     cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
@@ -251,8 +256,32 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     if missing or unexpected or wrong:
         raise ValueError(f"{weights_path} does not fit the config: missing {missing}, "
                          f"unexpected {unexpected}, shape mismatch {wrong}")
+    check_weights(state, own, weights_path)
     model.load_state_dict(state)
     return model.to(device).eval()
+
+
+def check_weights(state: dict[str, Tensor], own: dict[str, Tensor], path: Path) -> None:
+    """The tensors of a checkpoint against the model the config builds (float32 parameters).
+
+    Refuses (ValueError naming the tensors) any tensor that is not floating point (an int64
+    or bool tensor would be cast silently by ``load_state_dict``: an int64 head truncates
+    every weight) and any non-finite value. Another float dtype (float16, bfloat16, float64)
+    is converted to the model's dtype by ``load_state_dict``, with one logged warning naming
+    the tensors, since it changes the weights' precision.
+    """
+    bad = sorted(f"{n} ({t.dtype})" for n, t in state.items() if not t.is_floating_point())
+    if bad:
+        raise ValueError(f"{path}: tensors that are not floating point: {bad}; the model's "
+                         f"parameters are {next(iter(own.values())).dtype}")
+    nonfinite = sorted(n for n, t in state.items() if not bool(torch.isfinite(t).all()))
+    if nonfinite:
+        raise ValueError(f"{path}: tensors with NaN or infinite values: {nonfinite}")
+    converted = sorted(f"{n} ({t.dtype})" for n, t in state.items()
+                       if t.dtype != own[n].dtype)
+    if converted:
+        log.warning("%s: converting %d tensor(s) to %s: %s", path, len(converted),
+                    next(iter(own.values())).dtype, ", ".join(converted))
 
 
 def checkpoint_metadata(folder: str | Path) -> dict:

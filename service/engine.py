@@ -147,7 +147,9 @@ class ClassifierEngine:
         no stages), and ``staged``: whether every stage was timed apart (for dense and for
         MiTA on ``backend="torch"`` unless replayed; for a fused MiTA backend when the forward was
         sampled — every ``staged_every``-th — or asked for: ``staged[i]`` True for a sequence
-        in it). ``record(lengths, profile)`` is called after each forward with the lengths of
+        in it). A sequence whose logits are not all finite gets no ``label`` or
+        ``probabilities`` but ``error`` (the Serve gateway answers it with a JSON 500).
+        ``record(lengths, profile)`` is called after each forward with the lengths of
         the sequences it covered.
         """
         results: list[dict | None] = [None] * len(batch)
@@ -182,9 +184,14 @@ class ClassifierEngine:
                                         "cuda_graph": graph}
             if record is not None:
                 record([lengths[i] for i in group], profile)
+            finite = torch.isfinite(probs).all(-1).tolist()
             for row, i in enumerate(group):
                 results[i] = {"label": int(probs[row].argmax()),
                               "probabilities": probs[row].tolist(), "n": lengths[i],
                               "variant": self.variant, "model_id": self.model_id,
                               "profile": profile}
+                if not finite[row]:  # never a label from NaN/inf: the caller answers 5xx
+                    results[i] = {k: results[i][k] for k in ("n", "variant", "model_id",
+                                                              "profile")}
+                    results[i]["error"] = "non-finite logits (NaN or infinity) from the model"
         return results

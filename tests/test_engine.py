@@ -239,3 +239,18 @@ def test_graph_replays_equal_plain_forwards(batch):
     again = engine.run(batch[:6], deterministic=False)
     assert np.abs(probs(padded) - probs(again)).max() == 0
     assert any(r["profile"]["cuda_graph"] for r in again)
+
+
+def test_non_finite_logits_give_an_error_not_a_label(batch):
+    """A forward with a NaN logit (a NaN head bias stands for any numerical failure; the
+    loader refuses non-finite weights, not the forward's arithmetic) gives ``error`` and no
+    label or probabilities, per sequence and in a padded batch."""
+    engine = ClassifierEngine(CHECKPOINT, "dense", "cpu", "auto", "float32")
+    good = engine.run(batch[:2])
+    assert all("error" not in r and np.isfinite(r["probabilities"]).all() for r in good)
+    with torch.no_grad():
+        engine.model.head.bias[3] = float("nan")
+    for deterministic in (True, False):
+        bad = engine.run(batch[:2], deterministic=deterministic)
+        assert [sorted(r) for r in bad] == [["error", "model_id", "n", "profile", "variant"]] * 2
+        assert bad[0]["error"] == "non-finite logits (NaN or infinity) from the model"

@@ -154,3 +154,48 @@ def test_position_table_is_cached_and_sliced():
     assert torch.equal(long, M._sinusoidal(3000, 16))
     assert torch.equal(M.sinusoidal_positions(100, 16), short)
     assert M.sinusoidal_positions(7, 16, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def resave(src, dst, change):
+    """Copy a checkpoint with ``change(state)`` applied to its tensors and a matching SHA-256
+    (a re-save, not a corruption)."""
+    from safetensors.torch import load_file, save_file
+
+    import mita.model as M
+
+    dst.mkdir()
+    state = change(load_file(src / M.WEIGHTS_FILE))
+    save_file(state, dst / M.WEIGHTS_FILE)
+    meta = json.loads((src / M.CONFIG_FILE).read_text())
+    meta["weights_sha256"] = M._sha256(dst / M.WEIGHTS_FILE)
+    (dst / M.CONFIG_FILE).write_text(json.dumps(meta))
+    return dst
+
+
+def test_checkpoint_tensor_dtypes_and_values_are_checked(tmp_path, caplog):
+    """Re-saved with a matching SHA-256: an int64 head (which truncated every weight and moved
+    probabilities by up to 0.135 on main) or a bool tensor is refused, NaN/inf weights are
+    refused, and a bfloat16 / float16 checkpoint loads converted, with a warning naming the
+    tensors."""
+    torch.manual_seed(0)
+    save_checkpoint(EncoderClassifier(SMALL).eval(), tmp_path / "ck")
+    src = tmp_path / "ck"
+
+    def cast(name, dtype):
+        return lambda st: st | {name: st[name].to(dtype)}
+
+    for i, (change, message) in enumerate([
+            (cast("head.weight", torch.int64), r"not floating point: \['head.weight \(torch.int64"),
+            (cast("norm.bias", torch.bool), r"norm.bias \(torch.bool\)"),
+            (lambda st: st | {"embed.weight": st["embed.weight"].index_fill(0, torch.tensor([3]),
+                                                                          float("nan"))},
+             r"NaN or infinite values: \['embed.weight'\]"),
+            (lambda st: st | {"head.bias": st["head.bias"] + float("inf")},
+             r"NaN or infinite values: \['head.bias'\]")]):
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(resave(src, tmp_path / f"bad{i}", change))
+    with caplog.at_level("WARNING", logger="mita.model"):
+        half = load_checkpoint(resave(src, tmp_path / "half", cast("head.weight",
+                                                                    torch.bfloat16)))
+    assert "converting 1 tensor(s) to torch.float32: head.weight (torch.bfloat16)" in caplog.text
+    assert half.head.weight.dtype == torch.float32

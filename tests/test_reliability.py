@@ -485,3 +485,57 @@ def test_replica_killed_mid_load(service):
 
 
 KILL_REPORT: dict = {}
+
+
+def overflowing_checkpoint(dst: Path) -> Path:
+    """The shipped checkpoint re-saved with finite but huge head rows (±3e38): the loader
+    accepts it, and the logits overflow float32 to ±inf, so the probabilities are NaN."""
+    from safetensors.torch import load_file, save_file
+
+    import mita.model as M
+
+    src = launch.PROJECT_ROOT / CHECKPOINT
+    dst.mkdir()
+    state = load_file(src / M.WEIGHTS_FILE)
+    head = state["head.weight"].clone()
+    head[3], head[4] = 3e38, -3e38
+    save_file(state | {"head.weight": head}, dst / M.WEIGHTS_FILE)
+    meta = json.loads((src / M.CONFIG_FILE).read_text())
+    meta["weights_sha256"] = M._sha256(dst / M.WEIGHTS_FILE)
+    (dst / M.CONFIG_FILE).write_text(json.dumps(meta))
+    return dst
+
+
+def test_non_finite_logits_answer_500_and_count_as_errors(service, tmp_path):
+    """A forward whose logits are not finite is a JSON 500 (never a 200 with NaN
+    probabilities), counted with status 500 in requests_total and in /v1/stats."""
+    import torch
+
+    from mita.model import load_checkpoint
+
+    folder = overflowing_checkpoint(tmp_path / "overflow")
+    ids = encode("[MAX 2 [MIN 4 7 ] 0 ]")
+    with torch.no_grad():  # the precondition, on the plain model
+        logits = load_checkpoint(folder, attention="dense")(torch.tensor([ids]))
+    assert not torch.isfinite(logits).all()
+    overrides = copy.deepcopy(service.overrides)
+    overrides["args"] = {**overrides["args"], "checkpoint": str(folder)}
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    try:
+        assert wait_for(lambda: "overflow@" in service.client.get("/v1/models").json()[
+            "variants"]["dense"]["model_id"], timeout_s=90)
+        text0 = service.metrics_text()
+        r = service.post("/v1/classify", json={"ids": ids, "variant": "dense"})
+        assert r.status_code == 500, r.text
+        assert r.json()["error"] == ("the dense classifier failed: non-finite logits (NaN or "
+                                     "infinity) from the model")
+        assert wait_for(lambda: delta(service.metrics_text(), text0,
+                                      "ray_mita_serve_requests_total", variant="dense",
+                                      status="500") == 1, timeout_s=30)
+        stats = service.client.get("/v1/stats").json()["requests"]
+        assert any(c["variant"] == "dense" and c["status"] == "500" and c["count"] >= 1
+                   for c in stats)
+    finally:
+        launch.deploy(launch.load_config(launch.CPU_CONFIG, service.overrides))
+        assert wait_for(lambda: "overflow@" not in service.client.get("/v1/models").json()[
+            "variants"]["dense"]["model_id"], timeout_s=90)
