@@ -6,6 +6,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+
 from .engine import LoadConfig, run_load, summarize
 from .report import markdown, write
 
@@ -16,17 +18,19 @@ def main(argv: list[str] | None = None) -> dict:
     r = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="drive the HTTP API and write a report")
     r.add_argument("--url", default="http://127.0.0.1:8000")
-    r.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
+    r.add_argument("--n", type=POSITIVE_INT, nargs="+", default=[1024, 4096, 16384])
     r.add_argument("--variants", nargs="+", choices=["mita", "dense", "ab"],
                    default=["mita", "dense"], help="'ab' leaves the choice to the A/B policy")
     r.add_argument("--mode", choices=["closed", "open"], default="closed")
-    r.add_argument("--concurrency", type=int, default=4, help="closed loop")
-    r.add_argument("--rate", type=float, default=5.0, help="open loop, requests/s (Poisson)")
-    r.add_argument("--requests", type=int, default=50, help="timed requests per phase")
-    r.add_argument("--warmup", type=int, default=3)
-    r.add_argument("--duration-s", type=float, default=120.0, help="wall-time cap per phase")
-    r.add_argument("--timeout-s", type=float, default=300.0)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--concurrency", type=POSITIVE_INT, default=4, help="closed loop")
+    r.add_argument("--rate", type=POSITIVE_FLOAT, default=5.0,
+                   help="open loop, requests/s (Poisson)")
+    r.add_argument("--requests", type=POSITIVE_INT, default=50, help="timed requests per phase")
+    r.add_argument("--warmup", type=NONNEGATIVE_INT, default=3)
+    r.add_argument("--duration-s", type=POSITIVE_FLOAT, default=120.0,
+                   help="wall-time cap per phase")
+    r.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=300.0)
+    r.add_argument("--seed", type=NONNEGATIVE_INT, default=0)
     r.add_argument("--out", type=Path, default=Path("runs/loadtest"))
     a = p.parse_args(argv)
     cfg = LoadConfig(url=a.url, ns=a.n, variants=a.variants, mode=a.mode,

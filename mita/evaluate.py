@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .argtypes import NONNEGATIVE_INT, POSITIVE_INT
 from .data.listops import ListOpsConfig, generate
 from .model import ATTENTIONS, checkpoint_metadata, load_checkpoint
 from .train import TEST_SEED, encoded, evaluate
@@ -24,11 +25,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m mita.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoints", nargs="+", type=Path)
-    p.add_argument("--test-size", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=TEST_SEED,
+    p.add_argument("--test-size", type=POSITIVE_INT, default=2000)
+    p.add_argument("--seed", type=NONNEGATIVE_INT, default=TEST_SEED,
                    help="test-set seed; the default is one no training run uses")
-    p.add_argument("--min-length", type=int, default=100)
-    p.add_argument("--max-length", type=int, default=500)
+    p.add_argument("--min-length", type=POSITIVE_INT, default=100)
+    p.add_argument("--max-length", type=POSITIVE_INT, default=500)
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
     test = encoded(generate(args.test_size, args.seed,

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
 from .data.listops import PAD_ID, ListOpsConfig, encode, generate
 from .model import ATTENTIONS, EncoderClassifier, ModelConfig, save_checkpoint
 
@@ -81,19 +82,20 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=(*ATTENTIONS, "mixed"), default="mixed")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--time-budget-min", type=float, default=25.0,
+    p.add_argument("--seed", type=NONNEGATIVE_INT, default=0)
+    p.add_argument("--steps", type=POSITIVE_INT, default=3000)
+    p.add_argument("--time-budget-min", type=POSITIVE_FLOAT, default=25.0,
                    help="stop training early after this many minutes")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--train-size", type=int, default=20000)
-    p.add_argument("--val-size", type=int, default=500)
-    p.add_argument("--test-size", type=int, default=2000)
-    p.add_argument("--min-length", type=int, default=100)
-    p.add_argument("--max-length", type=int, default=500)
-    p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=32)
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3)
+    p.add_argument("--train-size", type=POSITIVE_INT, default=20000)
+    p.add_argument("--val-size", type=POSITIVE_INT, default=500)
+    p.add_argument("--test-size", type=POSITIVE_INT, default=2000)
+    p.add_argument("--min-length", type=POSITIVE_INT, default=100)
+    p.add_argument("--max-length", type=POSITIVE_INT, default=500)
+    p.add_argument("--eval-every", type=POSITIVE_INT, default=500)
+    p.add_argument("--threads", type=NONNEGATIVE_INT, default=0,
+                   help="torch threads (0: all cores)")
     for f in dataclasses.fields(ModelConfig):
         if f.name in ("dim", "depth", "num_heads", "ffn_dim", "num_landmarks", "topk",
                       "route_topk", "shared_scale"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
@@ -13,25 +15,25 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="per-stage time vs N for MiTA and dense",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    s.add_argument("--n", type=POSITIVE_INT, nargs="+", default=[1024, 4096, 16384, 65536])
     s.add_argument("--variants", nargs="+", choices=["mita", "dense"], default=["mita", "dense"])
     s.add_argument("--settings", nargs="+", default=["fig5", "64x64"],
                    help="'fig5' (m = k ≈ √(N/4)) and/or fixed 'MxK'")
-    s.add_argument("--depth", type=int, default=3)
-    s.add_argument("--dim", type=int, default=128)
-    s.add_argument("--heads", type=int, default=2)
-    s.add_argument("--ffn-dim", type=int, default=256)
-    s.add_argument("--route-topk", type=int, default=1)
-    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--depth", type=POSITIVE_INT, default=3)
+    s.add_argument("--dim", type=POSITIVE_INT, default=128)
+    s.add_argument("--heads", type=POSITIVE_INT, default=2)
+    s.add_argument("--ffn-dim", type=POSITIVE_INT, default=256)
+    s.add_argument("--route-topk", type=POSITIVE_INT, default=1)
+    s.add_argument("--batch", type=POSITIVE_INT, default=1)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="auto: fused Triton kernel on CUDA (stage 'attention' includes "
                         "'gather'), compiled kernels on CPU (fewer stages, see "
                         "mita_attention); torch: every stage timed apart")
-    s.add_argument("--warmup", type=int, default=1)
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--budget-s", type=float, default=60.0, help="time budget per point")
+    s.add_argument("--warmup", type=NONNEGATIVE_INT, default=1)
+    s.add_argument("--repeats", type=POSITIVE_INT, default=3)
+    s.add_argument("--budget-s", type=POSITIVE_FLOAT, default=60.0, help="time budget per point")
     s.add_argument("--out", type=Path, default=Path("runs/sweep"))
     a = p.parse_args(argv)
     cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,

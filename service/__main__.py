@@ -7,6 +7,8 @@ import signal
 import threading
 from pathlib import Path
 
+from mita.argtypes import bounded
+
 from . import launch
 
 
@@ -15,16 +17,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", type=Path, default=None,
                    help="Serve config file (default: deploy/serve_config.yaml, or "
                         "deploy/serve_config.gpu.yaml when CUDA is available)")
-    p.add_argument("--metrics-port", type=int, default=9100)
-    p.add_argument("--metrics-interval-ms", type=int, default=5000)
+    p.add_argument("--metrics-port", type=bounded(int, 1, 65535),
+                   default=launch.DEFAULT_METRICS_PORT,
+                   help="Ray's metrics exporter; its Prometheus file-SD list is "
+                        "/tmp/mita-serve/prometheus/metrics-PORT.json")
+    p.add_argument("--metrics-interval-ms", type=bounded(int, 100, 3_600_000), default=5000)
     p.add_argument("--node-ip", default="127.0.0.1",
                    help="Ray's node address; Ray's metrics exporter binds to it when it is "
                         "loopback (the HTTP host is http_options.host in the config)")
     p.add_argument("--dashboard-host", default=None,
                    help="start the Ray dashboard bound to this address (default: no dashboard)")
     a = p.parse_args(argv)
-    config = launch.load_config(a.config or launch.default_config())
-    try:  # refuse before starting Ray: a bad checkpoint would only fail inside a replica
+    try:  # refuse before starting Ray: a bad config, checkpoint or busy port would only
+        # fail inside a replica or after Ray's start-up timeout
+        config = launch.load_config(a.config or launch.default_config())
+        launch.check_ports_free(config, a.metrics_port)
         launch.verify_checkpoints(config)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
@@ -39,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
-    print(f"Prometheus metrics: http://{a.node_ip}:{a.metrics_port}/metrics")
+    print(f"Prometheus metrics: http://{a.node_ip}:{a.metrics_port}/metrics (file-SD list "
+          f"{launch.prometheus_sd_file(a.metrics_port)}; deploy/prometheus/prometheus.yml "
+          f"reads port {launch.DEFAULT_METRICS_PORT}'s)")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\nCtrl-C stops.", flush=True)
     stop = threading.Event()

@@ -9,10 +9,8 @@ from __future__ import annotations
 from ray.serve import Application
 
 from .classifier import Classifier
-from .engine import DTYPE_CHOICES
 from .gateway import Gateway
-
-DEFAULT_CHECKPOINT = "checkpoints/listops-default"
+from .schemas import AppArgs, validated
 
 
 def build_app(args: dict) -> Application:
@@ -22,17 +20,14 @@ def build_app(args: dict) -> Application:
     | ``float32`` | ``bfloat16`` | ``float16``; auto: bfloat16 on CUDA, float32 on CPU). Both
     classifier deployments load the same checkpoint in the same dtype.
 
-    Raises ValueError for a ``dtype`` outside those names (at deploy time, not in a replica).
+    ``cuda_graphs`` (default true): replay unstaged forwards from CUDA graphs on CUDA.
+    Parsed strictly by ``schemas.AppArgs``.
+
+    Raises ValueError naming every refused arg (at deploy time, not in a replica).
     """
-    checkpoint = args.get("checkpoint", DEFAULT_CHECKPOINT)
-    device = args.get("device", "auto")
-    backend = args.get("mita_backend", "auto")
-    dtype = args.get("dtype", "auto")
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"application arg 'dtype' must be one of {DTYPE_CHOICES}, "
-                         f"got {dtype!r}")
-    mita = Classifier.options(name="MiTAClassifier").bind(checkpoint, "mita", device, backend,
-                                                          dtype)
-    dense = Classifier.options(name="DenseClassifier").bind(checkpoint, "dense", device,
-                                                            "auto", dtype)
+    a = validated(AppArgs, args, "application args")
+    mita = Classifier.options(name="MiTAClassifier").bind(
+        a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs)
+    dense = Classifier.options(name="DenseClassifier").bind(
+        a.checkpoint, "dense", a.device, "auto", a.dtype, a.cuda_graphs)
     return Gateway.bind(mita, dense)

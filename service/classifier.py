@@ -17,6 +17,7 @@ from ray import serve
 
 from .engine import ClassifierEngine
 from .metrics import ServiceMetrics, n_bucket
+from .schemas import ClassifierConfig, validated
 
 
 @serve.deployment
@@ -30,8 +31,9 @@ class Classifier:
     only, so a stage name always means the same work."""
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
-                 mita_backend: str = "auto", dtype: str = "auto"):
-        self.engine = ClassifierEngine(checkpoint, attention, device, mita_backend, dtype)
+                 mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True):
+        self.engine = ClassifierEngine(checkpoint, attention, device, mita_backend, dtype,
+                                       cuda_graphs)
         # The replica id changes when Serve replaces the replica (crash, OOM kill): tests and
         # operators can see a restart.
         self.info_dict = self.engine.info | {
@@ -42,11 +44,14 @@ class Classifier:
         self.deterministic = True
 
     def reconfigure(self, config: dict) -> None:
-        self.deterministic = bool(config.get("deterministic", True))
-        self.engine.staged_every = int(config.get("staged_profile_every", 100))
-        self.classify_batch.set_max_batch_size(int(config.get("max_batch_size", 8)))
-        self.classify_batch.set_batch_wait_timeout_s(
-            float(config.get("batch_wait_timeout_s", 0.005)))
+        """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``); a refusal
+        names the deployment and the fields, and Serve keeps the deployment unhealthy."""
+        name = serve.get_replica_context().deployment
+        cfg = validated(ClassifierConfig, config, f"deployment {name!r} user_config")
+        self.deterministic = cfg.deterministic
+        self.engine.staged_every = cfg.staged_profile_every
+        self.classify_batch.set_max_batch_size(cfg.max_batch_size)
+        self.classify_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
 
     def info(self) -> dict:
         return self.info_dict | {"deterministic": self.deterministic,

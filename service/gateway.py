@@ -46,6 +46,7 @@ from .schemas import (
     GatewayConfig,
     StatsResponse,
     Variant,
+    validated,
 )
 from .stats import PrometheusError, StatsWindow, prometheus_summary, summarize
 
@@ -372,7 +373,7 @@ class Gateway:
         self._variant_info_at = -math.inf
 
     def reconfigure(self, config: dict) -> None:
-        self.config = GatewayConfig.model_validate(config)
+        self.config = validated(GatewayConfig, config, "deployment 'Gateway' user_config")
         replica_state.max_body_bytes = self.config.max_body_bytes
         self.window.retention_s = self.config.stats_window_s
 
@@ -396,8 +397,8 @@ class Gateway:
     async def _call(self, variant: str, ids: np.ndarray, staged: bool = False) -> dict:
         response = self.handles[variant].classify.remote(ids, staged)
         try:
-            return await asyncio.wait_for(asyncio.ensure_future(response),
-                                          self.config.request_timeout_s)
+            result = await asyncio.wait_for(asyncio.ensure_future(response),
+                                            self.config.request_timeout_s)
         except BackPressureError:
             raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
                            {"Retry-After": str(self.config.retry_after_s)},
@@ -413,6 +414,9 @@ class Gateway:
         except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
             raise ApiError(500, f"the {variant} classifier failed: "
                                 f"{type(e).__name__}") from None
+        if "error" in result:  # e.g. non-finite logits: never a 200 with NaN probabilities
+            raise ApiError(500, f"the {variant} classifier failed: {result['error']}")
+        return result
 
     async def _shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> None:
         try:

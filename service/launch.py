@@ -25,11 +25,21 @@ from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
 from . import PROJECT_ROOT
+from .schemas import AppArgs, ClassifierConfig, GatewayConfig, validated
 
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
-# Where Ray writes its Prometheus file-SD list when the dashboard runs; we start Ray without
-# the dashboard, so we write the same file (deploy/prometheus/prometheus.yml reads it).
-PROMETHEUS_SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")
+# Prometheus file-SD lists, one per instance (named by its metrics port): a second instance on
+# the host (another checkout, the test suite while `make serve` runs) writes its own file
+# instead of overwriting the one deploy/prometheus/prometheus.yml reads (the default port's).
+PROMETHEUS_SD_DIR = Path("/tmp/mita-serve/prometheus")
+DEFAULT_METRICS_PORT = 9100
+_written_sd_files: list[Path] = []
+
+
+def prometheus_sd_file(metrics_port: int) -> Path:
+    """The file-SD list of the instance whose Ray metrics exporter listens on
+    ``metrics_port``."""
+    return PROMETHEUS_SD_DIR / f"metrics-{metrics_port}.json"
 GPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.gpu.yaml"
 
 
@@ -55,10 +65,37 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeployS
             else:
                 target[key] = value
     app["deployments"] = list(by_name.values())
-    return ServeDeploySchema.model_validate(raw)
+    config = ServeDeploySchema.model_validate(raw)
+    check_service_config(config)
+    return config
 
 
-def start(config: ServeDeploySchema, metrics_port: int = 9100,
+# The project's own schema for each deployment's user_config (service.app builds these names).
+USER_CONFIGS = {"Gateway": GatewayConfig, "MiTAClassifier": ClassifierConfig,
+                "DenseClassifier": ClassifierConfig}
+
+
+def check_service_config(config: ServeDeploySchema) -> None:
+    """Parse this service's application args and every deployment's ``user_config`` with the
+    strict schemas (``schemas.AppArgs``, ``ClassifierConfig``, ``GatewayConfig``) before
+    anything starts; Serve would otherwise refuse them only inside a replica. Raises
+    ValueError naming the application, the deployment and each refused field. Applications
+    of other import paths are left to Serve."""
+    for app in config.applications:
+        if app.import_path != "service.app:build_app":
+            continue
+        validated(AppArgs, app.args, f"application {app.name!r} args")
+        for dep in app.deployments:
+            schema = USER_CONFIGS.get(dep.name)
+            if schema is None:
+                raise ValueError(f"application {app.name!r}: no deployment named {dep.name!r} "
+                                 f"(the service has {', '.join(USER_CONFIGS)})")
+            if isinstance(dep.user_config, dict):
+                validated(schema, dep.user_config,
+                          f"application {app.name!r} deployment {dep.name!r} user_config")
+
+
+def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
           metrics_interval_ms: int = 10000, timeout_s: float = 300.0,
           node_ip: str = "127.0.0.1", dashboard_host: str | None = None) -> str:
     """Start Ray and Serve's HTTP proxy, deploy ``config`` and wait until it runs. Returns the
@@ -91,6 +128,26 @@ def start(config: ServeDeploySchema, metrics_port: int = 9100,
     deploy(config, timeout_s)
     http = config.http_options
     return f"http://{http.host}:{http.port}"
+
+
+def check_ports_free(config: ServeDeploySchema, metrics_port: int) -> None:
+    """Refuse to start on ports another process listens on (a second ``make serve`` would
+    otherwise wait ~40 s and fail with "The current node timed out during startup"): the
+    HTTP port of ``config.http_options`` and Ray's metrics export port. Raises OSError naming
+    the port and the flag or config field that sets it."""
+    import socket
+
+    http = config.http_options
+    for host, port, where in ((http.host, http.port, "http_options.port in the config"),
+                              ("127.0.0.1", metrics_port, "--metrics-port")):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                raise OSError(f"port {port} on {host} is in use ({e.strerror}): another "
+                              f"instance, or another program; choose a free one with "
+                              f"{where}") from None
 
 
 def replica_gpus(config: ServeDeploySchema, which: str = "min") -> list[float]:
@@ -165,12 +222,15 @@ def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:
             return
 
 
-def write_prometheus_sd(metrics_port: int, path: Path = PROMETHEUS_SD_FILE,
-                        host: str = "127.0.0.1") -> None:
-    """Write Ray's file-SD format: one target, this node's metrics export port."""
+def write_prometheus_sd(metrics_port: int, host: str = "127.0.0.1") -> Path:
+    """Write this instance's file-SD list (``prometheus_sd_file``): one target, this node's
+    metrics export port. ``stop()`` removes it. Returns the path."""
+    path = prometheus_sd_file(metrics_port)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([{"labels": {"job": "ray"},
                                  "targets": [f"{host}:{metrics_port}"]}]) + "\n")
+    _written_sd_files.append(path)
+    return path
 
 
 def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:
@@ -193,5 +253,8 @@ def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:
 
 
 def stop() -> None:
+    """Shut Serve and Ray down and remove this instance's Prometheus file-SD list."""
     serve.shutdown()
     ray.shutdown()
+    while _written_sd_files:
+        _written_sd_files.pop().unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from pydantic import (
     HttpUrl,
     StrictBool,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -89,10 +90,60 @@ class ErrorResponse(BaseModel):
     detail: list | dict | None = None
 
 
+# Every configuration surface a person writes (Serve YAML user_config and application args):
+# unknown keys refused, no str -> bool / float -> int / str -> number coercion, numbers finite.
+STRICT_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class AppArgs(BaseModel):
+    """The application's ``args`` (``service.app.build_app``): what both classifier
+    deployments load and how."""
+
+    model_config = STRICT_CONFIG
+
+    checkpoint: str = Field("checkpoints/listops-default", min_length=1,
+                            description="checkpoint folder, relative to the project root "
+                                        "unless absolute")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    mita_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cuda_graphs: bool = Field(True, description="replay unstaged forwards from CUDA graphs "
+                                                "per input shape (CUDA only)")
+
+
+class ClassifierConfig(BaseModel):
+    """A classifier deployment's ``user_config``; changes apply without a restart."""
+
+    model_config = STRICT_CONFIG
+
+    max_batch_size: int = Field(8, ge=1, le=1024)
+    batch_wait_timeout_s: float = Field(0.005, ge=0, le=10)
+    deterministic: bool = True
+    staged_profile_every: int = Field(100, ge=0, description="a fused MiTA backend times "
+                                      "every stage apart on one forward in this many; 0: only "
+                                      "on requests that ask")
+
+
+def describe_errors(error: ValidationError) -> str:
+    """One line per refused field: ``field: message (got value)``."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(whole)'}: {e['msg']} (got {e['input']!r})"
+        for e in error.errors())
+
+
+def validated(model: type[BaseModel], values: dict | None, where: str) -> BaseModel:
+    """``model.model_validate(values)``; raises ValueError naming ``where`` (the application
+    or deployment and the surface) and every refused field."""
+    try:
+        return model.model_validate(values or {})
+    except ValidationError as e:
+        raise ValueError(f"{where}: {describe_errors(e)}") from None
+
+
 class GatewayConfig(BaseModel):
     """The gateway's ``user_config`` (Serve config file); changes apply without a restart."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT_CONFIG
 
     weights: dict[Variant, float] = Field(default_factory=lambda: {"mita": 0.5, "dense": 0.5})
     sticky_header: str = "x-client-key"

@@ -33,6 +33,22 @@ pytestmark = pytest.mark.service
 _required = os.environ.get("MITA_SERVE_REQUIRE_PROMETHEUS") == "1"
 
 
+def scrape_config_for(service, folder: Path) -> Path:
+    """The shipped prometheus.yml pointed at this test instance's own file-SD list (as the
+    README tells a user running a second instance), rule files from deploy/prometheus."""
+    from service import launch
+
+    config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    port = int(service.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    [job] = config["scrape_configs"]
+    assert job["file_sd_configs"][0]["files"] == [
+        str(launch.prometheus_sd_file(launch.DEFAULT_METRICS_PORT))]
+    job["file_sd_configs"][0]["files"] = [str(launch.prometheus_sd_file(port))]
+    config["rule_files"] = [str(PROM_DIR / f) for f in config["rule_files"]]
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    return folder / "prometheus.yml"
+
+
 @pytest.fixture(scope="module")
 def prometheus(service, tmp_path_factory):
     binary = shutil.which("prometheus")
@@ -42,8 +58,9 @@ def prometheus(service, tmp_path_factory):
         pytest.skip("prometheus not installed (.ci/run installs Debian's package)")
     port = free_port()
     data = tmp_path_factory.mktemp("prometheus")
+    config = scrape_config_for(service, data)
     proc = subprocess.Popen(
-        [binary, f"--config.file={PROM_DIR / 'prometheus.yml'}",
+        [binary, f"--config.file={config}",
          f"--storage.tsdb.path={data}", f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=open(data / "prometheus.log", "w"))
     url = f"http://127.0.0.1:{port}"
