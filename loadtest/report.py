@@ -19,6 +19,14 @@ def stage_table(summary: dict) -> list[tuple[int, str, dict[str, float]]]:
             for r in summary["rows"] for served, ms in r["stages_ms"].items()]
 
 
+CLOSED_LOOP_NOTE = (
+    "Closed loop: each client sends its next request only after the previous answer, so "
+    "while the service stalls no new requests are sent and the stall is counted once, not "
+    "for every request that would have arrived (coordinated omission): the percentiles "
+    "understate latency under stalls. For latency at an arrival rate, run the open loop "
+    "(`--mode open --rate R`), which sends on a Poisson schedule whatever the answers.")
+
+
 def markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"Load test: {c['mode']} loop"
@@ -28,6 +36,8 @@ def markdown(summary: dict) -> str:
                f"real ListOps (generate_long), target {c['url']}", "",
              "| N | variant | sent | ok | errors | p50 ms | p90 ms | p99 ms | req/s | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    if c["mode"] == "closed":
+        lines[1:1] = ["", CLOSED_LOOP_NOTE]
     for r in summary["rows"]:
         errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "-"
         if r["ok"]:

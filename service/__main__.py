@@ -1,4 +1,5 @@
-"""``python -m service``: run the service on the shipped checkpoint until Ctrl-C."""
+"""``python -m service``: run the service on the shipped checkpoint until Ctrl-C or SIGTERM,
+then drain (new requests 503, in-flight ones finish) and stop."""
 
 from __future__ import annotations
 
@@ -58,6 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         while not stop.wait(1.0):
             pass
+        # A second Ctrl-C / SIGTERM during the drain stops at once.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        drain_s = launch.drain_time_s(config)
+        print(f"mita-serve: draining: new requests get 503, in-flight ones finish (up to "
+              f"{drain_s:g} s, the Gateway's graceful_shutdown_timeout_s)", flush=True)
+        left = launch.drain(config, drain_s)
+        print(f"mita-serve: drained ({left} request(s) still in flight); stopping", flush=True)
     finally:
         launch.stop()
 

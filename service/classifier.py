@@ -10,6 +10,8 @@ Every request's stage times are recorded as metrics; the timings go back in the 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import ray
@@ -18,6 +20,8 @@ from ray import serve
 from .engine import ClassifierEngine
 from .metrics import ServiceMetrics, n_bucket
 from .schemas import ClassifierConfig, validated
+
+GAUGE_REFRESH_S = 5.0
 
 
 @serve.deployment
@@ -42,6 +46,11 @@ class Classifier:
             "gpu_ids": ray.get_runtime_context().get_accelerator_ids().get("GPU", [])}
         self.metrics = ServiceMetrics()
         self.deterministic = True
+        # Ray drops a gauge series that is not set for a while (~20 s), so the last peak
+        # memory is set again every few seconds while the replica lives.
+        self._peak: dict[tuple[str, str], int] = {}
+        threading.Thread(target=self._keep_gauges, daemon=True,
+                         name="peak-memory-gauge").start()
 
     def reconfigure(self, config: dict) -> None:
         """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``); a refusal
@@ -78,5 +87,14 @@ class Classifier:
             m.tokens.inc(n, {"variant": variant})
         m.flops.inc(profile["flops_total"], {"variant": variant})
         if profile["peak_memory_bytes"] is not None:
-            m.peak_memory.set(profile["peak_memory_bytes"],
-                              {"variant": variant, "kind": profile["peak_memory_kind"]})
+            self._peak[(variant, profile["peak_memory_kind"])] = profile["peak_memory_bytes"]
+            self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        for (variant, kind), value in list(self._peak.items()):
+            self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind})
+
+    def _keep_gauges(self, period_s: float = GAUGE_REFRESH_S) -> None:
+        while True:
+            time.sleep(period_s)
+            self._set_gauges()

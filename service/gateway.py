@@ -51,6 +51,7 @@ from .schemas import (
 from .stats import PrometheusError, StatsWindow, prometheus_summary, summarize
 
 VOCAB_SIZE = len(VOCAB)
+CLASSIFIER_DEPLOYMENTS = {"mita": "MiTAClassifier", "dense": "DenseClassifier"}  # service.app
 ID_DTYPE = np.uint8 if VOCAB_SIZE <= 256 else np.int32  # ids between deployments
 
 
@@ -273,6 +274,12 @@ async def check_body(request: Request, call_next):
     go on to routing: 404/405). Stamps the arrival time the response's ``pre_forward_ms`` and
     the request latency count from."""
     request.scope[ARRIVED] = time.time()
+    if replica_state.draining and request.url.path != "/healthz":
+        # shutting down: in-flight requests finish, new ones go elsewhere (liveness stays ok)
+        _count_refusal(request, 503)
+        retry = replica_state.gateway.config.retry_after_s if replica_state.gateway else 1
+        return _error(503, "the service is shutting down; retry on another instance",
+                      headers={"Retry-After": str(retry)})
     refusal = query_refusal(request)
     if refusal is not None:
         _count_refusal(request, refusal[0])
@@ -302,6 +309,11 @@ async def check_body(request: Request, call_next):
         if refusal is not None:
             _count_refusal(request, refusal[0])
             return _error(*refusal)
+        replica_state.inflight += 1
+        try:
+            return await call_next(request)
+        finally:
+            replica_state.inflight -= 1
     return await call_next(request)
 
 
@@ -540,6 +552,18 @@ class Gateway:
         return {"variants": dict(zip(VARIANTS, infos, strict=True)),
                 "ab_policy": json.loads(self.config.model_dump_json())}
 
+    def drain(self) -> int:
+        """Stop accepting: every new request (but ``/healthz``) gets 503 + Retry-After, and
+        ``/readyz`` says not ready, while the classify requests already inside finish.
+        Returns how many are in flight (``python -m service`` polls ``inflight`` until 0 or
+        its drain time passes, then shuts down)."""
+        replica_state.draining = True
+        return replica_state.inflight
+
+    def inflight(self) -> int:
+        """Classify requests inside this gateway replica now."""
+        return replica_state.inflight
+
     @app.get("/healthz")
     async def healthz(self) -> dict:
         """Liveness of the gateway."""
@@ -547,13 +571,21 @@ class Gateway:
 
     @app.get("/readyz", responses={503: {"model": ErrorResponse}})
     async def readyz(self) -> dict:
-        """Ready when both classifier deployments answer within 5 s."""
+        """Ready when each classifier deployment has a running replica, as Serve's controller
+        sees it (``serve.status()``: not a call to the classifiers, so the answer never waits
+        behind classify work in their queues). Not ready while draining."""
         try:
-            await self._infos(5.0)
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), 5.0)
+            app = status.applications[serve.get_replica_context().app_name]
+            running = {name: app.deployments[name].replica_states.get("RUNNING", 0)
+                       for name in CLASSIFIER_DEPLOYMENTS.values()}
         except Exception as e:  # any failure means not ready; say which
             why = str(e) or ("no answer within 5 s" if isinstance(e, asyncio.TimeoutError)
                              else "")
             raise ApiError(503, f"not ready: {type(e).__name__}: {why}"[:300]) from None
+        idle = [name for name, n in running.items() if not n]
+        if idle:
+            raise ApiError(503, f"not ready: no running replica of {', '.join(idle)}")
         return {"status": "ready", "variants": list(VARIANTS)}
 
     async def _variants(self) -> dict:

@@ -25,7 +25,13 @@ from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
 from . import PROJECT_ROOT
-from .schemas import AppArgs, ClassifierConfig, GatewayConfig, validated
+from .schemas import (
+    MAX_REQUEST_TIMEOUT_S,
+    AppArgs,
+    ClassifierConfig,
+    GatewayConfig,
+    validated,
+)
 
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
 # Prometheus file-SD lists, one per instance (named by its metrics port): a second instance on
@@ -81,6 +87,11 @@ def check_service_config(config: ServeDeploySchema) -> None:
     anything starts; Serve would otherwise refuse them only inside a replica. Raises
     ValueError naming the application, the deployment and each refused field. Applications
     of other import paths are left to Serve."""
+    timeout = config.http_options.request_timeout_s
+    if timeout is not None and not 0 < timeout <= MAX_REQUEST_TIMEOUT_S:
+        raise ValueError(f"http_options.request_timeout_s must be in (0, "
+                         f"{MAX_REQUEST_TIMEOUT_S:g}] s (the duration histograms' range), got "
+                         f"{timeout!r}")
     for app in config.applications:
         if app.import_path != "service.app:build_app":
             continue
@@ -250,6 +261,34 @@ def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"not running after {timeout_s:.0f} s: {states}")
         time.sleep(0.5)
+
+
+def drain_time_s(config: ServeDeploySchema) -> float:
+    """How long a shutdown lets in-flight requests finish: the Gateway deployment's
+    ``graceful_shutdown_timeout_s`` (Serve's own graceful-shutdown setting; 20 s when unset)."""
+    for app in config.applications:
+        for dep in app.deployments:
+            if dep.name == "Gateway":
+                value = dep.model_dump(exclude_unset=True).get("graceful_shutdown_timeout_s")
+                if isinstance(value, int | float):
+                    return float(value)
+    return 20.0
+
+
+def drain(config: ServeDeploySchema, timeout_s: float | None = None) -> int:
+    """Stop accepting (the gateway answers new requests 503 + Retry-After) and wait until the
+    classify requests inside have finished, at most ``timeout_s`` (default
+    ``drain_time_s(config)``). Returns how many were still in flight (0: none lost)."""
+    timeout_s = drain_time_s(config) if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    left = 0
+    for app in config.applications:
+        gateway = serve.get_deployment_handle("Gateway", app_name=app.name)
+        left = gateway.drain.remote().result(timeout_s=10)
+        while left > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = gateway.inflight.remote().result(timeout_s=10)
+    return left
 
 
 def stop() -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from .schemas import MAX_REQUEST_TIMEOUT_S
+
 # Upper edges of the sequence-length buckets (log-spaced, ×4); label value = the edge.
 N_BUCKET_EDGES = (1024, 4096, 16384, 65536, 262144, 1048576)
 N_BUCKETS = tuple(f"le_{e}" for e in N_BUCKET_EDGES)
@@ -38,9 +40,12 @@ def _one_two_five(lo_exp: int, hi: float) -> list[float]:
         e += 1
 
 
-# 10 µs … 60 s, three buckets per decade (1-2-5): fine enough for sub-millisecond GPU stages.
-DURATION_BUCKETS_S = _one_two_five(-5, 60.0)
-KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+# 10 µs … MAX_REQUEST_TIMEOUT_S (300 s), three buckets per decade (1-2-5): fine enough for
+# sub-millisecond GPU stages, and no duration the service allows (its request timeouts are
+# capped there) lands in +Inf, where histogram_quantile cannot place it.
+DURATION_BUCKETS_S = _one_two_five(-5, MAX_REQUEST_TIMEOUT_S)
+# KL in nats has no upper bound; past 100 nats the two answers are simply different.
+KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
 
 
 class ServiceMetrics:

@@ -12,3 +12,5 @@ from .schemas import GatewayConfig
 
 gateway = None  # the Gateway replica of this process, set in its __init__
 max_body_bytes: int = GatewayConfig().max_body_bytes  # kept in step by Gateway.reconfigure
+draining: bool = False  # set by Gateway.drain(): new requests get 503 + Retry-After
+inflight: int = 0  # classify requests inside the gateway now

@@ -8,6 +8,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    FiniteFloat,
     HttpUrl,
     StrictBool,
     StrictInt,
@@ -73,7 +74,8 @@ class StageProfile(BaseModel):
 
 class ClassifyResponse(BaseModel):
     label: int
-    probabilities: list[float]
+    probabilities: list[FiniteFloat] = Field(description="softmax of the logits, finite (a "
+                                             "forward with non-finite logits is a 500)")
     variant: Variant
     n: int
     model_id: str
@@ -89,6 +91,10 @@ class ErrorResponse(BaseModel):
     error: str
     detail: list | dict | None = None
 
+
+# The longest request any configuration may allow (gateway and HTTP proxy timeouts): the
+# duration histograms' last finite bucket (service.metrics).
+MAX_REQUEST_TIMEOUT_S = 300.0
 
 # Every configuration surface a person writes (Serve YAML user_config and application args):
 # unknown keys refused, no str -> bool / float -> int / str -> number coercion, numbers finite.
@@ -151,7 +157,7 @@ class GatewayConfig(BaseModel):
     max_n: int = Field(16384, ge=1, le=1_048_576)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_batch_items: int = Field(64, ge=1)
-    request_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0, le=MAX_REQUEST_TIMEOUT_S)
     retry_after_s: int = Field(1, ge=0)
     prometheus_url: HttpUrl | None = Field(
         None, description="Prometheus base URL (e.g. http://127.0.0.1:9090): /v1/stats and the "

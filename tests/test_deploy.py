@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -232,3 +233,31 @@ def test_each_instance_has_its_own_prometheus_sd_file(monkeypatch, tmp_path):
     assert shipped["scrape_configs"][0]["file_sd_configs"][0]["files"] == [
         "/tmp/mita-serve/prometheus/metrics-9100.json"]
     assert launch.DEFAULT_METRICS_PORT == 9100
+
+
+def test_duration_buckets_cover_every_allowed_timeout():
+    """No request duration the service allows lands in +Inf (histogram_quantile cannot place
+    it there): the last finite bucket is at least every timeout in the shipped configs (CPU,
+    GPU, KubeRay) and the largest a config may set; larger timeouts are refused."""
+    from service import launch
+    from service.metrics import DURATION_BUCKETS_S
+    from service.schemas import MAX_REQUEST_TIMEOUT_S, GatewayConfig
+
+    timeouts = []
+    for path in (launch.CPU_CONFIG, launch.GPU_CONFIG):
+        config = launch.load_config(path)
+        timeouts.append(config.http_options.request_timeout_s)
+        timeouts += [d.user_config["request_timeout_s"] for d in config.applications[0].deployments
+                     if d.name == "Gateway"]
+    rayservice = (DEPLOY / "kuberay" / "rayservice.yaml").read_text()  # serveConfigV2 is text
+    timeouts += [float(t) for t in re.findall(r"request_timeout_s:\s*(\d+)", rayservice)]
+    assert len(timeouts) >= 5 and max(timeouts) <= DURATION_BUCKETS_S[-1]
+    assert DURATION_BUCKETS_S[-1] == MAX_REQUEST_TIMEOUT_S == 300
+    assert GatewayConfig.model_fields["request_timeout_s"].metadata[-1].le == 300
+    with pytest.raises(ValueError, match="request_timeout_s: Input should be less than or "
+                                         "equal to 300"):
+        launch.load_config(launch.CPU_CONFIG,
+                           {"deployments": {"Gateway": {"user_config": {"request_timeout_s":
+                                                                         400}}}})
+    with pytest.raises(ValueError, match=r"http_options.request_timeout_s must be in \(0, 300\]"):
+        launch.load_config(launch.CPU_CONFIG, {"http_options": {"request_timeout_s": 600}})

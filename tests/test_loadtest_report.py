@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -70,3 +71,11 @@ def test_fused_and_sampled_staged_stage_medians_are_kept_apart():
     assert "| 1024 | mita (staged) |" in markdown(summarize(fused + staged, CFG))
     only_staged = summarize(staged, CFG)["rows"][0]  # backend torch: every forward staged
     assert list(only_staged["stages_ms"]) == ["mita"]
+
+
+def test_closed_loop_report_warns_of_coordinated_omission():
+    samples = [Sample(256, "mita", "mita", 200, 0.1 * i, 0.01) for i in range(3)]
+    closed = markdown(summarize(samples, CFG))
+    assert "coordinated omission" in closed and "--mode open --rate R" in closed
+    open_cfg = dataclasses.replace(CFG, mode="open")
+    assert "coordinated omission" not in markdown(summarize(samples, open_cfg))
