@@ -261,11 +261,13 @@ def test_histogram_percentiles_match_the_load_tester_and_peak_memory_stays(servi
         return edges[i] - edges[i - 1]
 
     selector = 'variant="dense", n_bucket="le_16384"'  # only this load's requests (2 min)
-    expr = ("histogram_quantile({q}, sum by (le) (increase("
-            f"ray_mita_serve_request_duration_seconds_bucket{{{selector}}}[2m])))")
+
+    def expr(q: float) -> str:
+        return (f"histogram_quantile({q}, sum by (le) (increase("
+                f"ray_mita_serve_request_duration_seconds_bucket{{{selector}}}[2m])))")
 
     def quantiles():
-        got = {q: query(prometheus, expr.format(q=q)) for q in (0.5, 0.99)}
+        got = {q: query(prometheus, expr(q)) for q in (0.5, 0.99)}
         count = query(prometheus, "sum(increase(ray_mita_serve_request_duration_seconds_count"
                                   f"{{{selector}}}[2m]))")
         # increase() extrapolates and misses what came before a series' first scrape: most of

@@ -599,22 +599,22 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
 
 
 def test_readiness_does_not_wait_behind_classify_work(service):
-    """With the MiTA classifier busy (20 long requests: 16 running, the rest queued), /readyz
+    """With the MiTA classifier busy (48 long requests: 16 running, the rest queued), /readyz
     answers 200 at once: it asks Serve's controller, not the classifiers (it called their
-    info() before, queued behind the work, and timed out into a 503 after 5 s)."""
+    info(), which queued behind the work)."""
     ids = encode(generate_long(16384, seed=6)[0])
 
     async def busy():
         async with httpx.AsyncClient(base_url=service.url, timeout=300) as c:
             work = [asyncio.ensure_future(c.post("/v1/classify", json={
-                "ids": ids, "variant": "mita"})) for _ in range(20)]
-            await asyncio.sleep(1.5)
+                "ids": ids, "variant": "mita"})) for _ in range(48)]
+            await asyncio.sleep(0.5)
             t0 = time.monotonic()
             ready = await c.get("/readyz")
             took = time.monotonic() - t0
             still_busy = sum(not w.done() for w in work)
             return ready, took, still_busy, await asyncio.gather(*work)
     ready, took, still_busy, answers = asyncio.run(busy())
-    assert still_busy >= 10  # the readiness call really overlapped the work
+    assert still_busy > 16  # the readiness call overlapped a full classifier queue
     assert ready.status_code == 200 and took < 2.0, (ready.text, took)
     assert all(r.status_code == 200 for r in answers)

@@ -293,7 +293,7 @@ def test_policy_helpers():
     assert kl_divergence([1.0, 0.0], [0.5, 0.5]) == pytest.approx(math.log(2))
     assert n_bucket(1) == "le_1024" and n_bucket(1025) == "le_4096"
     assert n_bucket(5_000_000) == "le_1048576"
-    assert DURATION_BUCKETS_S[0] == 1e-5 and DURATION_BUCKETS_S[-1] == 60.0
+    assert DURATION_BUCKETS_S[0] == 1e-5 and DURATION_BUCKETS_S[-1] == 300.0
     with pytest.raises(ValueError):
         GatewayConfig(weights={"mita": 0, "dense": 0})
 
