@@ -609,10 +609,10 @@ def test_readiness_does_not_wait_behind_classify_work(service):
             work = [asyncio.ensure_future(c.post("/v1/classify", json={
                 "ids": ids, "variant": "mita"})) for _ in range(48)]
             await asyncio.sleep(0.5)
+            still_busy = sum(not w.done() for w in work)
             t0 = time.monotonic()
             ready = await c.get("/readyz")
             took = time.monotonic() - t0
-            still_busy = sum(not w.done() for w in work)
             return ready, took, still_busy, await asyncio.gather(*work)
     ready, took, still_busy, answers = asyncio.run(busy())
     assert still_busy > 16  # the readiness call overlapped a full classifier queue
