@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# CUDA events whose timings were read, for reuse (list append/pop are atomic in CPython, so
-# concurrent timers in one process can share it).
-_FREE_EVENTS: list = []
+# CUDA events whose timings were read, for reuse, per device index (list append/pop are atomic
+# in CPython, so concurrent timers in one process can share them).
+_FREE_EVENTS: dict[int, list] = {}
 _MAX_FREE_EVENTS = 4096
 
 
@@ -104,11 +104,15 @@ class StageTimer:
         self._layer: int | None = None
         self._forward: tuple[object, object] | None = None
         self._resolved: tuple[list[StageRecord], float] | None = None
+        # events are per device: one free list per device index
+        self._free = _FREE_EVENTS.setdefault(
+            self.device.index if self.device.index is not None else
+            (torch.cuda.current_device() if self.cuda else -1), [])
 
     def _now(self):
         if self.cuda:
             try:  # a recycled event: creating one per stage boundary costs more than recording
-                event = _FREE_EVENTS.pop()
+                event = self._free.pop()
             except IndexError:
                 event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -162,10 +166,10 @@ class StageTimer:
                 self._forward[1].synchronize()
             records = [StageRecord(n, layer, self._ms(s, e)) for n, layer, s, e in self._marks]
             self._resolved = (records, self._ms(*self._forward))
-            if self.cuda and len(_FREE_EVENTS) < _MAX_FREE_EVENTS:
+            if self.cuda and len(self._free) < _MAX_FREE_EVENTS:
                 # every event completed (the last one did): they can be recorded again
-                _FREE_EVENTS.extend(e for _, _, s, t in self._marks for e in (s, t))
-                _FREE_EVENTS.extend(self._forward)
+                self._free.extend(e for _, _, s, t in self._marks for e in (s, t))
+                self._free.extend(self._forward)
         records, total_ms = self._resolved
         if self.cuda:
             peak = int(torch.cuda.max_memory_allocated(self.device))

@@ -98,8 +98,10 @@ class ClassifierEngine:
         set_mita_backend(self.model, mita_backend)
         self.backend = mita_backend
         # Unstaged forwards replay CUDA graphs per input shape (service.graphs; CUDA only).
-        self.graphs = (GraphCache(self.model) if cuda_graphs and self.device.type == "cuda"
-                       else None)
+        # The PyTorch MiTA stages read the device from the host (not capturable): no graphs.
+        capturable = attention == "dense" or mita_backend != "torch"
+        self.graphs = (GraphCache(self.model)
+                       if cuda_graphs and capturable and self.device.type == "cuda" else None)
         # Every staged_every-th forward (0: none) runs the PyTorch stages, each timed apart, so
         # dashboards see all seven MiTA stages while the rest run fused.
         self.staged_every = 0

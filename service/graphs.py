@@ -23,11 +23,14 @@ capture, eviction, static-buffer copies, output cloning) runs the same on the CP
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,7 +89,9 @@ class GraphCache:
         max_graphs: graphs kept; the least recently used is dropped beyond it.
         max_n: longest sequence captured.
     ``run(ids, mask)`` returns the logits from a replay, or None when the shape is not (yet)
-    captured — the caller then runs the plain forward.
+    captured — the caller then runs the plain forward. A shape whose capture fails (a forward
+    that synchronises with the host cannot be captured) is logged once and never tried
+    again.
     """
 
     def __init__(self, model: nn.Module, capture=cuda_capture, capture_after: int = 2,
@@ -97,6 +102,7 @@ class GraphCache:
         self.capture_after, self.max_graphs, self.max_n = capture_after, max_graphs, max_n
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.seen: dict[tuple, int] = {}
+        self.uncapturable: set[tuple] = set()  # capture failed once: plain forwards from now
         self.replays = 0
 
     def run(self, ids: Tensor, mask: Tensor | None) -> Tensor | None:
@@ -104,12 +110,22 @@ class GraphCache:
         if N > self.max_n:
             return None
         key = (B, N, mask is not None)
+        if key in self.uncapturable:
+            return None
         entry = self.graphs.get(key)
         if entry is None:
             self.seen[key] = self.seen.get(key, 0) + 1
             if self.seen[key] < self.capture_after:
                 return None
-            entry = self.capture(self.model, ids, mask)
+            try:
+                entry = self.capture(self.model, ids, mask)
+            except Exception as e:  # e.g. a forward that reads the device from the host
+                # (the PyTorch MiTA stages): serve it plain, and do not try this shape again
+                log.warning("CUDA graph capture of shape %s failed (%s: %s); running it "
+                            "without a graph", key, type(e).__name__, str(e)[:200])
+                self.uncapturable.add(key)
+                self.seen.pop(key, None)
+                return None
             self.graphs[key] = entry
             if len(self.graphs) > self.max_graphs:
                 dropped, _ = self.graphs.popitem(last=False)

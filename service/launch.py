@@ -278,7 +278,9 @@ def drain_time_s(config: ServeDeploySchema) -> float:
 def drain(config: ServeDeploySchema, timeout_s: float | None = None) -> int:
     """Stop accepting (the gateway answers new requests 503 + Retry-After) and wait until the
     classify requests inside have finished, at most ``timeout_s`` (default
-    ``drain_time_s(config)``). Returns how many were still in flight (0: none lost)."""
+    ``drain_time_s(config)``). Returns how many were still in flight (0: none lost).
+    The drain state lives in each gateway replica and a handle call reaches one of them: with
+    several Gateway replicas only one would drain (the shipped configs run one)."""
     timeout_s = drain_time_s(config) if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     left = 0

@@ -254,3 +254,26 @@ def test_non_finite_logits_give_an_error_not_a_label(batch):
         bad = engine.run(batch[:2], deterministic=deterministic)
         assert [sorted(r) for r in bad] == [["error", "model_id", "n", "profile", "variant"]] * 2
         assert bad[0]["error"] == "non-finite logits (NaN or infinity) from the model"
+
+
+def test_a_failed_graph_capture_falls_back_to_plain_forwards(batch):
+    """A forward that cannot be captured (one that reads the device from the host, as the
+    PyTorch MiTA stages do) must not fail requests: the shape is served plain, logged once and
+    never tried again."""
+    from service.graphs import GraphCache
+
+    calls = []
+
+    def failing_capture(model, ids, mask):
+        calls.append(ids.shape)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    plain = ClassifierEngine(CHECKPOINT, "dense", "cpu", "auto", "float32")
+    engine = ClassifierEngine(CHECKPOINT, "dense", "cpu", "auto", "float32")
+    engine.graphs = GraphCache(engine.model, capture=failing_capture)
+    seqs = [batch[0]] * 4
+    got = engine.run(seqs)
+    assert probs(got).tolist() == probs(plain.run(seqs)).tolist()
+    assert not any(r["profile"]["cuda_graph"] for r in got)
+    assert calls == [(1, len(batch[0]))]  # tried once, at the 2nd sighting
+    assert engine.graphs.uncapturable == {(1, len(batch[0]), False)}
