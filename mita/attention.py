@@ -581,8 +581,8 @@ def _triton_path(q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_scal
     (``fused_attention``: gather fused, routed keys read by index). No host synchronisation.
     """
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the Triton MiTA kernels need CUDA tensors (or TRITON_INTERPRET=1 "
-                         "for the CPU interpreter); use backend='torch' on CPU")
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the "
+                         "CPU interpreter); use backend='torch' on CPU")
     from .kernels import fused_attention, routing
 
     d = q.shape[-1]
