@@ -76,6 +76,8 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeployS
     return config
 
 
+MAX_DRAIN_S = 600.0  # longest drain (graceful_shutdown_timeout_s) a config may ask for
+
 # The project's own schema for each deployment's user_config (service.app builds these names).
 USER_CONFIGS = {"Gateway": GatewayConfig, "MiTAClassifier": ClassifierConfig,
                 "DenseClassifier": ClassifierConfig}
@@ -97,6 +99,12 @@ def check_service_config(config: ServeDeploySchema) -> None:
             continue
         validated(AppArgs, app.args, f"application {app.name!r} args")
         for dep in app.deployments:
+            grace = dep.model_dump(exclude_unset=True).get("graceful_shutdown_timeout_s")
+            if isinstance(grace, int | float) and not 0 <= grace <= MAX_DRAIN_S:
+                # Ray accepts .inf: a shutdown would then wait forever on a stuck request
+                raise ValueError(f"application {app.name!r} deployment {dep.name!r}: "
+                                 f"graceful_shutdown_timeout_s must be in [0, {MAX_DRAIN_S:g}] "
+                                 f"s, got {grace!r}")
             schema = USER_CONFIGS.get(dep.name)
             if schema is None:
                 raise ValueError(f"application {app.name!r}: no deployment named {dep.name!r} "

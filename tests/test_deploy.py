@@ -142,6 +142,18 @@ def test_every_user_config_is_parsed_strictly(user_configs, message):
     assert message in str(refused.value)
 
 
+@pytest.mark.parametrize("grace", [float("inf"), 601])
+def test_drain_time_is_finite_and_bounded(grace):
+    """Ray accepts graceful_shutdown_timeout_s: .inf; a shutdown would then wait forever."""
+    from service import launch
+
+    with pytest.raises(ValueError, match=r"deployment 'Gateway': graceful_shutdown_timeout_s "
+                                         r"must be in \[0, 600\] s"):
+        launch.load_config(launch.CPU_CONFIG, {"deployments": {"Gateway": {
+            "graceful_shutdown_timeout_s": grace}}})
+    assert launch.drain_time_s(launch.load_config(launch.CPU_CONFIG)) == 30.0
+
+
 def test_shipped_configs_parse_and_unknown_deployments_are_refused():
     from service import launch
     from service.schemas import ClassifierConfig
