@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 CHECKPOINT = "checkpoints/listops-default"
 
@@ -112,6 +113,16 @@ def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None
         info = service.client.get("/v1/models").json()["variants"][variant]
         return all(info.get(k) == v for k, v in user_config.items())
     assert wait_for(applied)
+
+
+def counter(text: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
 
 
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import yaml
 from loadtest.engine import LoadConfig, check_loopback, run_load, summarize
 from loadtest.report import write
 
-from .conftest import free_port, set_gateway, wait_for
+from .conftest import counter, free_port, set_gateway, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -246,39 +247,55 @@ def test_histogram_percentiles_match_the_load_tester_and_peak_memory_stays(servi
     tester's raw-sample percentiles within the width of the bucket the raw value falls in
     (the client's latency adds its HTTP round trip, well under a bucket at these sizes). Then
     the peak-memory gauge stays on /metrics for 30 s without requests (it vanished ~20 s after
-    the last request)."""
+    the last request).
+
+    The increase is taken between two scraped states, exactly (bucket values now minus the
+    same at t0, PromQL's @ modifier), not by ``increase(...[2m])``: that extrapolates, misses
+    what came before a series' first scrape, and on a slow 2-core CI box the load outlasted
+    the window (CI failed with no quantiles)."""
     from service.metrics import DURATION_BUCKETS_S
 
+    labels = {"variant": "dense", "n_bucket": "le_16384"}
+    selector = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+    count_name = "ray_mita_serve_request_duration_seconds_count"
     cfg = LoadConfig(url=service.url, ns=[5000], variants=["dense"], concurrency=2,
                      requests=40, warmup=0, duration_s=90)
+
+    def prom_count() -> float | None:
+        got = query(prometheus, f"sum({count_name}{{{selector}}})")
+        return float(got[0]["value"][1]) if got else None
+
+    def scraped(want: float | None = None):
+        """The count on /metrics, once it has held still for 3 s (the endpoint exports every
+        0.5 s) and Prometheus's latest sample equals it; ``want``: only that count."""
+        now = counter(service.metrics_text(), count_name, **labels)
+        time.sleep(3)
+        same = counter(service.metrics_text(), count_name, **labels) == now
+        ok = same and now > 0 and prom_count() == now and want in (None, now)
+        return now if ok else None
+
+    # One request first, so the series exists in Prometheus before the measured load.
+    asyncio.run(run_load(dataclasses.replace(cfg, requests=1)))
+    c0 = wait_for(scraped, timeout_s=60)
+    assert c0, "the priming request never reached Prometheus"
+    t0 = time.time()
     samples = asyncio.run(run_load(cfg))
     assert all(s.status == 200 for s in samples)
     lat = np.array([s.latency_s for s in samples])
+    assert wait_for(lambda: scraped(c0 + len(lat)), timeout_s=60), (
+        "the load's requests never all reached Prometheus")
     edges = [0.0, *DURATION_BUCKETS_S]
 
     def width(x):  # of the bucket holding x
         i = next(i for i, e in enumerate(edges) if e >= x)
         return edges[i] - edges[i - 1]
 
-    selector = 'variant="dense", n_bucket="le_16384"'  # only this load's requests (2 min)
-
-    def expr(q: float) -> str:
-        return (f"histogram_quantile({q}, sum by (le) (increase("
-                f"ray_mita_serve_request_duration_seconds_bucket{{{selector}}}[2m])))")
-
-    def quantiles():
-        got = {q: query(prometheus, expr(q)) for q in (0.5, 0.99)}
-        count = query(prometheus, "sum(increase(ray_mita_serve_request_duration_seconds_count"
-                                  f"{{{selector}}}[2m]))")
-        # increase() extrapolates and misses what came before a series' first scrape: most of
-        # the requests, and none from elsewhere
-        if all(got.values()) and count and (
-                0.8 * len(lat) <= float(count[0]["value"][1]) <= 1.25 * len(lat)):
-            return {q: float(r[0]["value"][1]) for q, r in got.items()}
-        return None
-    prom = wait_for(quantiles, timeout_s=60)
-    assert prom, "no histogram quantiles from Prometheus"
-    for q, value in prom.items():
+    bucket = f"ray_mita_serve_request_duration_seconds_bucket{{{selector}}}"
+    increase = f"(sum by (le) ({bucket}) - sum by (le) ({bucket} @ {t0:.3f}))"
+    prom = {q: query(prometheus, f"histogram_quantile({q}, {increase})") for q in (0.5, 0.99)}
+    assert all(prom.values()), prom
+    for q, result in prom.items():
+        value = float(result[0]["value"][1])
         raw = float(np.percentile(lat, 100 * q))
         assert abs(value - raw) <= width(raw), (q, value, raw, width(raw))
 
