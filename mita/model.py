@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -30,6 +31,13 @@ log = logging.getLogger(__name__)
 
 ATTENTIONS = ("dense", "mita")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+# Largest value of each size field: a config.json beyond these asks for more memory than any
+# machine has, and is refused before anything is allocated.
+LIMITS = {"vocab_size": 1 << 20, "num_classes": 1 << 16, "dim": 16384, "depth": 256,
+          "num_heads": 256, "ffn_dim": 1 << 17, "max_len": 1 << 24, "num_landmarks": 1 << 16,
+          "topk": 1 << 24, "route_topk": 1 << 16}
 
 
 @dataclass(frozen=True)
@@ -51,11 +59,15 @@ class ModelConfig:
     shared_scale: str = "paper"
 
     def __post_init__(self):
-        for name in ("vocab_size", "num_classes", "dim", "depth", "num_heads", "ffn_dim",
-                     "max_len", "num_landmarks", "topk", "route_topk"):
+        for name, most in LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ValueError(f"config field {name!r} must be an int in [1, {most}], got "
+                                 f"{value!r}")
+        for name in ("num_landmarks", "topk"):
+            if getattr(self, name) > self.max_len:
+                raise ValueError(f"config field {name!r} ({getattr(self, name)}) exceeds "
+                                 f"'max_len' ({self.max_len})")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"config field 'attention' must be one of {ATTENTIONS}, "
                              f"got {self.attention!r}")
@@ -246,16 +258,24 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     if expected != actual:
         raise ValueError(f"{weights_path}: SHA-256 {actual} does not match config.json's "
                          f"weights_sha256 {expected}; refusing to load")
+    # Names and shapes first, from a model on the meta device and the file's header: a
+    # config that does not fit the weights is refused before its parameters are allocated.
+    with torch.device("meta"):
+        want = {n: tuple(t.shape) for n, t in EncoderClassifier(cfg).state_dict().items()}
+    with safe_open(weights_path, framework="pt") as f:
+        have = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    wrong = sorted(f"{n}: checkpoint {have[n]} vs config {want[n]}"
+                   for n in set(want) & set(have) if have[n] != want[n])
+    if missing or unexpected or wrong:
+        def few(names: list[str]) -> str:  # a wrong depth would list thousands
+            return f"{len(names)} {names[:4]}{' ...' if len(names) > 4 else ''}"
+        raise ValueError(f"{weights_path} does not fit the config: missing {few(missing)}, "
+                         f"unexpected {few(unexpected)}, shape mismatch {few(wrong)}")
     model = EncoderClassifier(cfg)
     state = load_file(weights_path, device=str(device))
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(f"{n}: checkpoint {tuple(state[n].shape)} vs config {tuple(own[n].shape)}"
-                   for n in set(own) & set(state) if state[n].shape != own[n].shape)
-    if missing or unexpected or wrong:
-        raise ValueError(f"{weights_path} does not fit the config: missing {missing}, "
-                         f"unexpected {unexpected}, shape mismatch {wrong}")
     check_weights(state, own, weights_path)
     model.load_state_dict(state)
     return model.to(device).eval()

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+from .attention import SHARED_SCALES
 from .data.listops import PAD_ID, ListOpsConfig, encode, generate
 from .model import ATTENTIONS, EncoderClassifier, ModelConfig, save_checkpoint
 
@@ -98,18 +99,27 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch threads (0: all cores)")
     for f in dataclasses.fields(ModelConfig):
         if f.name in ("dim", "depth", "num_heads", "ffn_dim", "num_landmarks", "topk",
-                      "route_topk", "shared_scale"):
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
+                      "route_topk"):
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=POSITIVE_INT,
                            default=f.default)
+    p.add_argument("--shared-scale", choices=SHARED_SCALES, default=ModelConfig.shared_scale)
     args = p.parse_args(argv)
     if args.seed + 1 >= TEST_SEED:
         p.error(f"--seed must be below {TEST_SEED - 1} (the test seed)")
+    try:  # before generating data: a config that cannot be built is refused at once
+        data_cfg = ListOpsConfig(min_length=args.min_length, max_length=args.max_length)
+        cfg = ModelConfig(dim=args.dim, depth=args.depth, num_heads=args.num_heads,
+                          ffn_dim=args.ffn_dim, num_landmarks=args.num_landmarks,
+                          topk=args.topk, route_topk=args.route_topk,
+                          shared_scale=args.shared_scale,
+                          attention="mita" if args.mode == "mixed" else args.mode)
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
-    data_cfg = ListOpsConfig(min_length=args.min_length, max_length=args.max_length)
     t0 = time.perf_counter()
     train = encoded(generate(args.train_size, args.seed, data_cfg))
     val = encoded(generate(args.val_size, args.seed + 1, data_cfg))
@@ -117,10 +127,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"generated {len(train)}/{len(val)}/{len(test)} ListOps examples in "
           f"{time.perf_counter() - t0:.0f} s")
 
-    cfg = ModelConfig(dim=args.dim, depth=args.depth, num_heads=args.num_heads,
-                      ffn_dim=args.ffn_dim, num_landmarks=args.num_landmarks, topk=args.topk,
-                      route_topk=args.route_topk, shared_scale=args.shared_scale,
-                      attention="mita" if args.mode == "mixed" else args.mode)
     models = {cfg.attention: EncoderClassifier(cfg)}
     other = "dense" if cfg.attention == "mita" else "mita"
     models[other] = tied_variant(models[cfg.attention], other)

@@ -36,10 +36,14 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--budget-s", type=POSITIVE_FLOAT, default=60.0, help="time budget per point")
     s.add_argument("--out", type=Path, default=Path("runs/sweep"))
     a = p.parse_args(argv)
-    cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
-                      dim=a.dim, num_heads=a.heads, ffn_dim=a.ffn_dim, route_topk=a.route_topk,
-                      batch=a.batch, device=a.device, dtype=a.dtype, warmup=a.warmup,
-                      repeats=a.repeats, budget_s=a.budget_s, mita_backend=a.mita_backend)
+    try:
+        cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
+                          dim=a.dim, num_heads=a.heads, ffn_dim=a.ffn_dim,
+                          route_topk=a.route_topk, batch=a.batch, device=a.device,
+                          dtype=a.dtype, warmup=a.warmup, repeats=a.repeats,
+                          budget_s=a.budget_s, mita_backend=a.mita_backend)
+    except ValueError as e:
+        p.error(str(e))
     rows = run_sweep(cfg)
     files = write_outputs(rows, cfg, a.out)
     print(markdown(rows))

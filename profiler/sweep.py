@@ -40,6 +40,8 @@ def landmarks_for(n: int, setting: str) -> tuple[int, int]:
         m, k = (int(x) for x in setting.lower().split("x"))
     except ValueError:
         raise ValueError(f"setting {setting!r} is neither 'fig5' nor 'MxK'") from None
+    if m < 1 or k < 1:
+        raise ValueError(f"setting {setting!r}: m and k must be at least 1")
     return m, k
 
 
@@ -61,6 +63,26 @@ class SweepConfig:
     budget_s: float = 60.0
     seed: int = 0
     mita_backend: str = "auto"  # "torch": every stage apart; "cpu"/"triton": fused kernels
+
+    def __post_init__(self):
+        """Refuse (ValueError) what would fail only at the first point: a setting that is
+        neither fig5 nor MxK, a device torch cannot use here, model sizes ModelConfig
+        refuses."""
+        for setting in self.settings:
+            landmarks_for(1024, setting)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a torch device (cpu, cuda, "
+                             "cuda:N)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch ({torch.__version__}) "
+                             "sees no CUDA device")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: the sweep runs on cpu or cuda")
+        ModelConfig(dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+                    ffn_dim=self.ffn_dim, num_landmarks=self.route_topk,
+                    route_topk=self.route_topk)
 
 
 def _run_point(model: EncoderClassifier, ids: torch.Tensor, warmup: int, repeats: int,

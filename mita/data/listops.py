@@ -36,6 +36,11 @@ class ListOpsConfig:
     max_depth: int = 10
     max_args: int = 10
 
+    def __post_init__(self):
+        if self.min_length + 1 >= self.max_length:
+            raise ValueError(f"empty length range ({self.min_length}, {self.max_length}): "
+                             "need min_length + 1 < max_length (both exclusive)")
+
 
 def _generate_tree(rng: random.Random, depth: int, cfg: ListOpsConfig):
     """A tree as nested lists ``[op, child, …]`` or an int digit, and its token length."""
@@ -81,8 +86,6 @@ def generate(num: int, seed: int, cfg: ListOpsConfig = ListOpsConfig()) -> list[
     ``label`` is the value 0-9. Trees are drawn until ``num`` distinct ones fall strictly
     inside ``(min_length, max_length)``.
     """
-    if cfg.min_length + 1 >= cfg.max_length:
-        raise ValueError(f"empty length range ({cfg.min_length}, {cfg.max_length})")
     rng = random.Random(seed)
     seen: set[str] = set()
     out: list[tuple[str, int]] = []
