@@ -32,18 +32,28 @@ def main(argv: list[str] | None = None) -> None:
     try:  # refuse before starting Ray: a bad config, checkpoint or busy port would only
         # fail inside a replica or after Ray's start-up timeout
         config = launch.load_config(a.config or launch.default_config())
+        launch.check_devices(config)
         launch.check_ports_free(config, a.metrics_port)
         launch.verify_checkpoints(config)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
-    launch.prebuild_cpu_kernels(config)  # once here, not in each replica
+    except KeyboardInterrupt:
+        raise SystemExit("mita-serve: interrupted before start-up") from None
     needed = launch.gpus_needed(launch.replica_gpus(config))
     if needed > launch.local_gpu_count():
         print(f"mita-serve: warning: the config's minimum replicas need {needed} GPU(s), this "
               f"machine has {launch.local_gpu_count()}; replicas that do not fit stay pending "
               "(see the num_gpus note in deploy/serve_config.gpu.yaml)", flush=True)
-    url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
-                       dashboard_host=a.dashboard_host)
+    try:
+        launch.prebuild_cpu_kernels(config)  # once here, not in each replica
+        url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
+                           dashboard_host=a.dashboard_host)
+    except KeyboardInterrupt:
+        launch.stop()  # Ray may be half started: its processes go too
+        raise SystemExit("mita-serve: interrupted during start-up; stopped") from None
+    except RuntimeError as e:  # an application failed to deploy, or start-up timed out
+        launch.stop()
+        raise SystemExit(f"mita-serve: could not start: {e}") from None
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")

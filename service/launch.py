@@ -9,6 +9,7 @@ export port and interval, and binding Ray to loopback.
 from __future__ import annotations
 
 import copy
+import errno
 import ipaddress
 import json
 import math
@@ -18,20 +19,15 @@ from pathlib import Path
 
 import ray
 import torch
-import yaml
+from pydantic import ValidationError
 from ray import serve
 from ray._private import ray_constants
 from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
 from . import PROJECT_ROOT
-from .schemas import (
-    MAX_REQUEST_TIMEOUT_S,
-    AppArgs,
-    ClassifierConfig,
-    GatewayConfig,
-    validated,
-)
+from .config_file import check_serve_file, read_yaml
+from .schemas import AppArgs, ClassifierConfig, GatewayConfig, describe_errors, validated
 
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
 # Prometheus file-SD lists, one per instance (named by its metrics port): a second instance on
@@ -56,8 +52,13 @@ def default_config() -> Path:
 def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeploySchema:
     """Read a Serve config file and apply ``overrides``: ``{"http_options": {...},
     "args": {...}, "deployments": {name: {field: value}}}`` merged into the first (only)
-    application. Raises pydantic's ValidationError on an invalid config."""
-    raw = yaml.safe_load(Path(path).read_text())
+    application. The file and the merged result are parsed strictly (``config_file``: no
+    duplicate keys, no unknown keys, finite bounded numbers), then by Serve's
+    ``ServeDeploySchema`` and this service's own schemas (``check_service_config``).
+    Raises OSError when the file cannot be read, ValueError naming the file and each refused
+    field."""
+    raw = read_yaml(path)
+    check_serve_file(raw, str(path))
     overrides = overrides or {}
     raw.setdefault("http_options", {}).update(overrides.get("http_options", {}))
     app = raw["applications"][0]
@@ -71,12 +72,18 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeployS
             else:
                 target[key] = value
     app["deployments"] = list(by_name.values())
-    config = ServeDeploySchema.model_validate(raw)
-    check_service_config(config)
+    if overrides:
+        check_serve_file(raw, f"{path} with overrides")
+    try:
+        config = ServeDeploySchema.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(f"{path}: {describe_errors(e)}") from None
+    try:
+        check_service_config(config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return config
 
-
-MAX_DRAIN_S = 600.0  # longest drain (graceful_shutdown_timeout_s) a config may ask for
 
 # The project's own schema for each deployment's user_config (service.app builds these names).
 USER_CONFIGS = {"Gateway": GatewayConfig, "MiTAClassifier": ClassifierConfig,
@@ -89,22 +96,11 @@ def check_service_config(config: ServeDeploySchema) -> None:
     anything starts; Serve would otherwise refuse them only inside a replica. Raises
     ValueError naming the application, the deployment and each refused field. Applications
     of other import paths are left to Serve."""
-    timeout = config.http_options.request_timeout_s
-    if timeout is not None and not 0 < timeout <= MAX_REQUEST_TIMEOUT_S:
-        raise ValueError(f"http_options.request_timeout_s must be in (0, "
-                         f"{MAX_REQUEST_TIMEOUT_S:g}] s (the duration histograms' range), got "
-                         f"{timeout!r}")
     for app in config.applications:
         if app.import_path != "service.app:build_app":
             continue
         validated(AppArgs, app.args, f"application {app.name!r} args")
         for dep in app.deployments:
-            grace = dep.model_dump(exclude_unset=True).get("graceful_shutdown_timeout_s")
-            if isinstance(grace, int | float) and not 0 <= grace <= MAX_DRAIN_S:
-                # Ray accepts .inf: a shutdown would then wait forever on a stuck request
-                raise ValueError(f"application {app.name!r} deployment {dep.name!r}: "
-                                 f"graceful_shutdown_timeout_s must be in [0, {MAX_DRAIN_S:g}] "
-                                 f"s, got {grace!r}")
             schema = USER_CONFIGS.get(dep.name)
             if schema is None:
                 raise ValueError(f"application {app.name!r}: no deployment named {dep.name!r} "
@@ -159,11 +155,19 @@ def check_ports_free(config: ServeDeploySchema, metrics_port: int) -> None:
     http = config.http_options
     for host, port, where in ((http.host, http.port, "http_options.port in the config"),
                               ("127.0.0.1", metrics_port, "--metrics-port")):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        except socket.gaierror as e:
+            raise OSError(f"http_options.host {host!r} in the config is not an address of "
+                          f"this machine ({e.strerror})") from None
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); check "
+                                  f"http_options.host and {where}") from None
                 raise OSError(f"port {port} on {host} is in use ({e.strerror}): another "
                               f"instance, or another program; choose a free one with "
                               f"{where}") from None
@@ -220,8 +224,33 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
 
     for app in config.applications:
         checkpoint = (app.args or {}).get("checkpoint")
-        if checkpoint is not None:
-            load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
+        if checkpoint is None:
+            continue
+        model = load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
+        gateway = next((d for d in app.deployments if d.name == "Gateway"), None)
+        max_n = GatewayConfig.model_validate(
+            gateway.user_config if gateway and isinstance(gateway.user_config, dict) else {}
+        ).max_n
+        if model.config.max_len < max_n:
+            raise ValueError(f"checkpoint {checkpoint}: its max_len ({model.config.max_len}) "
+                             f"is below the Gateway's max_n ({max_n}): requests between "
+                             f"them would be accepted and then fail; lower max_n")
+
+
+def check_devices(config: ServeDeploySchema) -> None:
+    """Refuse (ValueError) an application ``device`` this machine's torch cannot use
+    (``cuda`` without CUDA, ``cuda:N`` past the last GPU); replicas would otherwise fail one
+    after another once Ray has started."""
+    count = local_gpu_count()
+    for app in config.applications:
+        device = str((app.args or {}).get("device", "auto"))
+        if not device.startswith("cuda"):
+            continue
+        index = torch.device(device).index or 0
+        if index >= count:
+            raise ValueError(f"application {app.name!r} args: device {device!r}, but this "
+                             f"machine's torch ({torch.__version__}) sees {count} CUDA "
+                             f"device(s); use device: auto or cpu")
 
 
 def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -125,16 +125,22 @@ class ClassifierConfig(BaseModel):
     max_batch_size: int = Field(8, ge=1, le=1024)
     batch_wait_timeout_s: float = Field(0.005, ge=0, le=10)
     deterministic: bool = True
-    staged_profile_every: int = Field(100, ge=0, description="a fused MiTA backend times "
-                                      "every stage apart on one forward in this many; 0: only "
-                                      "on requests that ask")
+    staged_profile_every: int = Field(
+        100, ge=0, le=1_000_000, description="a fused MiTA backend times every stage apart on "
+                                             "one forward in this many; 0: only on requests "
+                                             "that ask")
 
 
 def describe_errors(error: ValidationError) -> str:
-    """One line per refused field: ``field: message (got value)``."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '(whole)'}: {e['msg']} (got {e['input']!r})"
-        for e in error.errors())
+    """One line per refused field: ``field: message (got value)``; a mapping or list value
+    is not repeated, a long value is cut."""
+    def got(value) -> str:
+        if isinstance(value, dict | list):
+            return ""
+        text = repr(value)
+        return f" (got {text if len(text) <= 80 else text[:77] + '...'})"
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(whole)'}: {e['msg']}"
+                     f"{got(e['input'])}" for e in error.errors())
 
 
 def validated(model: type[BaseModel], values: dict | None, where: str) -> BaseModel:
@@ -151,14 +157,17 @@ class GatewayConfig(BaseModel):
 
     model_config = STRICT_CONFIG
 
-    weights: dict[Variant, float] = Field(default_factory=lambda: {"mita": 0.5, "dense": 0.5})
-    sticky_header: str = "x-client-key"
+    # Each weight at most 1e6, so that their sum stays finite.
+    weights: dict[Variant, Annotated[float, Field(ge=0, le=1e6)]] = Field(
+        default_factory=lambda: {"mita": 0.5, "dense": 0.5})
+    sticky_header: str = Field("x-client-key", pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$",
+                               description="an HTTP header name (RFC 9110 token)")
     shadow: bool = False
     max_n: int = Field(16384, ge=1, le=1_048_576)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    max_batch_items: int = Field(64, ge=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    max_batch_items: int = Field(64, ge=1, le=4096)
     request_timeout_s: float = Field(120.0, gt=0, le=MAX_REQUEST_TIMEOUT_S)
-    retry_after_s: int = Field(1, ge=0)
+    retry_after_s: int = Field(1, ge=0, le=3600)
     prometheus_url: HttpUrl | None = Field(
         None, description="Prometheus base URL (e.g. http://127.0.0.1:9090): /v1/stats and the "
                           "dashboard then query it; unset: the gateway's own recent records")

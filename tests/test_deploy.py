@@ -147,8 +147,9 @@ def test_drain_time_is_finite_and_bounded(grace):
     """Ray accepts graceful_shutdown_timeout_s: .inf; a shutdown would then wait forever."""
     from service import launch
 
-    with pytest.raises(ValueError, match=r"deployment 'Gateway': graceful_shutdown_timeout_s "
-                                         r"must be in \[0, 600\] s"):
+    with pytest.raises(ValueError, match=r"deployments.0.graceful_shutdown_timeout_s: Input "
+                                         r"should be (a finite number|less than or equal to "
+                                         r"600)"):
         launch.load_config(launch.CPU_CONFIG, {"deployments": {"Gateway": {
             "graceful_shutdown_timeout_s": grace}}})
     assert launch.drain_time_s(launch.load_config(launch.CPU_CONFIG)) == 30.0
@@ -177,6 +178,19 @@ def test_shipped_configs_parse_and_unknown_deployments_are_refused():
     (["-m", "mita.train", "--lr", "-1"], "--lr: -1 is outside (0.0, inf]"),
     (["-m", "mita.evaluate", "checkpoints/listops-default", "--test-size", "2.5"],
      "--test-size: '2.5' is not a valid int"),
+    # Each of these was a traceback (ValueError / RuntimeError / AssertionError) after start.
+    (["-m", "mita.train", "--out", "/nonexistent/x", "--dim", "63"],
+     "config field 'dim' (63) must be even and divisible by num_heads (2)"),
+    (["-m", "mita.train", "--out", "/nonexistent/x", "--shared-scale", ""],
+     "--shared-scale: invalid choice: ''"),
+    (["-m", "mita.train", "--out", "/nonexistent/x", "--min-length", "500"],
+     "empty length range (500, 500)"),
+    (["-m", "profiler", "sweep", "--settings", "garbage"],
+     "setting 'garbage' is neither 'fig5' nor 'MxK'"),
+    (["-m", "profiler", "sweep", "--settings", "0x64"], "m and k must be at least 1"),
+    (["-m", "profiler", "sweep", "--device", "gpu"], "device 'gpu' is not a torch device"),
+    (["-m", "profiler", "sweep", "--heads", "3"], "'dim' (128) must be even and divisible by "
+                                                  "num_heads (3)"),
 ])
 def test_command_line_numbers_are_parsed_strictly(argv, message):
     """Every numeric CLI flag is finite and in range (``mita.argtypes``); argparse exits 2
@@ -219,8 +233,9 @@ def test_busy_port_and_bad_config_refused_before_ray_starts(tmp_path):
     done = subprocess.run([sys.executable, "-m", "service", "--config", str(tmp_path / "bad.yaml")],
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 1
-    assert ("refusing to start: application 'mita-serve' deployment 'MiTAClassifier' "
-            "user_config: deterministic: Input should be a valid boolean") in done.stderr
+    assert (f"refusing to start: {tmp_path / 'bad.yaml'}: application 'mita-serve' deployment "
+            "'MiTAClassifier' user_config: deterministic: Input should be a valid boolean"
+            ) in done.stderr
 
 
 def test_each_instance_has_its_own_prometheus_sd_file(monkeypatch, tmp_path):
@@ -271,5 +286,122 @@ def test_duration_buckets_cover_every_allowed_timeout():
         launch.load_config(launch.CPU_CONFIG,
                            {"deployments": {"Gateway": {"user_config": {"request_timeout_s":
                                                                          400}}}})
-    with pytest.raises(ValueError, match=r"http_options.request_timeout_s must be in \(0, 300\]"):
+    with pytest.raises(ValueError, match=r"http_options.request_timeout_s: Input should be "
+                                         r"less than or equal to 300"):
         launch.load_config(launch.CPU_CONFIG, {"http_options": {"request_timeout_s": 600}})
+
+
+SHIPPED = (DEPLOY / "serve_config.yaml").read_text()
+# (the shipped CPU config edited, the refusal's text). Before the strict file schema
+# (service.config_file) the first five were tracebacks from python -m service (ParserError,
+# AttributeError, KeyError, IndexError, KeyError) and the rest were accepted silently.
+BAD_FILES = [
+    ("applications: [\n", "not valid YAML: while parsing a flow node"),
+    ("", "expected a mapping with 'applications', got NoneType"),
+    ("http_options: {port: 8000}\n", "applications: Field required"),
+    ("applications: []\n", "applications: List should have at least 1 item"),
+    (SHIPPED.replace("- name: Gateway", "- graceful_shutdown_wait_loop_s: 1"),
+     "applications.0.deployments.0.name: Field required"),
+    (SHIPPED.replace("port: 8000", "port: 70000"),
+     "http_options.port: Input should be less than or equal to 65535 (got 70000)"),
+    (SHIPPED.replace("port: 8000", "port: '8000'"),
+     "http_options.port: Input should be a valid integer (got '8000')"),
+    (SHIPPED.replace("port: 8000", "prot: 8000"),
+     "http_options.prot: Extra inputs are not permitted"),
+    (SHIPPED.replace("route_prefix:", "route_prefx:"),
+     "applications.0.route_prefx: Extra inputs are not permitted"),
+    (SHIPPED.replace("num_cpus: 0.25", "num_cpu: 0.25"),
+     "applications.0.deployments.0.ray_actor_options.num_cpu: Extra inputs are not permitted"),
+    (SHIPPED.replace("max_replicas: 2", "max_replica: 2", 1),
+     "deployments.1.autoscaling_config.max_replica: Extra inputs are not permitted"),
+    (SHIPPED.replace("graceful_shutdown_timeout_s: 30", "graceful_shutdown_timeout: 30", 1),
+     "deployments.0.graceful_shutdown_timeout: Extra inputs are not permitted"),
+    (SHIPPED.replace("port: 8000", "port: 8000\n  port: 8001"), "duplicate key 'port'"),
+    (SHIPPED.replace("- name: DenseClassifier", "- name: MiTAClassifier"),
+     "deployment(s) MiTAClassifier listed more than once"),
+    (SHIPPED.replace("health_check_period_s: 2", "health_check_period_s: .inf", 1),
+     "deployments.1.health_check_period_s: Input should be a finite number"),
+    (SHIPPED.replace("target_ongoing_requests: 8", "target_ongoing_requests: .nan", 1),
+     "autoscaling_config.target_ongoing_requests: Input should be a finite number"),
+    (SHIPPED.replace("min_replicas: 1", "min_replicas: 3", 1),
+     "need min_replicas ≤ initial_replicas ≤ max_replicas, got 3, 1, 2"),
+    (SHIPPED.replace("max_queued_requests: 64", "max_queued_requests: -2", 1),
+     "deployments.1.max_queued_requests: Input should be greater than or equal to -1"),
+    (SHIPPED.replace("dense: 0.5}", "dense: 1.0e+308}").replace("{mita: 0.5", "{mita: 1.0e+308"),
+     "weights.mita: Input should be less than or equal to 1000000"),
+    (SHIPPED.replace("sticky_header: x-client-key", "sticky_header: ''"),
+     "sticky_header: String should match pattern"),
+    (SHIPPED.replace("max_batch_items: 64", "max_batch_items: 1000000"),
+     "max_batch_items: Input should be less than or equal to 4096"),
+    (SHIPPED.replace("retry_after_s: 1", "retry_after_s: 100000000"),
+     "retry_after_s: Input should be less than or equal to 3600"),
+    (SHIPPED.replace("staged_profile_every: 100", "staged_profile_every: 10000000000"),
+     "staged_profile_every: Input should be less than or equal to 1000000"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_FILES)
+def test_every_serve_config_field_is_parsed_strictly(tmp_path, text, message):
+    """The whole Serve file, not only the service's user_configs: no duplicate keys, no
+    unknown keys, no str -> number coercion, finite bounded numbers; the refusal names the
+    file and the field's path in it."""
+    from service import launch
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        launch.load_config(path)
+    assert str(refused.value).startswith(f"{path}: ")
+    assert message in str(refused.value)
+
+
+def test_python_m_service_refuses_bad_files_in_one_line(tmp_path):
+    """No traceback from ``python -m service --config``: one line, exit status 1."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    for name, text in [("bad.yaml", BAD_FILES[0][0]), ("empty.yaml", ""),
+                       ("typo.yaml", SHIPPED.replace("port: 8000", "prot: 8000"))]:
+        (tmp_path / name).write_text(text)
+        done = subprocess.run([sys.executable, "-m", "service", "--config",
+                               str(tmp_path / name)], capture_output=True, text=True,
+                              timeout=120, cwd=root)
+        assert done.returncode == 1, done.stderr[-800:]
+        assert "Traceback" not in done.stderr, done.stderr[-800:]
+        assert done.stderr.startswith(f"mita-serve: refusing to start: {tmp_path / name}: "), (
+            done.stderr[-800:])
+
+
+def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp_path):
+    """Refused before Ray starts: ``device: cuda`` without CUDA (the replicas failed one by
+    one after start), an HTTP host that is not this machine's (was reported as "port in
+    use"), and a checkpoint whose max_len is below the gateway's max_n (requests in between
+    were accepted, then failed)."""
+    from service import launch
+
+    monkeypatch.setattr(launch, "local_gpu_count", lambda: 0)
+    cuda = launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:1"}})
+    with pytest.raises(ValueError, match=r"device 'cuda:1', but this machine's torch .* sees 0 "
+                                         r"CUDA device\(s\)"):
+        launch.check_devices(cuda)
+    launch.check_devices(launch.load_config(launch.CPU_CONFIG))  # auto: fine
+
+    for host, message in [("192.0.2.1", "cannot listen on 192.0.2.1:"),
+                          ("no-such-host.invalid", "is not an address of this machine")]:
+        config = launch.load_config(launch.CPU_CONFIG, {"http_options": {"host": host}})
+        with pytest.raises(OSError, match=message):
+            launch.check_ports_free(config, 0)
+
+    short = tmp_path / "short"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "checkpoints" / "listops-default",
+                    short)
+    meta = json.loads((short / "config.json").read_text())
+    meta["config"]["max_len"] = 1024
+    (short / "config.json").write_text(json.dumps(meta))
+    config = launch.load_config(launch.CPU_CONFIG, {"args": {"checkpoint": str(short)}})
+    with pytest.raises(ValueError, match=r"max_len \(1024\) is below the Gateway's max_n "
+                                         r"\(16384\)"):
+        launch.verify_checkpoints(config)
+    launch.verify_checkpoints(launch.load_config(launch.CPU_CONFIG, {
+        "args": {"checkpoint": str(short)},
+        "deployments": {"Gateway": {"user_config": {"max_n": 1024}}}}))
