@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import time
 from dataclasses import dataclass
+
+# The Triton kernels are tested under the interpreter in this process (test_kernels.py).
+# Triton fixes interpreted vs compiled mode for its own helpers (tl.max …) when it is first
+# imported, and torch imports it by itself (torch._dynamo, e.g. when a model is built on the
+# meta device by mita.model.load_checkpoint): so the mode is set before anything can import
+# it. Compiled-mode checks run in subprocesses without it (test_kernel_compile.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import httpx
 import pytest

@@ -21,9 +21,8 @@ import pytest
 
 from mita.kernels import aot
 
-# Triton is not imported in this process: imported before TRITON_INTERPRET=1 is set,
-# triton.language's own jit helpers (tl.zeros …) stay compiled-mode and the interpreter tests
-# in test_kernels.py fail. The compiles run in spawned processes.
+# The compiles run in spawned processes without TRITON_INTERPRET: this process runs Triton
+# interpreted (tests/conftest.py), for the numerics tests in test_kernels.py.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed")
 
