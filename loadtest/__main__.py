@@ -6,9 +6,9 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
 
-from .engine import LoadConfig, run_load, summarize
+from .engine import LoadConfig, check_loopback, run_load, summarize
 from .report import markdown, write
 
 
@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> dict:
     r = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="drive the HTTP API and write a report")
     r.add_argument("--url", default="http://127.0.0.1:8000")
-    r.add_argument("--n", type=POSITIVE_INT, nargs="+", default=[1024, 4096, 16384])
+    r.add_argument("--n", type=bounded(int, 1, 1_048_576), nargs="+", default=[1024, 4096, 16384],
+                   help="sequence lengths (at most the gateway's largest max_n, 1,048,576)")
     r.add_argument("--variants", nargs="+", choices=["mita", "dense", "ab"],
                    default=["mita", "dense"], help="'ab' leaves the choice to the A/B policy")
     r.add_argument("--mode", choices=["closed", "open"], default="closed")
@@ -38,8 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
                      warmup=a.warmup, duration_s=a.duration_s, timeout_s=a.timeout_s,
                      seed=a.seed)
     try:
+        check_loopback(cfg.url)
+        a.out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the load
         samples = asyncio.run(run_load(cfg))
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         p.error(str(e))
     summary = summarize(samples, cfg)
     files = write(summary, samples, a.out)

@@ -23,7 +23,9 @@ from mita.data.listops import encode, generate_long
 
 
 def check_loopback(url: str) -> None:
-    """Raise ValueError unless ``url`` points at this machine's loopback interface."""
+    """Raise ValueError unless ``url`` is http(s) on this machine's loopback interface."""
+    if urlparse(url).scheme not in ("http", "https"):
+        raise ValueError(f"--url must start with http:// or https://, got {url!r}")
     host = urlparse(url).hostname or ""
     if host == "localhost":
         return
@@ -112,6 +114,8 @@ async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requeste
         gaps = rng.exponential(1.0 / cfg.rate, size=cfg.requests)
         tasks = []
         for i, at in enumerate(np.cumsum(gaps)):
+            if at > cfg.duration_s:  # past the phase's end: do not sleep until then
+                break
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -32,13 +32,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-length", type=POSITIVE_INT, default=500)
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
-    test = encoded(generate(args.test_size, args.seed,
-                            ListOpsConfig(args.min_length, args.max_length)))
+    try:  # everything that can be checked before the test set is drawn
+        data_cfg = ListOpsConfig(args.min_length, args.max_length)
+        models = {ck: {a: load_checkpoint(ck, attention=a) for a in ATTENTIONS}
+                  for ck in args.checkpoints}
+        modes = {ck: checkpoint_metadata(ck).get("training", {}).get("mode", "?")
+                 for ck in args.checkpoints}
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.touch()
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    try:
+        test = encoded(generate(args.test_size, args.seed, data_cfg))
+    except ValueError as e:  # a length range the generator cannot fill
+        p.error(str(e))
     majority = Counter(label for _, label in test).most_common(1)[0][1] / len(test)
     rows = []
     for ck in args.checkpoints:
-        mode = checkpoint_metadata(ck).get("training", {}).get("mode", "?")
-        acc = {a: evaluate(load_checkpoint(ck, attention=a), test) for a in ATTENTIONS}
+        mode = modes[ck]
+        acc = {a: evaluate(models[ck][a], test) for a in ATTENTIONS}
         rows.append({"checkpoint": str(ck), "train_mode": mode, **acc, "majority": majority})
     print(f"ListOps test set: {args.test_size} sequences, seed {args.seed}, "
           f"{args.min_length} < length < {args.max_length}, torch {torch.__version__}, cpu\n")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -246,12 +246,12 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     for p in (cfg_path, weights_path):
         if not p.is_file():
             raise FileNotFoundError(f"checkpoint file missing: {p}")
-    try:
-        meta = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-        raise ValueError(f"{cfg_path}: expected an object with a 'config' object")
+    meta = checkpoint_metadata(folder)
+    # Every field written out: a default would stand in for the fields that the weights'
+    # shapes do not pin down (attention, m, k, s, shared_scale, pad_id).
+    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"]))
+    if absent:
+        raise ValueError(f"{cfg_path}: config lacks field(s) {absent}")
     cfg = ModelConfig.from_dict({**meta["config"], **overrides})
     expected = meta.get("weights_sha256")
     actual = _sha256(weights_path)
@@ -262,8 +262,11 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     # config that does not fit the weights is refused before its parameters are allocated.
     with torch.device("meta"):
         want = {n: tuple(t.shape) for n, t in EncoderClassifier(cfg).state_dict().items()}
-    with safe_open(weights_path, framework="pt") as f:
-        have = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            have = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    except SafetensorError as e:
+        raise ValueError(f"{weights_path}: not a readable safetensors file ({e})") from None
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
     wrong = sorted(f"{n}: checkpoint {have[n]} vs config {want[n]}"
@@ -274,29 +277,40 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
         raise ValueError(f"{weights_path} does not fit the config: missing {few(missing)}, "
                          f"unexpected {few(unexpected)}, shape mismatch {few(wrong)}")
     model = EncoderClassifier(cfg)
-    state = load_file(weights_path, device=str(device))
+    try:
+        state = load_file(weights_path, device=str(device))
+    except SafetensorError as e:
+        raise ValueError(f"{weights_path}: not a readable safetensors file ({e})") from None
     own = model.state_dict()
     check_weights(state, own, weights_path)
     model.load_state_dict(state)
     return model.to(device).eval()
 
 
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_weights(state: dict[str, Tensor], own: dict[str, Tensor], path: Path) -> None:
     """The tensors of a checkpoint against the model the config builds (float32 parameters).
 
-    Refuses (ValueError naming the tensors) any tensor that is not floating point (an int64
-    or bool tensor would be cast silently by ``load_state_dict``: an int64 head truncates
-    every weight) and any non-finite value. Another float dtype (float16, bfloat16, float64)
+    Refuses (ValueError naming the tensors) any tensor that is not float16, bfloat16,
+    float32 or float64 (an int64 or bool tensor would be cast silently by ``load_state_dict``:
+    an int64 head truncates every weight; float8 has no finiteness check) and any value that
+    is not finite in the model's dtype. Another float dtype (float16, bfloat16, float64)
     is converted to the model's dtype by ``load_state_dict``, with one logged warning naming
     the tensors, since it changes the weights' precision.
     """
-    bad = sorted(f"{n} ({t.dtype})" for n, t in state.items() if not t.is_floating_point())
+    bad = sorted(f"{n} ({t.dtype})" for n, t in state.items() if t.dtype not in WEIGHT_DTYPES)
     if bad:
-        raise ValueError(f"{path}: tensors that are not floating point: {bad}; the model's "
-                         f"parameters are {next(iter(own.values())).dtype}")
-    nonfinite = sorted(n for n, t in state.items() if not bool(torch.isfinite(t).all()))
+        raise ValueError(f"{path}: tensors that are not float16/bfloat16/float32/float64: "
+                         f"{bad}; the model's parameters are "
+                         f"{next(iter(own.values())).dtype}")
+    # After conversion: a float64 weight past float32's range becomes inf on loading.
+    nonfinite = sorted(n for n, t in state.items()
+                       if not bool(torch.isfinite(t.to(own[n].dtype)).all()))
     if nonfinite:
-        raise ValueError(f"{path}: tensors with NaN or infinite values: {nonfinite}")
+        raise ValueError(f"{path}: tensors with NaN or infinite values (in "
+                         f"{next(iter(own.values())).dtype}): {nonfinite}")
     converted = sorted(f"{n} ({t.dtype})" for n, t in state.items()
                        if t.dtype != own[n].dtype)
     if converted:
@@ -304,6 +318,29 @@ def check_weights(state: dict[str, Tensor], own: dict[str, Tensor], path: Path) 
                     next(iter(own.values())).dtype, ", ".join(converted))
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"duplicate key(s) {twice}")
+    return dict(pairs)
+
+
 def checkpoint_metadata(folder: str | Path) -> dict:
-    """The parsed ``config.json`` of a checkpoint (config, sha256 and training metadata)."""
-    return json.loads((Path(folder) / CONFIG_FILE).read_text())
+    """The parsed ``config.json`` of a checkpoint: ``config`` (an object), ``weights_sha256``
+    and training metadata (``training``, an object, when present).
+
+    Raises: FileNotFoundError without the file; ValueError (naming the file) when it is not
+    UTF-8 JSON, repeats a key, nests too deeply, or has not that shape."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {path}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
+        raise ValueError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ValueError(f"{path}: expected an object with a 'config' object")
+    if not isinstance(meta.get("training", {}), dict):
+        raise ValueError(f"{path}: 'training' must be an object")
+    return meta

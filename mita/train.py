@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
                           topk=args.topk, route_topk=args.route_topk,
                           shared_scale=args.shared_scale,
                           attention="mita" if args.mode == "mixed" else args.mode)
-    except ValueError as e:
+        args.out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after training
+    except (OSError, ValueError) as e:
         p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,9 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
 
     t0 = time.perf_counter()
-    train = encoded(generate(args.train_size, args.seed, data_cfg))
-    val = encoded(generate(args.val_size, args.seed + 1, data_cfg))
-    test = encoded(generate(args.test_size, TEST_SEED, data_cfg))
+    try:
+        train = encoded(generate(args.train_size, args.seed, data_cfg))
+        val = encoded(generate(args.val_size, args.seed + 1, data_cfg))
+        test = encoded(generate(args.test_size, TEST_SEED, data_cfg))
+    except ValueError as e:  # a length range the generator cannot fill
+        p.error(str(e))
     print(f"generated {len(train)}/{len(val)}/{len(test)} ListOps examples in "
           f"{time.perf_counter() - t0:.0f} s")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
 
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="per-stage time vs N for MiTA and dense",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--n", type=POSITIVE_INT, nargs="+", default=[1024, 4096, 16384, 65536])
+    s.add_argument("--n", type=bounded(int, 1, 1_048_576), nargs="+",
+                   default=[1024, 4096, 16384, 65536])
     s.add_argument("--variants", nargs="+", choices=["mita", "dense"], default=["mita", "dense"])
     s.add_argument("--settings", nargs="+", default=["fig5", "64x64"],
                    help="'fig5' (m = k ≈ √(N/4)) and/or fixed 'MxK'")
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
                           route_topk=a.route_topk, batch=a.batch, device=a.device,
                           dtype=a.dtype, warmup=a.warmup, repeats=a.repeats,
                           budget_s=a.budget_s, mita_backend=a.mita_backend)
-    except ValueError as e:
+        a.out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the sweep
+    except (OSError, ValueError) as e:
         p.error(str(e))
     rows = run_sweep(cfg)
     files = write_outputs(rows, cfg, a.out)

@@ -68,8 +68,11 @@ class SweepConfig:
         """Refuse (ValueError) what would fail only at the first point: a setting that is
         neither fig5 nor MxK, a device torch cannot use here, model sizes ModelConfig
         refuses."""
-        for setting in self.settings:
-            landmarks_for(1024, setting)
+        for n in self.ns:
+            for setting in self.settings if "mita" in self.variants else []:
+                m, k = landmarks_for(n, setting)
+                ModelConfig(num_landmarks=max(m, self.route_topk), topk=k,
+                            route_topk=self.route_topk)
         try:
             device = torch.device(self.device)
         except RuntimeError:
@@ -80,6 +83,8 @@ class SweepConfig:
                              "sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: the sweep runs on cpu or cuda")
+        if self.mita_backend == "triton" and device.type != "cuda":
+            raise ValueError("mita_backend 'triton' needs a CUDA device")
         ModelConfig(dim=self.dim, depth=self.depth, num_heads=self.num_heads,
                     ffn_dim=self.ffn_dim, num_landmarks=self.route_topk,
                     route_topk=self.route_topk)

@@ -4,13 +4,24 @@ then drain (new requests 503, in-flight ones finish) and stop."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 from mita.argtypes import bounded
 
 from . import launch
+
+
+def ip_address(text: str) -> str:
+    """An IPv4/IPv6 address (Ray's node address is an IP, not a host name)."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="Ray's metrics exporter; its Prometheus file-SD list is "
                         "/tmp/mita-serve/prometheus/metrics-PORT.json")
     p.add_argument("--metrics-interval-ms", type=bounded(int, 100, 3_600_000), default=5000)
-    p.add_argument("--node-ip", default="127.0.0.1",
+    p.add_argument("--node-ip", default="127.0.0.1", type=ip_address,
                    help="Ray's node address; Ray's metrics exporter binds to it when it is "
                         "loopback (the HTTP host is http_options.host in the config)")
     p.add_argument("--dashboard-host", default=None,
@@ -33,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         # fail inside a replica or after Ray's start-up timeout
         config = launch.load_config(a.config or launch.default_config())
         launch.check_devices(config)
-        launch.check_ports_free(config, a.metrics_port)
+        launch.check_ports_free(config, a.metrics_port, a.node_ip)
         launch.verify_checkpoints(config)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
@@ -46,14 +57,30 @@ def main(argv: list[str] | None = None) -> None:
               "(see the num_gpus note in deploy/serve_config.gpu.yaml)", flush=True)
     try:
         launch.prebuild_cpu_kernels(config)  # once here, not in each replica
+    except KeyboardInterrupt:
+        raise SystemExit("mita-serve: interrupted before start-up") from None
+    stop = threading.Event()
+
+    def on_signal(*_):
+        if not stop.is_set():  # os.write: print() may be mid-write in the main thread
+            os.write(sys.stderr.fileno(), b"mita-serve: stopping once start-up is done\n")
+        stop.set()
+    # From here on a signal only asks to stop: a KeyboardInterrupt inside ray.init left Ray's
+    # agents running (holding the metrics port), which ray.shutdown() did not reach. Own
+    # handlers, not sigwait: a shell's `&` starts us with SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
         url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
                            dashboard_host=a.dashboard_host)
-    except KeyboardInterrupt:
-        launch.stop()  # Ray may be half started: its processes go too
-        raise SystemExit("mita-serve: interrupted during start-up; stopped") from None
     except RuntimeError as e:  # an application failed to deploy, or start-up timed out
         launch.stop()
         raise SystemExit(f"mita-serve: could not start: {e}") from None
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again: ray.init installs its own SIGTERM
+        signal.signal(sig, on_signal)
+    if stop.is_set():
+        launch.stop()
+        raise SystemExit("mita-serve: interrupted during start-up; stopped")
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
@@ -62,10 +89,6 @@ def main(argv: list[str] | None = None) -> None:
           f"reads port {launch.DEFAULT_METRICS_PORT}'s)")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\nCtrl-C stops.", flush=True)
-    stop = threading.Event()
-    # Own handlers, not sigwait: a shell's `&` starts us with SIGINT ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
             pass

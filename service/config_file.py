@@ -5,7 +5,8 @@ accepts ``.inf``/``.nan`` for durations and ``min_replicas > max_replicas``, and
 last of two equal keys. The service reads its config files here first: a YAML loader that
 refuses duplicate keys, then one strict pydantic model per level of the file (unknown keys
 refused, no coercion, numbers finite and bounded). It covers the subset of Serve's schema the
-service's configs use; anything else is refused by name rather than passed on unchecked.
+service's configs use; anything else (``runtime_env`` included) is refused by name rather than
+passed on unchecked.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, Field, FiniteFloat, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from .schemas import MAX_REQUEST_TIMEOUT_S, STRICT_CONFIG, describe_errors
 
@@ -28,8 +29,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     standard loader silently keeps the last)."""
 
     def construct_mapping(self, node, deep=False):
+        self.flatten_mapping(node)  # resolve merge keys (<<) first, as SafeLoader does
         seen = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a plain value", key_node.start_mark)
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -49,6 +54,10 @@ def read_yaml(path: str | Path) -> dict:
             raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply") from None
+        except ValueError as e:  # e.g. an integer past Python's 4,300-digit limit
+            raise ValueError(f"{path}: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping with 'applications', got "
                          f"{type(raw).__name__}")
@@ -60,8 +69,8 @@ class HttpOptions(BaseModel):
 
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
-    request_timeout_s: float | None = Field(None, gt=0, le=MAX_REQUEST_TIMEOUT_S)
-    keep_alive_timeout_s: float | None = Field(None, gt=0, le=HOUR_S)
+    request_timeout_s: float | None = Field(None, ge=0.1, le=MAX_REQUEST_TIMEOUT_S)
+    keep_alive_timeout_s: float | None = Field(None, ge=0.1, le=HOUR_S)
     root_path: str = ""
 
 
@@ -71,9 +80,20 @@ class ActorOptions(BaseModel):
     num_cpus: float | None = Field(None, ge=0, le=1024)
     num_gpus: float | None = Field(None, ge=0, le=64)
     memory: int | None = Field(None, ge=0)
-    resources: dict[str, FiniteFloat] | None = None
+    resources: dict[str, Annotated[float, Field(ge=0, le=1e6)]] | None = None
     accelerator_type: str | None = None
-    runtime_env: dict | None = None
+
+    @model_validator(mode="after")
+    def _ray_accepts(self):
+        # Ray refuses these only when it deploys, after start-up
+        if self.resources and {"CPU", "GPU", "memory"} & set(self.resources):
+            raise ValueError("CPU, GPU and memory are set with num_cpus, num_gpus and memory, "
+                             "not in resources")
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            if value and value < 1 and round(value * 1e4) != value * 1e4:
+                raise ValueError(f"{name} below 1 must be a multiple of 0.0001, got {value}")
+        return self
 
 
 class Autoscaling(BaseModel):
@@ -82,13 +102,13 @@ class Autoscaling(BaseModel):
     min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     initial_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
     max_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
-    target_ongoing_requests: float | None = Field(None, gt=0, le=100_000)
-    metrics_interval_s: float | None = Field(None, gt=0, le=HOUR_S)
-    look_back_period_s: float | None = Field(None, gt=0, le=HOUR_S)
+    target_ongoing_requests: float | None = Field(None, ge=0.01, le=100_000)
+    metrics_interval_s: float | None = Field(None, ge=0.1, le=HOUR_S)
+    look_back_period_s: float | None = Field(None, ge=0.1, le=HOUR_S)
     upscale_delay_s: float | None = Field(None, ge=0, le=HOUR_S)
     downscale_delay_s: float | None = Field(None, ge=0, le=HOUR_S)
-    upscaling_factor: float | None = Field(None, gt=0, le=100)
-    downscaling_factor: float | None = Field(None, gt=0, le=100)
+    upscaling_factor: float | None = Field(None, ge=0.01, le=100)
+    downscaling_factor: float | None = Field(None, ge=0.01, le=100)
 
     @model_validator(mode="after")
     def _ordered(self):
@@ -113,8 +133,8 @@ class Deployment(BaseModel):
     graceful_shutdown_wait_loop_s: float | None = Field(None, ge=0, le=MAX_DRAIN_S)
     # Ray accepts .inf here: a shutdown would then wait forever on a stuck request.
     graceful_shutdown_timeout_s: float | None = Field(None, ge=0, le=MAX_DRAIN_S)
-    health_check_period_s: float | None = Field(None, gt=0, le=HOUR_S)
-    health_check_timeout_s: float | None = Field(None, gt=0, le=HOUR_S)
+    health_check_period_s: float | None = Field(None, ge=0.1, le=HOUR_S)
+    health_check_timeout_s: float | None = Field(None, ge=0.1, le=HOUR_S)
     ray_actor_options: ActorOptions | None = None
     max_replicas_per_node: int | None = Field(None, ge=1, le=MAX_REPLICAS)
 
@@ -126,7 +146,6 @@ class Application(BaseModel):
     route_prefix: str | None = Field("/", pattern=r"^/")
     import_path: str = Field(min_length=1)
     args: dict = Field(default_factory=dict)
-    runtime_env: dict = Field(default_factory=dict)
     deployments: list[Deployment] = Field(default_factory=list)
 
     @model_validator(mode="after")

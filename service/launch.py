@@ -96,9 +96,13 @@ def check_service_config(config: ServeDeploySchema) -> None:
     anything starts; Serve would otherwise refuse them only inside a replica. Raises
     ValueError naming the application, the deployment and each refused field. Applications
     of other import paths are left to Serve."""
+    http_timeout = config.http_options.request_timeout_s
     for app in config.applications:
-        if app.import_path != "service.app:build_app":
+        if app.import_path.replace(":", ".") != "service.app.build_app":  # Ray takes both
             continue
+        if config.proxy_location == "Disabled" or app.route_prefix is None:
+            raise ValueError(f"application {app.name!r}: HTTP is off (proxy_location Disabled "
+                             "or route_prefix null); the service answers only over HTTP")
         validated(AppArgs, app.args, f"application {app.name!r} args")
         for dep in app.deployments:
             schema = USER_CONFIGS.get(dep.name)
@@ -106,8 +110,15 @@ def check_service_config(config: ServeDeploySchema) -> None:
                 raise ValueError(f"application {app.name!r}: no deployment named {dep.name!r} "
                                  f"(the service has {', '.join(USER_CONFIGS)})")
             if isinstance(dep.user_config, dict):
-                validated(schema, dep.user_config,
-                          f"application {app.name!r} deployment {dep.name!r} user_config")
+                parsed = validated(schema, dep.user_config, f"application {app.name!r} "
+                                   f"deployment {dep.name!r} user_config")
+                if (schema is GatewayConfig and http_timeout is not None
+                        and parsed.request_timeout_s > http_timeout):
+                    raise ValueError(
+                        f"application {app.name!r} deployment 'Gateway' user_config: "
+                        f"request_timeout_s ({parsed.request_timeout_s:g} s) exceeds "
+                        f"http_options.request_timeout_s ({http_timeout:g} s): the proxy "
+                        "would time requests out first, without the gateway's JSON 504")
 
 
 def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
@@ -145,32 +156,37 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     return f"http://{http.host}:{http.port}"
 
 
-def check_ports_free(config: ServeDeploySchema, metrics_port: int) -> None:
+def check_ports_free(config: ServeDeploySchema, metrics_port: int,
+                     node_ip: str = "127.0.0.1") -> None:
     """Refuse to start on ports another process listens on (a second ``make serve`` would
     otherwise wait ~40 s and fail with "The current node timed out during startup"): the
-    HTTP port of ``config.http_options`` and Ray's metrics export port. Raises OSError naming
-    the port and the flag or config field that sets it."""
+    HTTP port of ``config.http_options`` and Ray's metrics export port on ``node_ip``.
+    Raises OSError naming the port and the flag or config field that sets it, or the address
+    when it is not this machine's."""
     import socket
 
     http = config.http_options
-    for host, port, where in ((http.host, http.port, "http_options.port in the config"),
-                              ("127.0.0.1", metrics_port, "--metrics-port")):
+    if http.port == metrics_port:
+        raise OSError(f"http_options.port and --metrics-port are both {metrics_port}")
+    for host, port, host_from, port_from in (
+            (http.host, http.port, "http_options.host", "http_options.port in the config"),
+            (node_ip, metrics_port, "--node-ip", "--metrics-port")):
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         except socket.gaierror as e:
-            raise OSError(f"http_options.host {host!r} in the config is not an address of "
-                          f"this machine ({e.strerror})") from None
+            raise OSError(f"{host_from} {host!r} is not an address of this machine "
+                          f"({e.strerror})") from None
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
-                    raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); check "
-                                  f"http_options.host and {where}") from None
+                    raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); is "
+                                  f"{host_from} an address of this machine?") from None
                 raise OSError(f"port {port} on {host} is in use ({e.strerror}): another "
                               f"instance, or another program; choose a free one with "
-                              f"{where}") from None
+                              f"{port_from}") from None
 
 
 def replica_gpus(config: ServeDeploySchema, which: str = "min") -> list[float]:
@@ -243,14 +259,20 @@ def check_devices(config: ServeDeploySchema) -> None:
     after another once Ray has started."""
     count = local_gpu_count()
     for app in config.applications:
-        device = str((app.args or {}).get("device", "auto"))
-        if not device.startswith("cuda"):
-            continue
-        index = torch.device(device).index or 0
-        if index >= count:
+        args = app.args or {}
+        device = str(args.get("device", "auto"))
+        try:
+            index = torch.device(device).index or 0 if device.startswith("cuda") else None
+        except RuntimeError:
+            raise ValueError(f"application {app.name!r} args: device {device!r} is not a "
+                             "torch device (auto, cpu, cuda, cuda:N)") from None
+        if index is not None and index >= count:
             raise ValueError(f"application {app.name!r} args: device {device!r}, but this "
                              f"machine's torch ({torch.__version__}) sees {count} CUDA "
                              f"device(s); use device: auto or cpu")
+        if args.get("mita_backend") == "triton" and (count == 0 or device == "cpu"):
+            raise ValueError(f"application {app.name!r} args: mita_backend 'triton' needs a "
+                             "CUDA device; use auto (compiled CPU kernels here)")
 
 
 def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:

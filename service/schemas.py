@@ -110,7 +110,7 @@ class AppArgs(BaseModel):
     checkpoint: str = Field("checkpoints/listops-default", min_length=1,
                             description="checkpoint folder, relative to the project root "
                                         "unless absolute")
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
     mita_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = Field(True, description="replay unstaged forwards from CUDA graphs "
@@ -173,6 +173,15 @@ class GatewayConfig(BaseModel):
                           "dashboard then query it; unset: the gateway's own recent records")
     stats_window_s: float = Field(300.0, ge=10, le=3600,
                                   description="how long the gateway keeps its own records")
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _base_url(cls, url):
+        # the queries append /api/v1/query to it
+        if url is not None and (url.query or url.fragment or url.username or url.password):
+            raise ValueError("a base URL without query, fragment or user:password, e.g. "
+                             "http://127.0.0.1:9090")
+        return url
 
     @field_validator("weights")
     @classmethod

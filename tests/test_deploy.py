@@ -191,6 +191,19 @@ def test_shipped_configs_parse_and_unknown_deployments_are_refused():
     (["-m", "profiler", "sweep", "--device", "gpu"], "device 'gpu' is not a torch device"),
     (["-m", "profiler", "sweep", "--heads", "3"], "'dim' (128) must be even and divisible by "
                                                   "num_heads (3)"),
+    (["-m", "profiler", "sweep", "--settings", "99999999999x1"],
+     "'num_landmarks' must be an int in [1, 65536]"),
+    (["-m", "profiler", "sweep", "--out", "/dev/null/x"], "Not a directory"),
+    (["-m", "mita.evaluate", "/nonexistent"], "checkpoint file missing: /nonexistent"),
+    (["-m", "mita.evaluate", "checkpoints/listops-default", "--min-length", "500"],
+     "empty length range (500, 500)"),
+    # hung forever: no tree has length 2
+    (["-m", "mita.train", "--out", "/tmp/mita-never", "--min-length", "1", "--max-length", "3",
+      "--train-size", "1"], "drew 101,000 trees and found 0 of 1"),
+    (["-m", "loadtest", "run", "--url", "ftp://127.0.0.1:1"], "--url must start with http://"),
+    (["-m", "loadtest", "run", "--n", "2000000"], "--n: 2000000 is outside [1, 1048576]"),
+    (["-m", "loadtest", "run", "--out", "/dev/null/x"], "Not a directory"),
+    (["-m", "service", "--node-ip", "bogus"], "--node-ip: 'bogus' is not an IP address"),
 ])
 def test_command_line_numbers_are_parsed_strictly(argv, message):
     """Every numeric CLI flag is finite and in range (``mita.argtypes``); argparse exits 2
@@ -337,6 +350,30 @@ BAD_FILES = [
      "retry_after_s: Input should be less than or equal to 3600"),
     (SHIPPED.replace("staged_profile_every: 100", "staged_profile_every: 10000000000"),
      "staged_profile_every: Input should be less than or equal to 1000000"),
+    # From a second operator-style pass: tracebacks (TypeError, RecursionError, ValueError)
+    # and values Ray refuses only after start-up, or that cannot work.
+    ("? [a, b]\n: 1\n" + SHIPPED, "a mapping key must be a plain value"),
+    ("a: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested too deeply"),
+    (SHIPPED.replace("port: 8000", "port: " + "9" * 5000), "Exceeds the limit (4300 digits)"),
+    (SHIPPED.replace("num_cpus: 0.25", "num_cpus: 0.25\n          resources: {x: -5.0}"),
+     "ray_actor_options.resources.x: Input should be greater than or equal to 0"),
+    (SHIPPED.replace("num_cpus: 0.25", "resources: {CPU: 1.0}"),
+     "CPU, GPU and memory are set with num_cpus, num_gpus and memory"),
+    (SHIPPED.replace("num_cpus: 0.25", "num_cpus: 0.00001"), "must be a multiple of 0.0001"),
+    (SHIPPED.replace("num_cpus: 0.25", "runtime_env: {pip: [requests]}"),
+     "ray_actor_options.runtime_env: Extra inputs are not permitted"),
+    (SHIPPED.replace("health_check_period_s: 2", "health_check_period_s: 1.0e-300", 1),
+     "health_check_period_s: Input should be greater than or equal to 0.1"),
+    (SHIPPED.replace("service.app:build_app", "service.app.build_app").replace(
+        "max_batch_size: 8", "max_batch_size: -5", 1),  # the dot form skipped the user_configs
+     "deployment 'MiTAClassifier' user_config: max_batch_size: Input should be greater"),
+    ("proxy_location: Disabled\n" + SHIPPED.replace("proxy_location: HeadOnly\n", ""),
+     "HTTP is off (proxy_location Disabled or route_prefix null)"),
+    (SHIPPED.replace("request_timeout_s: 120", "request_timeout_s: 200"),
+     "request_timeout_s (200 s) exceeds http_options.request_timeout_s (180 s)"),
+    (SHIPPED.replace("# prometheus_url: http://127.0.0.1:9090",
+                     "prometheus_url: 'http://127.0.0.1:9090/?x=1'"),
+     "a base URL without query, fragment or user:password"),
 ]
 
 
@@ -384,13 +421,23 @@ def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp
     with pytest.raises(ValueError, match=r"device 'cuda:1', but this machine's torch .* sees 0 "
                                          r"CUDA device\(s\)"):
         launch.check_devices(cuda)
+    triton = launch.load_config(launch.CPU_CONFIG, {"args": {"mita_backend": "triton"}})
+    with pytest.raises(ValueError, match="mita_backend 'triton' needs a CUDA device"):
+        launch.check_devices(triton)
     launch.check_devices(launch.load_config(launch.CPU_CONFIG))  # auto: fine
+    with pytest.raises(ValueError, match=r"device: String should match pattern"):
+        launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:" + "9" * 20}})
+    with pytest.raises(OSError, match="http_options.port and --metrics-port are both 8000"):
+        launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 8000)
 
     for host, message in [("192.0.2.1", "cannot listen on 192.0.2.1:"),
-                          ("no-such-host.invalid", "is not an address of this machine")]:
+                          ("no-such-host.invalid", "http_options.host 'no-such-host.invalid' "
+                                                   "is not an address of this machine")]:
         config = launch.load_config(launch.CPU_CONFIG, {"http_options": {"host": host}})
         with pytest.raises(OSError, match=message):
             launch.check_ports_free(config, 0)
+    with pytest.raises(OSError, match=r"cannot listen on 192.0.2.1:9100 .* is --node-ip"):
+        launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100, "192.0.2.1")
 
     short = tmp_path / "short"
     shutil.copytree(Path(__file__).resolve().parents[1] / "checkpoints" / "listops-default",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -210,13 +211,19 @@ def test_checkpoint_tensor_dtypes_and_values_are_checked(tmp_path, caplog):
         return lambda st: st | {name: st[name].to(dtype)}
 
     for i, (change, message) in enumerate([
-            (cast("head.weight", torch.int64), r"not floating point: \['head.weight \(torch.int64"),
+            (cast("head.weight", torch.int64),
+             r"not float16/bfloat16/float32/float64: \['head.weight \(torch.int64"),
             (cast("norm.bias", torch.bool), r"norm.bias \(torch.bool\)"),
+            # float8 had no isfinite: NotImplementedError
+            (cast("norm.bias", torch.float8_e4m3fn), r"norm.bias \(torch.float8_e4m3fn\)"),
             (lambda st: st | {"embed.weight": st["embed.weight"].index_fill(0, torch.tensor([3]),
                                                                           float("nan"))},
-             r"NaN or infinite values: \['embed.weight'\]"),
+             r"NaN or infinite values \(in torch.float32\): \['embed.weight'\]"),
             (lambda st: st | {"head.bias": st["head.bias"] + float("inf")},
-             r"NaN or infinite values: \['head.bias'\]")]):
+             r"NaN or infinite values \(in torch.float32\): \['head.bias'\]"),
+            # finite in float64, inf in float32: was loaded, and every forward gave NaN
+            (lambda st: st | {"head.bias": st["head.bias"].double() * 1e300},
+             r"NaN or infinite values \(in torch.float32\): \['head.bias'\]")]):
         with pytest.raises(ValueError, match=message):
             load_checkpoint(resave(src, tmp_path / f"bad{i}", change))
     with caplog.at_level("WARNING", logger="mita.model"):
@@ -224,3 +231,38 @@ def test_checkpoint_tensor_dtypes_and_values_are_checked(tmp_path, caplog):
                                                                     torch.bfloat16)))
     assert "converting 1 tensor(s) to torch.float32: head.weight (torch.bfloat16)" in caplog.text
     assert half.head.weight.dtype == torch.float32
+
+
+def test_config_json_and_weights_file_are_checked(tmp_path):
+    """Each was a traceback (SafetensorError, RecursionError, AttributeError) or loaded with
+    defaults standing in for missing fields."""
+    import hashlib
+
+    save_checkpoint(EncoderClassifier(SMALL), tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "config.json").read_text())
+
+    def variant(name: str, config_text: str | None = None, weights: bytes | None = None):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "ck", folder)
+        if weights is not None:
+            (folder / "model.safetensors").write_bytes(weights)
+            fixed = {**meta, "weights_sha256": hashlib.sha256(weights).hexdigest()}
+            config_text = json.dumps(fixed)
+        if config_text is not None:
+            (folder / "config.json").write_text(config_text)
+        return folder
+
+    no_topk = {**meta, "config": {k: v for k, v in meta["config"].items() if k != "topk"}}
+    text = json.dumps(meta)
+    for folder, message in [
+            (variant("trunc", weights=(tmp_path / "ck" / "model.safetensors").read_bytes()[:50]),
+             "not a readable safetensors file"),
+            (variant("garbage", weights=b"\xff" * 64), "not a readable safetensors file"),
+            (variant("deep", "[" * 100_000), "not valid JSON"),
+            (variant("dup", text.replace('"topk": 8', '"topk": 8, "topk": 16')),
+             r"duplicate key\(s\) \['topk'\]"),
+            (variant("absent", json.dumps(no_topk)), r"config lacks field\(s\) \['topk'\]"),
+            (variant("training", json.dumps({**meta, "training": "x"})),
+             "'training' must be an object")]:
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(folder)

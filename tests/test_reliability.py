@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -538,14 +539,10 @@ def test_non_finite_logits_answer_500_and_count_as_errors(service, tmp_path):
             "variants"]["dense"]["model_id"], timeout_s=90)
 
 
-def test_sigterm_drains_in_flight_requests(tmp_path):
-    """SIGTERM to ``python -m service`` while 6 dense requests are in flight: every one is
-    answered 200 (on main all failed after 0.2 s with "Server disconnected"), a request sent
-    during the drain gets 503 with Retry-After, /healthz stays 200 and /readyz says not ready,
-    and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
-    instance, loopback ports."""
-    import signal
-
+def own_instance(tmp_path) -> tuple[subprocess.Popen, int, int]:
+    """``python -m service`` on the shipped CPU config with the tests' fixed replicas, on free
+    loopback ports, as a subprocess with its own Ray. Returns (process, HTTP port, metrics
+    port)."""
     from .conftest import TEST_OVERRIDES, free_port
 
     http_port, metrics_port = free_port(), free_port()
@@ -559,6 +556,47 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "service", "--config",
                              str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, http_port, metrics_port
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):
+    """SIGINT while Ray starts (its metrics exporter is up, the deployments are not): one
+    line, exit status 1, and no Ray process left holding the metrics port (a
+    KeyboardInterrupt inside ray.init left Ray's agents running, and the next start was
+    refused: "port ... is in use")."""
+    import signal
+
+    proc, http_port, metrics_port = own_instance(tmp_path)
+    try:
+        assert wait_for(lambda: listening(metrics_port), timeout_s=120, interval_s=0.1)
+        assert not listening(http_port)  # still starting
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out[-2000:]
+    assert "mita-serve: stopping once start-up is done" in out, out[-2000:]
+    assert out.rstrip().endswith("mita-serve: interrupted during start-up; stopped"), out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+    assert wait_for(lambda: not listening(metrics_port), timeout_s=20), "Ray left running"
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    """SIGTERM to ``python -m service`` while 6 dense requests are in flight: every one is
+    answered 200 (on main all failed after 0.2 s with "Server disconnected"), a request sent
+    during the drain gets 503 with Retry-After, /healthz stays 200 and /readyz says not ready,
+    and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
+    instance, loopback ports."""
+    import signal
+
+    proc, http_port, _ = own_instance(tmp_path)
     url = f"http://127.0.0.1:{http_port}"
     try:
         def up():

@@ -10,6 +10,7 @@ digit (at the maximum depth always a digit; the root follows the same rule). An 
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -25,6 +26,11 @@ PAD_ID = 0
 TOKEN_TO_ID = {t: i for i, t in enumerate(VOCAB)}
 NUM_CLASSES = 10
 VALUE_P = 0.25  # LRA's name: draws r; r > VALUE_P → digit, so an operator has probability 0.25
+
+
+# Draws allowed per wanted example: LRA's range (500, 2000) keeps ~8 % of draws, (2000, 5000)
+# ~1 %; a range kept by fewer than 0.1 % is refused rather than drawn for hours.
+MAX_DRAWS_PER_EXAMPLE = 1000
 
 
 @dataclass(frozen=True)
@@ -85,11 +91,24 @@ def generate(num: int, seed: int, cfg: ListOpsConfig = ListOpsConfig()) -> list[
     ``text`` is space-separated tokens without parentheses (e.g. ``"[MAX 2 [MIN 4 7 ] 0 ]"``);
     ``label`` is the value 0-9. Trees are drawn until ``num`` distinct ones fall strictly
     inside ``(min_length, max_length)``.
+
+    Raises: ValueError when ``MAX_DRAWS_PER_EXAMPLE * num + 100,000`` draws have not given
+    ``num`` (a range no tree length falls in, e.g. (1, 3), or one past what ``max_depth``
+    and ``max_args`` reach, would otherwise loop forever).
     """
     rng = random.Random(seed)
     seen: set[str] = set()
     out: list[tuple[str, int]] = []
-    while len(out) < num:
+    budget = MAX_DRAWS_PER_EXAMPLE * num + 100_000
+    for draws in itertools.count():
+        if len(out) == num:
+            break
+        if draws == budget:
+            raise ValueError(
+                f"drew {draws:,} trees and found {len(out)} of {num} distinct ones with "
+                f"{cfg.min_length} < length < {cfg.max_length}: the range is too narrow or "
+                f"too long for max_depth {cfg.max_depth}, max_args {cfg.max_args} (LRA: "
+                "500 < length < 2000)")
         tree, length = _generate_tree(rng, 1, cfg)
         if not cfg.min_length < length < cfg.max_length:
             continue
