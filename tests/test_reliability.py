@@ -7,7 +7,6 @@ import asyncio
 import copy
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -557,11 +556,6 @@ def own_instance(tmp_path) -> tuple[subprocess.Popen, int, int]:
                              str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, http_port, metrics_port
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):
