@@ -298,6 +298,9 @@ async def check_body(request: Request, call_next):
         elif encoding != "identity":
             refusal = (415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the "
                             "body uncompressed")
+        elif not length and "transfer-encoding" not in request.headers:
+            refusal = (411, "the request has no body: send the JSON (or binary ids) with a "
+                            "Content-Length header")
         elif not length:
             refusal = (411, "a Content-Length header is required (chunked uploads are not "
                             "accepted)")
@@ -564,11 +567,13 @@ class Gateway:
         """Classify requests inside this gateway replica now."""
         return replica_state.inflight
 
+    @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD
     @app.get("/healthz")
     async def healthz(self) -> dict:
         """Liveness of the gateway."""
         return {"status": "ok"}
 
+    @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", responses={503: {"model": ErrorResponse}})
     async def readyz(self) -> dict:
         """Ready when each classifier deployment has a running replica, as Serve's controller

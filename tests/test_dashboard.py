@@ -353,6 +353,12 @@ def test_dashboard_page_in_chromium(service, browser):
             "format": "png", "captureBeyondViewport": True,
             "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
         (ARTIFACTS / "dashboard.png").write_bytes(base64.b64decode(shot["data"]))
+        # Prometheus-mode counts (increase() estimates) showed "106.6 of 143.2 labels agree"
+        counts = browser.execute_script("return [fmtCount(106.6), fmtCount(143), fmtCount(0)]")
+        # 1 h offered, 300 s kept: the page said only "last 300 s"
+        browser.get(f"{service.url}/dashboard?window_s=3600")
+        capped = wait_for(lambda: (lambda t: t if "asked" in t else None)(
+            browser.find_element("id", "updated").text), 30)
         logs = browser.get_log("browser")
     finally:
         set_gateway(service, shadow=False)
@@ -373,5 +379,8 @@ def test_dashboard_page_in_chromium(service, browser):
                        ("throughput-chart", "rps")):
         assert {v for c, v, k in series if c == chart and k == key} == {"mita", "dense"}
     assert {b for b, _ in ratio} >= {"le_1024", "le_4096"} and all(x > 0 for _, x in ratio)
+    assert counts == ["≈107", "143", "0"]
+    assert capped.startswith("last 300 s (3600 s asked: the gateway keeps 300 s, its "
+                             "stats_window_s; set prometheus_url for more)"), capped
     errors = [e for e in logs if e["level"] == "SEVERE"]
     assert not errors, errors

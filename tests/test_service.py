@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
+import socket
 
 import httpx
 import pytest
@@ -133,6 +135,19 @@ def test_transport_level_errors_are_json(service):
     assert r.status_code == 411 and "Content-Length" in r.json()["error"]
     r = c.post("/v1/classify", content=b"", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "empty request body" in r.json()["error"]
+    # No body at all (curl -X POST without -d): was 411 "chunked uploads are not accepted"
+    host, port = service.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nConnection: close\r\n\r\n")
+        raw = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 411"), raw[:300]
+    assert json.loads(body)["error"] == ("the request has no body: send the JSON (or binary "
+                                         "ids) with a Content-Length header")
+    for path in ("/healthz", "/readyz"):  # HEAD was 405
+        r = c.head(path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
     r = c.get("/nope")
     assert r.status_code == 404 and r.json() == {"error": "Not Found"}
     r = c.get("/v1/classify")

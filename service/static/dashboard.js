@@ -44,7 +44,8 @@ function fmtTick(ms) {
 }
 
 function fmtCount(x) {
-  return Number.isInteger(x) ? String(x) : x.toFixed(1);
+  // Prometheus' increase() extrapolates: its counts are estimates, shown as such.
+  return Number.isInteger(x) ? String(x) : `≈${Math.round(x)}`;
 }
 
 function fmtTime(t) {
@@ -296,9 +297,12 @@ function render(s) {
   const source = s.source === "prometheus" ? "Prometheus (all replicas)"
     : "gateway's own records (this replica)";
   document.getElementById("source").textContent = `source: ${source}`;
-  document.getElementById("updated").textContent = `last ${Math.round(s.window_s)} s, ` +
-    `updated ${fmtTime(s.generated_at)}${s.truncated ? " (record cap reached: window cut " +
-      "short)" : ""}`;
+  // The local source keeps only stats_window_s: say so when the selected window is longer.
+  const capped = s.window_s + 1 < windowS ? ` (${windowS} s asked: the gateway keeps ` +
+    `${Math.round(s.window_s)} s, its stats_window_s; set prometheus_url for more)` : "";
+  document.getElementById("updated").textContent = `last ${Math.round(s.window_s)} s` +
+    `${capped}, updated ${fmtTime(s.generated_at)}${s.truncated ? " (record cap reached: " +
+      "window cut short)" : ""}`;
   renderModels(s.models);
   renderAB(s.ab);
   renderShadow(s.shadow);
