@@ -24,6 +24,11 @@ def ip_address(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an IP address") from None
 
 
+def ip_address_or_off(text: str) -> str | None:
+    """``ip_address``, or None for "off"."""
+    return None if text == "off" else ip_address(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m service", description=__doc__)
     p.add_argument("--config", type=Path, default=None,
@@ -37,16 +42,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--node-ip", default="127.0.0.1", type=ip_address,
                    help="Ray's node address; Ray's metrics exporter binds to it when it is "
                         "loopback (the HTTP host is http_options.host in the config)")
-    p.add_argument("--dashboard-host", default=None,
-                   help="start the Ray dashboard bound to this address (default: no dashboard)")
+    p.add_argument("--dashboard-host", default="127.0.0.1", type=ip_address_or_off,
+                   help="the Ray dashboard, and with it Ray's `serve` CLI (serve status, serve "
+                        "deploy FILE, serve config), on this address; 'off': neither")
+    p.add_argument("--dashboard-port", type=bounded(int, 1, 65535),
+                   default=launch.DEFAULT_DASHBOARD_PORT,
+                   help="the Ray dashboard's port (the serve CLI's default address is "
+                        "http://localhost:8265; otherwise pass it with -a)")
+    p.add_argument("--check", action="store_true",
+                   help="check the config file and its checkpoints, print the verdict and "
+                        "exit (use it before `serve deploy FILE`, which does not)")
     a = p.parse_args(argv)
+    path = a.config or launch.default_config()
+    dashboard = None if a.dashboard_host is None else (a.dashboard_host, a.dashboard_port)
     try:  # refuse before starting Ray: a bad config, checkpoint or busy port would only
         # fail inside a replica or after Ray's start-up timeout
-        config = launch.load_config(a.config or launch.default_config())
+        config = launch.load_config(path)
         launch.check_devices(config)
-        launch.check_ports_free(config, a.metrics_port, a.node_ip)
         launch.verify_checkpoints(config)
+        if a.check:
+            print(f"mita-serve: {path}: OK (the file, its user_configs and checkpoints)")
+            return
+        launch.check_ports_free(config, a.metrics_port, a.node_ip, dashboard)
     except (OSError, ValueError) as e:
+        if a.check:
+            raise SystemExit(f"mita-serve: {e}") from None
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
     except KeyboardInterrupt:
         raise SystemExit("mita-serve: interrupted before start-up") from None
@@ -72,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, on_signal)
     try:
         url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
-                           dashboard_host=a.dashboard_host)
+                           dashboard_host=a.dashboard_host, dashboard_port=a.dashboard_port)
     except RuntimeError as e:  # an application failed to deploy, or start-up timed out
         launch.stop()
         raise SystemExit(f"mita-serve: could not start: {e}") from None
@@ -87,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Prometheus metrics: http://{a.node_ip}:{a.metrics_port}/metrics (file-SD list "
           f"{launch.prometheus_sd_file(a.metrics_port)}; deploy/prometheus/prometheus.yml "
           f"reads port {launch.DEFAULT_METRICS_PORT}'s)")
+    if dashboard is not None:
+        address = f"http://{a.dashboard_host}:{a.dashboard_port}"
+        print(f"Ray dashboard: {address}  (Ray's serve CLI, with Ray's token authentication: "
+              f"RAY_AUTH_MODE=token serve status -a {address}; live changes: "
+              f"RAY_AUTH_MODE=token serve deploy FILE -a {address})")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\nCtrl-C stops.", flush=True)
     try:

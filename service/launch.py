@@ -14,6 +14,8 @@ import ipaddress
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
 # instead of overwriting the one deploy/prometheus/prometheus.yml reads (the default port's).
 PROMETHEUS_SD_DIR = Path("/tmp/mita-serve/prometheus")
 DEFAULT_METRICS_PORT = 9100
+DEFAULT_DASHBOARD_PORT = 8265  # Ray's; the `serve` CLI's default address
 _written_sd_files: list[Path] = []
 
 
@@ -123,14 +126,17 @@ def check_service_config(config: ServeDeploySchema) -> None:
 
 def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
           metrics_interval_ms: int = 10000, timeout_s: float = 300.0,
-          node_ip: str = "127.0.0.1", dashboard_host: str | None = None) -> str:
+          node_ip: str = "127.0.0.1", dashboard_host: str | None = None,
+          dashboard_port: int = DEFAULT_DASHBOARD_PORT) -> str:
     """Start Ray and Serve's HTTP proxy, deploy ``config`` and wait until it runs. Returns the
     base URL.
 
     Safe defaults: the HTTP proxy binds to ``config.http_options.host`` (127.0.0.1 in the
     shipped configs); Ray's node address is ``node_ip`` (127.0.0.1), which makes Ray's metrics
-    exporter on ``metrics_port`` bind to loopback; the Ray dashboard is off unless
-    ``dashboard_host`` is given (e.g. "127.0.0.1" to run it locally, "0.0.0.0" to expose it).
+    exporter on ``metrics_port`` bind to loopback; the Ray dashboard (and with it the REST
+    API of Ray's ``serve`` CLI: ``serve status``, ``serve deploy``) runs only when
+    ``dashboard_host`` is given, on ``dashboard_port`` ("127.0.0.1": this machine only, what
+    ``python -m service`` passes by default).
 
     Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes.
     """
@@ -138,6 +144,7 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     if not ray.is_initialized():
+        use_token_auth()
         if ipaddress.ip_address(node_ip).is_loopback:
             # On Linux Ray swaps a loopback node address for the machine's routable one
             # (services.resolve_ip_for_localhost) unless it runs in its single-machine mode;
@@ -145,7 +152,8 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
             ray_constants.ENABLE_RAY_CLUSTER = False
         ray.init(namespace="serve", include_dashboard=dashboard_host is not None,
-                 dashboard_host=dashboard_host or "127.0.0.1", _node_ip_address=node_ip,
+                 dashboard_host=dashboard_host or "127.0.0.1", dashboard_port=dashboard_port,
+                 _node_ip_address=node_ip,
                  _metrics_export_port=metrics_port,
                  _system_config={"metrics_report_interval_ms": metrics_interval_ms})
         write_prometheus_sd(metrics_port, host=node_ip)
@@ -156,21 +164,42 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     return f"http://{http.host}:{http.port}"
 
 
+def use_token_auth() -> None:
+    """Make sure the Ray this process starts uses Ray's token authentication: with
+    ``RAY_AUTH_MODE`` unset, ``ray.init`` turns it on exactly when a token exists, so one is
+    made (``ray get-auth-token --generate``, into ``~/.ray/auth_token``) when there is none.
+    Without this, whether Ray's ``serve`` CLI needed ``RAY_AUTH_MODE=token`` depended on the
+    machine. An explicit ``RAY_AUTH_MODE`` is left to the user. Raises CalledProcessError
+    when the token cannot be made."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    have = (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").is_file())
+    if not have:  # the command prints the token: kept out of the output
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token",
+                        "--generate"], check=True, capture_output=True, timeout=120)
+
+
 def check_ports_free(config: ServeDeploySchema, metrics_port: int,
-                     node_ip: str = "127.0.0.1") -> None:
+                     node_ip: str = "127.0.0.1",
+                     dashboard: tuple[str, int] | None = None) -> None:
     """Refuse to start on ports another process listens on (a second ``make serve`` would
     otherwise wait ~40 s and fail with "The current node timed out during startup"): the
-    HTTP port of ``config.http_options`` and Ray's metrics export port on ``node_ip``.
+    HTTP port of ``config.http_options``, Ray's metrics export port on ``node_ip`` and the
+    Ray dashboard's ``(host, port)`` when it runs.
     Raises OSError naming the port and the flag or config field that sets it, or the address
     when it is not this machine's."""
     import socket
 
     http = config.http_options
-    if http.port == metrics_port:
-        raise OSError(f"http_options.port and --metrics-port are both {metrics_port}")
-    for host, port, host_from, port_from in (
-            (http.host, http.port, "http_options.host", "http_options.port in the config"),
-            (node_ip, metrics_port, "--node-ip", "--metrics-port")):
+    ports = [(http.host, http.port, "http_options.host", "http_options.port in the config"),
+             (node_ip, metrics_port, "--node-ip", "--metrics-port")]
+    if dashboard is not None:
+        ports.append((*dashboard, "--dashboard-host", "--dashboard-port"))
+    numbers = [port for _, port, _, _ in ports]
+    if len(set(numbers)) < len(numbers):
+        raise OSError(f"{', '.join(p for _, _, _, p in ports)} must differ, got {numbers}")
+    for host, port, host_from, port_from in ports:
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         except socket.gaierror as e:
