@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.json.touch()
     except (OSError, ValueError) as e:
         p.error(str(e))
+    print(f"drawing {args.test_size} ListOps test sequences …", flush=True)
     try:
         test = encoded(generate(args.test_size, args.seed, data_cfg))
     except ValueError as e:  # a length range the generator cannot fill
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for ck in args.checkpoints:
         mode = modes[ck]
-        acc = {a: evaluate(models[ck][a], test) for a in ATTENTIONS}
+        acc = {a: evaluate(models[ck][a], test, progress=f"{ck.name} [{a}]")
+               for a in ATTENTIONS}
         rows.append({"checkpoint": str(ck), "train_mode": mode, **acc, "majority": majority})
     print(f"ListOps test set: {args.test_size} sequences, seed {args.seed}, "
           f"{args.min_length} < length < {args.max_length}, torch {torch.__version__}, cpu\n")

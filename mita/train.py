@@ -61,12 +61,15 @@ def tied_variant(model: EncoderClassifier, attention: str) -> EncoderClassifier:
 
 @torch.no_grad()
 def evaluate(model: EncoderClassifier, data: list[tuple[list[int], int]],
-             batch_size: int = 32) -> float:
-    """Accuracy of ``model`` on ``(ids, label)`` pairs, padded batches of similar length."""
+             batch_size: int = 32, progress: str | None = None) -> float:
+    """Accuracy of ``model`` on ``(ids, label)`` pairs, padded batches of similar length;
+    ``progress``: show a progress bar with this label."""
     was_training = model.training
     model.eval()
     correct = 0
-    for batch in length_batches([len(x) for x, _ in data], batch_size, random.Random(0)):
+    batches = length_batches([len(x) for x, _ in data], batch_size, random.Random(0))
+    for batch in tqdm(batches, desc=progress, unit="batch", disable=progress is None,
+                      leave=False):
         ids, mask = pad_batch([data[i][0] for i in batch])
         pred = model(ids, mask).argmax(-1)
         correct += int((pred == torch.tensor([data[i][1] for i in batch])).sum())

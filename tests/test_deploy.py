@@ -427,8 +427,13 @@ def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp
     launch.check_devices(launch.load_config(launch.CPU_CONFIG))  # auto: fine
     with pytest.raises(ValueError, match=r"device: String should match pattern"):
         launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:" + "9" * 20}})
-    with pytest.raises(OSError, match="http_options.port and --metrics-port are both 8000"):
+    with pytest.raises(OSError, match=r"http_options.port in the config, --metrics-port "
+                                      r"must differ, got \[8000, 8000\]"):
         launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 8000)
+    with pytest.raises(OSError, match=r"--metrics-port, --dashboard-port must differ, got "
+                                      r"\[8000, 9100, 9100\]"):
+        launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100,
+                                dashboard=("127.0.0.1", 9100))
 
     for host, message in [("192.0.2.1", "cannot listen on 192.0.2.1:"),
                           ("no-such-host.invalid", "http_options.host 'no-such-host.invalid' "

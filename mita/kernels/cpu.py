@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def _build():
     from torch.utils import cpp_extension
 
     path = build_dir()
+    if not any(path.glob("mita_cpu_kernels*.so")):  # the first build takes ~1 min on 2 cores
+        print(f"mita: building the MiTA CPU kernels once for this machine (~1 min) in {path}",
+              file=sys.stderr, flush=True)
     try:
         path.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load("mita_cpu_kernels", [str(_SOURCE)], extra_cflags=_flags(),
