@@ -11,13 +11,14 @@ passed on unchecked.
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from .schemas import MAX_REQUEST_TIMEOUT_S, STRICT_CONFIG, describe_errors
+from .schemas import MAX_REQUEST_TIMEOUT_S, STRICT_CONFIG, validated
 
 MAX_DRAIN_S = 600.0  # longest drain (graceful_shutdown_timeout_s) a config may ask for
 MAX_REPLICAS = 1024
@@ -29,9 +30,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     standard loader silently keeps the last)."""
 
     def construct_mapping(self, node, deep=False):
-        self.flatten_mapping(node)  # resolve merge keys (<<) first, as SafeLoader does
         seen = set()
-        for key_node, _ in node.value:
+        for key_node, _ in node.value:  # as written: merged keys (<<) may be overridden
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             if not isinstance(key_node, yaml.ScalarNode):
                 raise yaml.constructor.ConstructorError(
                     None, None, "a mapping key must be a plain value", key_node.start_mark)
@@ -47,7 +49,7 @@ def read_yaml(path: str | Path) -> dict:
     """The mapping in YAML file ``path``. Raises OSError when it cannot be read, ValueError
     (naming the file and, for syntax errors, the line) when it is not YAML, holds a duplicate
     key, or is not a mapping."""
-    with open(path) as stream:  # a stream: YAML's messages then name the file
+    with open(path, encoding="utf-8") as stream:  # a stream: YAML's messages then name the file
         try:
             raw = yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 (SafeLoader's kind)
         except UnicodeDecodeError as e:
@@ -91,7 +93,7 @@ class ActorOptions(BaseModel):
                              "not in resources")
         for name in ("num_cpus", "num_gpus"):
             value = getattr(self, name)
-            if value and value < 1 and round(value * 1e4) != value * 1e4:
+            if value and value < 1 and Decimal(str(value)) % Decimal("0.0001"):
                 raise ValueError(f"{name} below 1 must be a multiple of 0.0001, got {value}")
         return self
 
@@ -182,7 +184,4 @@ def check_serve_file(raw: dict, where: str) -> None:
     starting with ``where`` and naming every refused field by its path in the file, e.g.
     ``applications.0.deployments.1.autoscaling_config.max_replica: Extra inputs are not
     permitted``."""
-    try:
-        ServeFile.model_validate(raw)
-    except ValidationError as e:
-        raise ValueError(f"{where}: {describe_errors(e)}") from None
+    validated(ServeFile, raw, where)

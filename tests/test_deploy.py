@@ -377,6 +377,33 @@ BAD_FILES = [
 ]
 
 
+def test_valid_serve_files_are_not_refused(tmp_path):
+    """What the strict reading must let through (a review found the first two refused):
+    any multiple of 0.0001 CPUs (0.07 failed a float comparison) and a YAML merge key whose
+    mapping overrides a merged key (reported as a duplicate). And the gateway's default
+    timeout is checked against the proxy's like a written one."""
+    from service import launch
+
+    for text in (SHIPPED.replace("num_cpus: 0.25", "num_cpus: 0.07"),
+                 SHIPPED.replace("num_cpus: 0.25", "num_cpus: 0.0003")):
+        path = tmp_path / "ok.yaml"
+        path.write_text(text)
+        launch.load_config(path)
+    # merge keys resolve and may be overridden (here by the file's own host line)
+    from service.config_file import read_yaml
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {port: 1, host: a}\nhttp: {<<: *b, port: 2}\n")
+    assert read_yaml(path)["http"] == {"port": 2, "host": "a"}
+    # The gateway's default request_timeout_s (120 s) counts against the proxy's
+    gateway_defaults = SHIPPED.replace("request_timeout_s: 180", "request_timeout_s: 60")
+    gateway_defaults = gateway_defaults.replace("          request_timeout_s: 120\n", "")
+    path.write_text(gateway_defaults)
+    with pytest.raises(ValueError, match=r"request_timeout_s \(120 s\) exceeds "
+                                         r"http_options.request_timeout_s \(60 s\)"):
+        launch.load_config(path)
+
+
 @pytest.mark.parametrize("text,message", BAD_FILES)
 def test_every_serve_config_field_is_parsed_strictly(tmp_path, text, message):
     """The whole Serve file, not only the service's user_configs: no duplicate keys, no
@@ -416,7 +443,8 @@ def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp
     were accepted, then failed)."""
     from service import launch
 
-    monkeypatch.setattr(launch, "local_gpu_count", lambda: 0)
+    monkeypatch.setattr(launch, "local_gpu_count", lambda: 0)  # a machine without CUDA
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
     cuda = launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:1"}})
     with pytest.raises(ValueError, match=r"device 'cuda:1', but this machine's torch .* sees 0 "
                                          r"CUDA device\(s\)"):
