@@ -7,6 +7,7 @@ import argparse
 import ipaddress
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +23,11 @@ def ip_address(text: str) -> str:
         return str(ipaddress.ip_address(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an IP address") from None
+
+
+def netloc(ip: str, port: int) -> str:
+    """``ip:port`` for a URL, IPv6 in brackets."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def ip_address_or_off(text: str) -> str | None:
@@ -64,19 +70,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"mita-serve: {path}: OK (the file, its user_configs and checkpoints)")
             return
         launch.check_ports_free(config, a.metrics_port, a.node_ip, dashboard)
-    except (OSError, ValueError) as e:
+        launch.use_token_auth()
+        needed = launch.gpus_needed(launch.replica_gpus(config))
+        if needed > launch.local_gpu_count():
+            print(f"mita-serve: warning: the config's minimum replicas need {needed} GPU(s), "
+                  f"this machine has {launch.local_gpu_count()}; replicas that do not fit "
+                  "stay pending (see the num_gpus note in deploy/serve_config.gpu.yaml)",
+                  flush=True)
+        launch.prebuild_cpu_kernels(config)  # once here, not in each replica
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
         if a.check:
             raise SystemExit(f"mita-serve: {e}") from None
         raise SystemExit(f"mita-serve: refusing to start: {e}") from None
-    except KeyboardInterrupt:
-        raise SystemExit("mita-serve: interrupted before start-up") from None
-    needed = launch.gpus_needed(launch.replica_gpus(config))
-    if needed > launch.local_gpu_count():
-        print(f"mita-serve: warning: the config's minimum replicas need {needed} GPU(s), this "
-              f"machine has {launch.local_gpu_count()}; replicas that do not fit stay pending "
-              "(see the num_gpus note in deploy/serve_config.gpu.yaml)", flush=True)
-    try:
-        launch.prebuild_cpu_kernels(config)  # once here, not in each replica
     except KeyboardInterrupt:
         raise SystemExit("mita-serve: interrupted before start-up") from None
     stop = threading.Event()
@@ -93,22 +98,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
                            dashboard_host=a.dashboard_host, dashboard_port=a.dashboard_port)
-    except RuntimeError as e:  # an application failed to deploy, or start-up timed out
+    except Exception as e:  # e.g. an application failed to deploy, or start-up timed out
         launch.stop()
-        raise SystemExit(f"mita-serve: could not start: {e}") from None
-    for sig in (signal.SIGINT, signal.SIGTERM):  # again: ray.init installs its own SIGTERM
-        signal.signal(sig, on_signal)
+        raise SystemExit(f"mita-serve: could not start: {type(e).__name__}: {e}") from None
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again (ray.init installs its own SIGTERM),
+        signal.signal(sig, lambda *_: stop.set())  # and now a signal stops at once
     if stop.is_set():
         launch.stop()
         raise SystemExit("mita-serve: interrupted during start-up; stopped")
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
-    print(f"Prometheus metrics: http://{a.node_ip}:{a.metrics_port}/metrics (file-SD list "
+    print(f"Prometheus metrics: http://{netloc(a.node_ip, a.metrics_port)}/metrics (file-SD list "
           f"{launch.prometheus_sd_file(a.metrics_port)}; deploy/prometheus/prometheus.yml "
           f"reads port {launch.DEFAULT_METRICS_PORT}'s)")
     if dashboard is not None:
-        address = f"http://{a.dashboard_host}:{a.dashboard_port}"
+        address = f"http://{netloc(a.dashboard_host, a.dashboard_port)}"
         print(f"Ray dashboard: {address}  (Ray's serve CLI, with Ray's token authentication: "
               f"RAY_AUTH_MODE=token serve status -a {address}; live changes: "
               f"RAY_AUTH_MODE=token serve deploy FILE -a {address})")

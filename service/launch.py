@@ -21,7 +21,6 @@ from pathlib import Path
 
 import ray
 import torch
-from pydantic import ValidationError
 from ray import serve
 from ray._private import ray_constants
 from ray.serve._private import api as serve_api
@@ -29,7 +28,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from . import PROJECT_ROOT
 from .config_file import check_serve_file, read_yaml
-from .schemas import AppArgs, ClassifierConfig, GatewayConfig, describe_errors, validated
+from .schemas import AppArgs, ClassifierConfig, GatewayConfig, validated
 
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
 # Prometheus file-SD lists, one per instance (named by its metrics port): a second instance on
@@ -77,10 +76,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ServeDeployS
     app["deployments"] = list(by_name.values())
     if overrides:
         check_serve_file(raw, f"{path} with overrides")
-    try:
-        config = ServeDeploySchema.model_validate(raw)
-    except ValidationError as e:
-        raise ValueError(f"{path}: {describe_errors(e)}") from None
+    config = validated(ServeDeploySchema, raw, str(path))
     try:
         check_service_config(config)
     except ValueError as e:
@@ -113,15 +109,24 @@ def check_service_config(config: ServeDeploySchema) -> None:
                 raise ValueError(f"application {app.name!r}: no deployment named {dep.name!r} "
                                  f"(the service has {', '.join(USER_CONFIGS)})")
             if isinstance(dep.user_config, dict):
-                parsed = validated(schema, dep.user_config, f"application {app.name!r} "
-                                   f"deployment {dep.name!r} user_config")
-                if (schema is GatewayConfig and http_timeout is not None
-                        and parsed.request_timeout_s > http_timeout):
-                    raise ValueError(
-                        f"application {app.name!r} deployment 'Gateway' user_config: "
-                        f"request_timeout_s ({parsed.request_timeout_s:g} s) exceeds "
-                        f"http_options.request_timeout_s ({http_timeout:g} s): the proxy "
-                        "would time requests out first, without the gateway's JSON 504")
+                validated(schema, dep.user_config,
+                          f"application {app.name!r} deployment {dep.name!r} user_config")
+        gateway = gateway_config(app)  # its defaults count too
+        if http_timeout is not None and gateway.request_timeout_s > http_timeout:
+            raise ValueError(
+                f"application {app.name!r} deployment 'Gateway' user_config: "
+                f"request_timeout_s ({gateway.request_timeout_s:g} s) exceeds "
+                f"http_options.request_timeout_s ({http_timeout:g} s): the proxy would time "
+                "requests out first, without the gateway's JSON 504")
+
+
+def gateway_config(app) -> GatewayConfig:
+    """The Gateway's ``user_config`` of application ``app`` (a ``ServeApplicationSchema``),
+    with the schema's defaults where it sets nothing. Raises ValueError as ``validated``."""
+    gateway = next((d for d in app.deployments if d.name == "Gateway"), None)
+    values = gateway.user_config if gateway and isinstance(gateway.user_config, dict) else None
+    return validated(GatewayConfig, values,
+                     f"application {app.name!r} deployment 'Gateway' user_config")
 
 
 def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
@@ -272,10 +277,7 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
         if checkpoint is None:
             continue
         model = load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
-        gateway = next((d for d in app.deployments if d.name == "Gateway"), None)
-        max_n = GatewayConfig.model_validate(
-            gateway.user_config if gateway and isinstance(gateway.user_config, dict) else {}
-        ).max_n
+        max_n = gateway_config(app).max_n
         if model.config.max_len < max_n:
             raise ValueError(f"checkpoint {checkpoint}: its max_len ({model.config.max_len}) "
                              f"is below the Gateway's max_n ({max_n}): requests between "
@@ -286,20 +288,22 @@ def check_devices(config: ServeDeploySchema) -> None:
     """Refuse (ValueError) an application ``device`` this machine's torch cannot use
     (``cuda`` without CUDA, ``cuda:N`` past the last GPU); replicas would otherwise fail one
     after another once Ray has started."""
+    from .engine import pick_device
+
     count = local_gpu_count()
     for app in config.applications:
         args = app.args or {}
         device = str(args.get("device", "auto"))
         try:
-            index = torch.device(device).index or 0 if device.startswith("cuda") else None
+            chosen = pick_device(device)
         except RuntimeError:
             raise ValueError(f"application {app.name!r} args: device {device!r} is not a "
                              "torch device (auto, cpu, cuda, cuda:N)") from None
-        if index is not None and index >= count:
+        if chosen.type == "cuda" and (chosen.index or 0) >= count:
             raise ValueError(f"application {app.name!r} args: device {device!r}, but this "
                              f"machine's torch ({torch.__version__}) sees {count} CUDA "
                              f"device(s); use device: auto or cpu")
-        if args.get("mita_backend") == "triton" and (count == 0 or device == "cpu"):
+        if args.get("mita_backend") == "triton" and chosen.type != "cuda":
             raise ValueError(f"application {app.name!r} args: mita_backend 'triton' needs a "
                              "CUDA device; use auto (compiled CPU kernels here)")
 

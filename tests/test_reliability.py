@@ -683,6 +683,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert health.status_code == 200 and ready.status_code == 503
     assert proc.returncode == 0, out[-2000:]
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
+    assert "stopping once start-up is done" not in out  # said on every stop, once
 
 
 def test_readiness_does_not_wait_behind_classify_work(service):
