@@ -298,12 +298,11 @@ async def check_body(request: Request, call_next):
         elif encoding != "identity":
             refusal = (415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the "
                             "body uncompressed")
-        elif not length and "transfer-encoding" not in request.headers:
-            refusal = (411, "the request has no body: send the JSON (or binary ids) with a "
-                            "Content-Length header")
         elif not length:
             refusal = (411, "a Content-Length header is required (chunked uploads are not "
-                            "accepted)")
+                            "accepted)" if "transfer-encoding" in request.headers else
+                            "the request has no body: send the JSON (or binary ids) with a "
+                            "Content-Length header")
         elif not length.isdigit():
             refusal = (400, "invalid Content-Length header")
         elif int(length) > limit:

@@ -8,16 +8,26 @@ import socket
 import time
 from dataclasses import dataclass
 
-# The Triton kernels are tested under the interpreter in this process (test_kernels.py).
-# Triton fixes interpreted vs compiled mode for its own helpers (tl.max …) when it is first
-# imported, and torch imports it by itself (torch._dynamo, e.g. when a model is built on the
-# meta device by mita.model.load_checkpoint): so the mode is set before anything can import
-# it. Compiled-mode checks run in subprocesses without it (test_kernel_compile.py).
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+# The Triton kernels are tested under the interpreter in this process (test_kernels.py).
+# Triton fixes interpreted vs compiled mode for its own helpers (tl.max …) when it is first
+# imported, and torch imports it by itself (torch._dynamo, e.g. when a model is built on the
+# meta device by mita.model.load_checkpoint): so it is imported here, interpreted, first. The
+# flag is then removed again, so that the processes the tests start (Ray's replicas, python -m
+# service) run Triton compiled on a GPU host; test_kernels.py sets it around its own tests.
+# Compiled-mode checks run in subprocesses (test_kernel_compile.py).
+_interpret = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton.language  # noqa: F401
+except ImportError:
+    pass
+finally:
+    if _interpret is None:
+        del os.environ["TRITON_INTERPRET"]
 
 CHECKPOINT = "checkpoints/listops-default"
 

@@ -10,7 +10,6 @@ digit (at the maximum depth always a digit; the root follows the same rule). An 
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass
 
@@ -100,15 +99,15 @@ def generate(num: int, seed: int, cfg: ListOpsConfig = ListOpsConfig()) -> list[
     seen: set[str] = set()
     out: list[tuple[str, int]] = []
     budget = MAX_DRAWS_PER_EXAMPLE * num + 100_000
-    for draws in itertools.count():
-        if len(out) == num:
-            break
+    draws = 0
+    while len(out) < num:
         if draws == budget:
             raise ValueError(
                 f"drew {draws:,} trees and found {len(out)} of {num} distinct ones with "
                 f"{cfg.min_length} < length < {cfg.max_length}: the range is too narrow or "
                 f"too long for max_depth {cfg.max_depth}, max_args {cfg.max_args} (LRA: "
                 "500 < length < 2000)")
+        draws += 1
         tree, length = _generate_tree(rng, 1, cfg)
         if not cfg.min_length < length < cfg.max_length:
             continue
