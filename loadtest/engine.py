@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mita.data.listops import encode, generate_long
+from mita.hooks import stage_sorted
 
 
 def check_loopback(url: str) -> None:
@@ -184,7 +185,7 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
             kinds = sorted({s.staged for s in mine})
             for staged in kinds:
                 group = [s for s in mine if s.staged == staged]
-                names = list(dict.fromkeys(k for s in group for k in s.stages_ms))
+                names = stage_sorted(k for s in group for k in s.stages_ms)
                 label = f"{v} (staged)" if staged and len(kinds) > 1 else v
                 stages_ms[label] = {k: float(np.median([s.stages_ms.get(k, 0.0)
                                                          for s in group])) for k in names}

@@ -7,6 +7,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from mita.hooks import stage_sorted
+from profiler.plots import stage_lines
+
 from .engine import Sample
 
 
@@ -55,7 +58,7 @@ def markdown(summary: dict) -> str:
                   f"{x['throughput_ratio_mita_over_dense']:.2f}× |" for x in summary["ratios"]]
     stage_rows = stage_table(summary)
     if stage_rows:
-        stages = list(dict.fromkeys(s for *_, ms in stage_rows for s in ms))
+        stages = stage_sorted(s for *_, ms in stage_rows for s in ms)
         lines += ["", "Median per-stage time from profiled responses (ms, summed over layers):",
                   "", "| N | variant | " + " | ".join(stages) + " |",
                   "|---|---|" + "---|" * len(stages)]
@@ -70,7 +73,6 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "loadtest.json", "csv": out / "samples.csv",
@@ -115,22 +117,11 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
     fig.savefig(files["latency_png"], dpi=110)
     plt.close(fig)
 
-    rows = stage_table(summary)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
-    stages = list(dict.fromkeys(s for *_, ms in rows for s in ms))
-    bottom = np.zeros(len(rows))
-    for st in stages:
-        vals = np.array([ms.get(st, 0.0) for *_, ms in rows])
-        ax.bar(range(len(rows)), vals, bottom=bottom, label=st)
-        bottom += vals
-    ax.set_xticks(range(len(rows)), [f"{name}\nN={n}" for n, name, _ in rows], fontsize=7)
-    ax.set_ylabel("median ms per request (stacked stages)")
-    if stages:
-        ax.legend(fontsize=6, ncol=2)
+    panels: dict[str, list] = {}
+    for n, name, ms in stage_table(summary):
+        panels.setdefault(name, []).append((n, ms))
+    if panels:
+        stage_lines(panels, files["stages_png"], "median ms per request")
     else:
-        ax.text(0.5, 0.5, "no profiled responses", ha="center", va="center",
-                transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(files["stages_png"], dpi=110)
-    plt.close(fig)
+        files.pop("stages_png")
     return files

@@ -15,6 +15,25 @@ from typing import Protocol
 
 MITA_STAGES = ("pool", "landmark_scores", "topk", "shared_compress", "route", "gather", "attention")
 MODEL_STAGES = ("embed", "qkv_proj", "out_proj", "ffn", "head")
+# Every stage in the order a forward runs it: tables, plots, the dashboard and Grafana list
+# stages in this order and draw each in its colour below, the same everywhere.
+STAGE_ORDER = ("embed", "qkv_proj", *MITA_STAGES, "out_proj", "ffn", "head")
+# Twelve colours that stay apart (tab20 picks); MiTA's routing stages are cool, its attention
+# and the model's own stages warm or neutral.
+STAGE_COLORS = {
+    "embed": "#7f7f7f", "qkv_proj": "#8c564b", "pool": "#17becf",
+    "landmark_scores": "#1f77b4", "topk": "#aec7e8", "shared_compress": "#2ca02c",
+    "route": "#bcbd22", "gather": "#ff9896", "attention": "#d62728", "out_proj": "#9467bd",
+    "ffn": "#ff7f0e", "head": "#e377c2",
+}
+OTHER_STAGE_COLOR = "#c7c7c7"
+
+
+def stage_sorted(names) -> list[str]:
+    """``names`` in ``STAGE_ORDER`` (names outside it last, alphabetically), duplicates dropped."""
+    names = set(names)
+    return ([s for s in STAGE_ORDER if s in names]
+            + sorted(n for n in names if n not in STAGE_ORDER))
 
 
 class StageHook(Protocol):

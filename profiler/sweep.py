@@ -23,9 +23,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mita.hooks import stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 
 from .cost import model_stage_flops, profile_forward
+from .plots import stage_lines
 
 MITA_ATTENTION_STAGES = ("pool", "landmark_scores", "topk", "shared_compress", "route",
                          "gather", "attention")
@@ -208,42 +210,20 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
-    """Three PNGs: stacked per-stage time vs N per variant/setting; MiTA/dense speed-up vs N
-    with the FLOP-limit line; measured time vs analytic FLOPs (log-log, fitted slope)."""
+    """Three PNGs: per-stage time vs N per variant/setting (``plots.stage_lines``); MiTA/dense
+    speed-up vs N with the FLOP-limit line; measured time vs analytic FLOPs (log-log, fitted
+    slope)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
-    paths = []
     groups = sorted({(r["variant"], r["setting"]) for r in ok})
-    all_stages = list(dict.fromkeys(s for r in ok for s in r["stages_ms"]))
-    palette = plt.get_cmap("tab20").colors
-    color_of = {st: palette[i % len(palette)] for i, st in enumerate(all_stages)}
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(6 * max(1, len(groups)), 4.5),
-                             squeeze=False)
-    for ax, (variant, setting) in zip(axes[0], groups, strict=False):
-        sel = sorted((r for r in ok if (r["variant"], r["setting"]) == (variant, setting)),
-                     key=lambda r: r["n"])
-        stages = list(dict.fromkeys(s for r in sel for s in r["stages_ms"]))
-        x = np.arange(len(sel))
-        totals = np.array([sum(r["stages_ms"].values()) for r in sel])
-        bottom = np.zeros(len(sel))
-        # Shares of the forward (100 % stacked) so small N stays readable; totals on top.
-        for st in stages:
-            vals = np.array([r["stages_ms"].get(st, 0.0) for r in sel]) / totals * 100
-            ax.bar(x, vals, bottom=bottom, label=st, color=color_of[st])
-            bottom += vals
-        for xi, r in zip(x, sel, strict=True):
-            ax.text(xi, 101, f"{r['e2e_ms']:.0f} ms", ha="center", fontsize=7)
-        ax.set_xticks(x, [f"{r['n'] // 1024}K" if r["n"] >= 1024 else str(r["n"]) for r in sel])
-        ax.set_ylim(0, 108)
-        ax.set_title(f"{variant} {setting}".strip(" -"))
-        ax.set_xlabel("N")
-        ax.set_ylabel("% of forward time by stage (total above)")
-        ax.legend(fontsize=6, loc="lower left")
-    paths.append(_save(fig, out / "stages.png"))
+    panels = {f"{v} {setting}".strip(" -"): [(r["n"], r["stages_ms"]) for r in ok
+                                             if (r["variant"], r["setting"]) == (v, setting)]
+              for v, setting in groups}
+    paths = [stage_lines(panels, out / "stages.png", "ms per forward")] if panels else []
 
     sp = speedups(rows)
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -289,7 +269,7 @@ def write_outputs(rows: list[dict], cfg: SweepConfig, out: Path) -> dict[str, Pa
     files = {"json": out / "sweep.json", "csv": out / "sweep.csv", "md": out / "sweep.md"}
     files["json"].write_text(json.dumps({"config": cfg.__dict__, "rows": rows,
                                          "speedups": speedups(rows)}, indent=2) + "\n")
-    stages = list(dict.fromkeys(s for r in rows for s in r.get("stages_ms", {})))
+    stages = stage_sorted(s for r in rows for s in r.get("stages_ms", {}))
     cols = ["n", "variant", "setting", "m", "k", "s", "batch", "depth", "dim", "heads", "dtype",
             "device", "status", "e2e_ms", "flops", "gflops_per_s", "peak_memory_bytes",
             "peak_memory_kind"]

@@ -391,15 +391,16 @@ class Gateway:
         replica_state.max_body_bytes = self.config.max_body_bytes
         self.window.retention_s = self.config.stats_window_s
 
-    def record_request(self, variant: str, status: int, bucket: str | None = None,
+    def record_request(self, variant: str, status: int, n: int | None = None,
                        latency_s: float | None = None) -> None:
         """One answered request in the metrics and in the stats window (kept in step, so
-        ``/v1/stats`` matches ``requests_total``); answered ones (200) with their latency."""
+        ``/v1/stats`` matches ``requests_total``); answered ones (200) with their N (tokens)
+        and latency."""
         self.metrics.requests.inc(1, {"variant": variant, "status": str(status)})
         if latency_s is not None:
             self.metrics.request_duration.observe(latency_s,
-                                                  {"variant": variant, "n_bucket": bucket})
-        self.window.add_request(variant, status, bucket, latency_s)
+                                                  {"variant": variant, "n_bucket": n_bucket(n)})
+        self.window.add_request(variant, status, n, latency_s)
 
     async def _infos(self, timeout_s: float | None = None) -> list[dict]:
         """Both classifiers' ``info()``, in ``VARIANTS`` order. Raises asyncio.TimeoutError
@@ -468,9 +469,8 @@ class Gateway:
                 self.record_request(primary, e.status)
             e.counted = True
             raise
-        latency, bucket = time.time() - arrived_at, n_bucket(len(ids))
-        self.record_request(primary, 200, bucket, latency)
-        self._add_stages(primary, bucket, result["profile"])
+        self.record_request(primary, 200, len(ids), time.time() - arrived_at)
+        self._add_stages(primary, n_bucket(len(ids)), result["profile"])
         if shadow is not None:
             task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
             self._shadow_tasks.add(task)

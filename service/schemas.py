@@ -244,10 +244,21 @@ class StageStat(BaseModel):
 
 
 class RatioStat(BaseModel):
+    """MiTA / dense median request latency in one N bucket (< 1: MiTA faster)."""
+
     n_bucket: str
     mita_p50_ms: float
     dense_p50_ms: float
-    ratio: float = Field(description="MiTA / dense median request latency (< 1: MiTA faster)")
+    ratio: float = Field(description="like_for_like: geometric mean over the N values both "
+                                     "variants served of each N's ratio of medians (weighted "
+                                     "by the smaller request count); otherwise mita_p50_ms / "
+                                     "dense_p50_ms over the whole bucket")
+    like_for_like: bool = Field(description="true: only N values served by both variants "
+                                            "(local mode); false: the bucket's N mix may differ "
+                                            "between variants (prometheus mode)")
+    n_values: int | None = Field(description="distinct N compared (like_for_like)")
+    n_min: int | None
+    n_max: int | None
 
 
 class TimelinePoint(BaseModel):
@@ -257,6 +268,10 @@ class TimelinePoint(BaseModel):
     rps: float
     p50_ms: float | None
     p99_ms: float | None
+
+
+class TimelineByN(TimelinePoint):
+    n_bucket: str
 
 
 class ShadowStat(BaseModel):
@@ -284,4 +299,7 @@ class StatsResponse(BaseModel):
     stages: list[StageStat]
     ratios: list[RatioStat]
     timeline: list[TimelinePoint]
+    timeline_by_n: list[TimelineByN] = Field(description="the timeline per N bucket served")
     shadow: ShadowStat
+    stage_colors: dict[str, str] = Field(description="every stage in forward order, with the "
+                                                     "colour plots and Grafana draw it in")

@@ -27,13 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mita.hooks import MITA_STAGES, MODEL_STAGES
+from mita.hooks import STAGE_COLORS, STAGE_ORDER
 
-from .metrics import N_BUCKETS
+from .metrics import N_BUCKETS, n_bucket
 from .schemas import VARIANTS
 
-# Stages in the order a forward runs them (dense reports only `attention` of MiTA's seven).
-STAGE_ORDER = ("embed", "qkv_proj", *MITA_STAGES, *MODEL_STAGES[2:])
 MAX_RECORDS = 20_000  # per kind; bounds the gateway's memory under any request rate
 TIMELINE_BINS = 60
 
@@ -57,14 +55,45 @@ def _bin_starts(start: float, now: float, bin_s: float) -> list[float]:
     return [first + i * bin_s for i in range(int((now - first) // bin_s) + 1)]
 
 
-def ratios(latency: list[dict]) -> list[dict]:
-    """MiTA/dense ratio of median request latency per N bucket where both have data."""
+def bucket_ratios(latency: list[dict]) -> list[dict]:
+    """MiTA/dense ratio of median request latency per N bucket where both have data. Not like
+    for like: the variants may have served different N inside a bucket (Prometheus mode,
+    whose metrics know only the bucket)."""
     p50 = {(r["variant"], r["n_bucket"]): r["p50_ms"] for r in latency}
     out = []
     for b in N_BUCKETS:
         m, d = p50.get(("mita", b)), p50.get(("dense", b))
         if m is not None and d:
-            out.append({"n_bucket": b, "mita_p50_ms": m, "dense_p50_ms": d, "ratio": m / d})
+            out.append({"n_bucket": b, "mita_p50_ms": m, "dense_p50_ms": d, "ratio": m / d,
+                        "like_for_like": False, "n_values": None, "n_min": None,
+                        "n_max": None})
+    return out
+
+
+def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dict]:
+    """Like-for-like MiTA/dense ratio per N bucket, from request latencies (ms) keyed by
+    (variant, exact N): only the N values both variants served count, each N's ratio of
+    medians weighted by the smaller of its two request counts, combined by geometric mean
+    (the mean of log-ratios). ``mita_p50_ms`` / ``dense_p50_ms``: medians over those matched
+    requests. Buckets with no N served by both are left out."""
+    by_bucket: dict[str, list[int]] = {}
+    for variant, n in latency_by_n:
+        if variant == "mita" and ("dense", n) in latency_by_n:
+            by_bucket.setdefault(n_bucket(n), []).append(n)
+    out = []
+    for b in N_BUCKETS:
+        ns = sorted(by_bucket.get(b, []))
+        if not ns:
+            continue
+        mita = {n: latency_by_n["mita", n] for n in ns}
+        dense = {n: latency_by_n["dense", n] for n in ns}
+        weights = np.array([min(len(mita[n]), len(dense[n])) for n in ns], dtype=float)
+        logs = np.array([math.log(np.median(mita[n]) / np.median(dense[n])) for n in ns])
+        out.append({"n_bucket": b, "ratio": float(np.exp(np.average(logs, weights=weights))),
+                    "mita_p50_ms": float(np.median(np.concatenate(list(mita.values())))),
+                    "dense_p50_ms": float(np.median(np.concatenate(list(dense.values())))),
+                    "like_for_like": True, "n_values": len(ns), "n_min": ns[0],
+                    "n_max": ns[-1]})
     return out
 
 
@@ -87,16 +116,17 @@ class StatsWindow:
 
     def __init__(self, retention_s: float = 300.0, max_records: int = MAX_RECORDS):
         self.retention_s = retention_s
-        # (t, variant, status, n_bucket or None, latency_s or None)
+        # (t, variant, status, N or None, latency_s or None)
         self.requests: deque = deque(maxlen=max_records)
         # (t, variant, n_bucket, stage names, stage ms)
         self.forwards: deque = deque(maxlen=max_records)
         # (t, primary, agree)
         self.shadows: deque = deque(maxlen=max_records)
 
-    def add_request(self, variant: str, status: int | str, bucket: str | None = None,
+    def add_request(self, variant: str, status: int | str, n: int | None = None,
                     latency_s: float | None = None) -> None:
-        self.requests.append((time.time(), variant, str(status), bucket, latency_s))
+        """One request's answer; ``n`` (tokens) and ``latency_s`` for answered ones."""
+        self.requests.append((time.time(), variant, str(status), n, latency_s))
 
     def add_forward(self, variant: str, bucket: str, stages_ms: dict[str, float]) -> None:
         self.forwards.append((time.time(), variant, bucket, tuple(stages_ms),
@@ -130,11 +160,14 @@ def summarize(snapshot: tuple) -> dict:
     now, window_s, truncated, requests, forwards, shadows = snapshot
     start = now - window_s
     counts: dict[tuple, int] = {}
-    latencies: dict[tuple, list[float]] = {}
-    for _, variant, status, bucket, latency in requests:
+    by_n: dict[tuple[str, int], list[float]] = {}
+    for _, variant, status, n, latency in requests:
         counts[variant, status] = counts.get((variant, status), 0) + 1
         if latency is not None:
-            latencies.setdefault((variant, bucket), []).append(latency * 1e3)
+            by_n.setdefault((variant, n), []).append(latency * 1e3)
+    latencies: dict[tuple, list[float]] = {}
+    for (variant, n), ms in by_n.items():
+        latencies.setdefault((variant, n_bucket(n)), []).extend(ms)
     latency_rows = []
     for (variant, bucket), ms in latencies.items():
         p50, p95, p99 = np.percentile(ms, [50, 95, 99])
@@ -156,29 +189,35 @@ def summarize(snapshot: tuple) -> dict:
     bin_s = bin_seconds(window_s)
     starts = _bin_starts(start, now, bin_s)
     binned: dict[tuple, list[float]] = {}
-    for t, variant, status, _, latency in requests:
+    for t, variant, status, n, latency in requests:
         if status == "200" and latency is not None:
             i = min(int((t - starts[0]) // bin_s), len(starts) - 1)
-            binned.setdefault((variant, i), []).append(latency * 1e3)
-    timeline = []
+            binned.setdefault((variant, None, i), []).append(latency * 1e3)
+            binned.setdefault((variant, n_bucket(n), i), []).append(latency * 1e3)
+    timeline, timeline_by_n = [], []
     for variant in VARIANTS:
-        for i, t in enumerate(starts):
-            ms = binned.get((variant, i), [])
-            p50, p99 = np.percentile(ms, [50, 99]) if ms else (None, None)
-            timeline.append({"t": t, "variant": variant, "requests": len(ms),
-                             "rps": len(ms) / bin_s, "p50_ms": _finite(p50),
-                             "p99_ms": _finite(p99)})
+        for bucket in (None, *N_BUCKETS):
+            if bucket is not None and (variant, bucket) not in latencies:
+                continue
+            for i, t in enumerate(starts):
+                ms = binned.get((variant, bucket, i), [])
+                p50, p99 = np.percentile(ms, [50, 99]) if ms else (None, None)
+                point = {"t": t, "variant": variant, "requests": len(ms), "rps": len(ms) / bin_s,
+                         "p50_ms": _finite(p50), "p99_ms": _finite(p99)}
+                if bucket is None:
+                    timeline.append(point)
+                else:
+                    timeline_by_n.append(point | {"n_bucket": bucket})
 
     agree = sum(1 for s in shadows if s[2])
-    latency_rows = _sort(latency_rows)
     return {
         "source": "local", "scope": "replica", "window_s": window_s, "bin_s": bin_s,
         "generated_at": now, "truncated": truncated,
         "requests": _sort([{"variant": v, "status": s, "count": c}
                            for (v, s), c in counts.items()]),
-        "latency": latency_rows, "stages": _sort(stage_rows),
-        "ratios": ratios(latency_rows), "timeline": timeline,
-        "shadow": _shadow(agree, len(shadows) - agree),
+        "latency": _sort(latency_rows), "stages": _sort(stage_rows),
+        "ratios": matched_ratios(by_n), "timeline": timeline, "timeline_by_n": timeline_by_n,
+        "shadow": _shadow(agree, len(shadows) - agree), "stage_colors": STAGE_COLORS,
     }
 
 
@@ -206,6 +245,9 @@ RANGE = {
     "rps": 'sum by (variant) (rate(ray_mita_serve_requests_total{{status="200"}}[{r}]))',
     **{f"p{q}": f"histogram_quantile(0.{q}, sum by (le, variant) (rate({REQ}_bucket[{{r}}])))"
        for q in (50, 99)},
+    "n_rps": f"sum by (variant, n_bucket) (rate({REQ}_count[{{r}}]))",
+    **{f"n_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, n_bucket) "
+                  f"(rate({REQ}_bucket[{{r}}])))" for q in (50, 99)},
 }
 _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prometheus")
 
@@ -276,21 +318,32 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
               for (v, b, s), c in by("stage_count", lab).items() if c and v in VARIANTS]
     shadow = by("shadow", ("agree",))
 
-    series = {k: {(s["metric"].get("variant", ""), float(t)): _value(x)
-                  for s in res[k] for t, x in s["values"]} for k in RANGE}
-    timeline = []
+    series = {k: {(s["metric"].get("variant", ""), s["metric"].get("n_bucket"), float(t)):
+                  _value(x) for s in res[k] for t, x in s["values"]} for k in RANGE}
+    timeline, timeline_by_n = [], []
     for variant in VARIANTS:
-        for t in steps:
-            rps = series["rps"].get((variant, t)) or 0.0
-            timeline.append({"t": t, "variant": variant, "requests": rps * bin_s, "rps": rps,
-                             "p50_ms": _ms(series["p50"].get((variant, t))),
-                             "p99_ms": _ms(series["p99"].get((variant, t)))})
+        for bucket in (None, *N_BUCKETS):
+            pre = "" if bucket is None else "n_"
+            if bucket is not None and not any(
+                    (variant, bucket) == key[:2] for key in series["n_rps"]):
+                continue
+            for t in steps:
+                key = (variant, bucket, t)
+                rps = series[f"{pre}rps"].get(key) or 0.0
+                point = {"t": t, "variant": variant, "requests": rps * bin_s, "rps": rps,
+                         "p50_ms": _ms(series[f"{pre}p50"].get(key)),
+                         "p99_ms": _ms(series[f"{pre}p99"].get(key))}
+                if bucket is None:
+                    timeline.append(point)
+                else:
+                    timeline_by_n.append(point | {"n_bucket": bucket})
     return {
         "source": "prometheus", "scope": "all_replicas", "window_s": float(window_s),
         "bin_s": bin_s, "generated_at": now, "truncated": False,
         "requests": _sort(requests), "latency": latency, "stages": _sort(stages),
-        "ratios": ratios(latency), "timeline": timeline,
+        "ratios": bucket_ratios(latency), "timeline": timeline, "timeline_by_n": timeline_by_n,
         "shadow": _shadow(shadow.get(("true",)) or 0.0, shadow.get(("false",)) or 0.0),
+        "stage_colors": STAGE_COLORS,
     }
 
 

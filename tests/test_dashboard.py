@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mita.data.listops import generate_long
+from mita.data.listops import encode, generate_long
+from mita.hooks import STAGE_COLORS, STAGE_ORDER
 from service.metrics import DURATION_BUCKETS_S
-from service.stats import STAGE_ORDER, StatsWindow
+from service.stats import StatsWindow
 
 from .conftest import set_gateway, wait_for
 from .test_service import EXAMPLES
@@ -197,14 +198,29 @@ def test_stats_match_metrics_endpoint(service):
     assert stats["shadow"]["agree"] == agree
     assert stats["shadow"]["rate"] == pytest.approx(agree / len(plan))
 
-    # Ratio and timeline follow from the same records.
+    # Ratio and timeline follow from the same records. Like for like: in le_1024 the two
+    # variants served different sequences (no N in common unless two lengths coincide); in
+    # le_4096 both served N = 2048 once, so the ratio is that pair's.
     p50 = {(x["variant"], x["n_bucket"]): x["p50_ms"] for x in stats["latency"]}
-    assert [(x["n_bucket"], x["ratio"]) for x in stats["ratios"]] == [
-        (b, pytest.approx(p50["mita", b] / p50["dense", b])) for b in ("le_1024", "le_4096")]
-    for variant, n in (("mita", 5), ("dense", 4)):
+    short = {len(encode(t)) for t, _ in EXAMPLES[:4]} & {len(encode(t)) for t, _ in EXAMPLES[4:7]}
+    ratios = {x["n_bucket"]: x for x in stats["ratios"]}
+    assert set(ratios) == ({"le_1024"} if short else set()) | {"le_4096"}
+    assert ratios["le_4096"] == {
+        "n_bucket": "le_4096", "ratio": pytest.approx(p50["mita", "le_4096"]
+                                                      / p50["dense", "le_4096"]),
+        "mita_p50_ms": p50["mita", "le_4096"], "dense_p50_ms": p50["dense", "le_4096"],
+        "like_for_like": True, "n_values": 1, "n_min": 2048, "n_max": 2048}
+    for variant, n, by_bucket in (("mita", 5, {"le_1024": 4, "le_4096": 1}),
+                                  ("dense", 4, {"le_1024": 3, "le_4096": 1})):
         points = [p for p in stats["timeline"] if p["variant"] == variant]
         assert sum(p["requests"] for p in points) == n
         assert all(p["rps"] == p["requests"] / stats["bin_s"] for p in points)
+        for b, count in by_bucket.items():
+            points = [p for p in stats["timeline_by_n"]
+                      if p["variant"] == variant and p["n_bucket"] == b]
+            assert len(points) == len(stats["timeline"]) // 2
+            assert sum(p["requests"] for p in points) == count
+    assert list(stats["stage_colors"]) == list(STAGE_ORDER)
 
     mita, dense = stats["models"]["mita"], stats["models"]["dense"]
     assert (mita["m"], mita["k"], mita["s"], mita["attention"]) == (16, 16, 1, "mita")
@@ -242,7 +258,7 @@ def test_window_summary_against_numpy():
     rng = np.random.default_rng(0)
     lat = rng.uniform(0.001, 0.2, 40)
     for i, x in enumerate(lat):
-        w.add_request("mita" if i % 4 else "dense", 200, "le_1024", float(x))
+        w.add_request("mita" if i % 4 else "dense", 200, 1000, float(x))
         w.add_forward("mita", "le_1024", {"embed": float(x) * 10, "topk": 1.0})
     w.add_request("none", 413)
     w.add_shadow("mita", True)
@@ -262,13 +278,42 @@ def test_window_summary_against_numpy():
     assert len(s["timeline"]) in (2 * 60, 2 * 61) and s["bin_s"] == 1
     # The record cap: 41 requests into 50 places is fine, 60 more cut the window short.
     for _ in range(60):
-        w.add_request("dense", 200, "le_1024", 0.01)
+        w.add_request("dense", 200, 1000, 0.01)
     assert w.summary()["truncated"]
     # Records older than the retention are dropped.
-    w.requests.appendleft((time.time() - 61, "mita", "200", "le_1024", 1.0))
+    w.requests.appendleft((time.time() - 61, "mita", "200", 1000, 1.0))
     w.retention_s = 30
     assert w.summary(window_s=1000)["window_s"] == 30
     assert all(r[0] >= time.time() - 31 for r in w.requests)
+
+
+def test_ratio_compares_like_with_like():
+    """The bucket N ≤ 1,024 holds N = 1,024 (MiTA 0.74× dense, as a load test measured) and
+    N = 128 (MiTA 2× dense: its routing costs more than short dense attention). MiTA served
+    mostly N = 1,024 and dense mostly N = 128, so the bucket's medians (the old ratio) put
+    MiTA at 7.4×; like for like it is the weighted geometric mean of 0.74 and 2."""
+    w = StatsWindow(retention_s=60)
+    plan = [("mita", 1024, 0.074, 9), ("dense", 1024, 0.100, 1),
+            ("mita", 128, 0.020, 1), ("dense", 128, 0.010, 9),
+            ("mita", 300, 0.050, 5)]  # no dense request at N = 300: not compared
+    for variant, n, latency, times in plan:
+        for _ in range(times):
+            w.add_request(variant, 200, n, latency)
+    s = w.summary()
+    bucket = {(r["variant"]): r["p50_ms"] for r in s["latency"]}
+    assert bucket["mita"] / bucket["dense"] == pytest.approx(74 / 10)  # the mix, not MiTA
+    (row,) = s["ratios"]
+    # Each N weighs min(mita, dense) = 1 request: exp(mean(log 0.74, log 2)).
+    assert row["ratio"] == pytest.approx(math.sqrt(0.74 * 2.0))
+    assert (row["like_for_like"], row["n_values"], row["n_min"], row["n_max"]) == (
+        True, 2, 128, 1024)
+    # Medians over the matched requests only (the 5 at N = 300 left out).
+    assert row["mita_p50_ms"] == pytest.approx(74.0) and row["dense_p50_ms"] == 10.0
+    w.add_request("dense", 200, 128, 0.010)  # weights 1 and 1 still: same answer
+    assert w.summary()["ratios"][0]["ratio"] == pytest.approx(math.sqrt(0.74 * 2.0))
+    for _ in range(2):  # N = 128 now weighs 3, N = 1,024 still 1
+        w.add_request("mita", 200, 128, 0.020)
+    assert w.summary()["ratios"][0]["ratio"] == pytest.approx((0.74 * 2.0 ** 3) ** 0.25)
 
 
 # ---- the page in a real browser ------------------------------------------------------------
@@ -339,10 +384,18 @@ def test_dashboard_page_in_chromium(service, browser):
             "[...r.cells].map(c => c.textContent))")
         series = browser.execute_script(
             "return [...document.querySelectorAll('path.series')].map(p => "
-            "[p.closest('svg').id, p.dataset.variant, p.dataset.key])")
+            "[p.closest('svg').id || p.closest('svg').dataset.bucket, p.dataset.variant, "
+            "p.dataset.key])")
         ratio = browser.execute_script(
             "return [...document.querySelectorAll('#ratio g.ratio')].map(g => "
-            "[g.dataset.bucket, +g.dataset.ratio])")
+            "[g.dataset.bucket, +g.dataset.ratio, g.dataset.likeForLike, g.textContent])")
+        swatches = browser.execute_script(
+            "return [...document.querySelectorAll('#stages rect.stage-swatch')].map(r => "
+            "[r.dataset.stage, r.getAttribute('fill')])")
+        t0s = browser.execute_script(
+            "return [...document.querySelectorAll('#latency svg, #throughput-chart')].map(c => "
+            "+c.dataset.t0)")
+        timeline = service.client.get("/v1/stats").json()["timeline"]
         legend = browser.execute_script(
             "return [...document.querySelectorAll('#legend [data-variant]')].map(e => "
             "e.textContent)")
@@ -375,10 +428,21 @@ def test_dashboard_page_in_chromium(service, browser):
     assert shadow_text.split("\n")[0].endswith("%") and "labels agree" in shadow_text
     assert models_rows == [["mita", "16", "16", "1", "cpu", "float32"],
                            ["dense", "–", "–", "–", "cpu", "float32"]]
-    for chart, key in (("latency-chart", "p50_ms"), ("latency-chart", "p99_ms"),
-                       ("throughput-chart", "rps")):
+    # Request latency: one chart per N bucket served, both variants' p50 and p99 in each.
+    for chart, key in (("le_1024", "p50_ms"), ("le_1024", "p99_ms"), ("le_4096", "p50_ms"),
+                       ("le_4096", "p99_ms"), ("throughput-chart", "rps")):
         assert {v for c, v, k in series if c == chart and k == key} == {"mita", "dense"}
-    assert {b for b, _ in ratio} >= {"le_1024", "le_4096"} and all(x > 0 for _, x in ratio)
+    # The same sequences went to both variants: every bucket compares like with like.
+    assert {b for b, *_ in ratio} == {"le_1024", "le_4096"} and all(x > 0 for _, x, *_ in ratio)
+    assert all(like == "true" for _, _, like, _ in ratio)
+    assert any("–3,000" in text or "N = 3,000" in text for *_, text in ratio), ratio
+    # Every stage's swatch in its one colour (mita.hooks.STAGE_COLORS), in forward order.
+    assert {stage: fill for stage, fill in swatches} == {
+        st: STAGE_COLORS[st] for st in STAGE_ORDER}
+    assert [st for st, _ in swatches][:len(STAGE_ORDER)] == list(STAGE_ORDER)
+    # Time axes start at the first answered request's bin, not at the window's start.
+    first = min(p["t"] for p in timeline if p["requests"])
+    assert len(t0s) >= 3 and set(t0s) == {first}, (t0s, first)
     assert counts == ["≈107", "143", "0"]
     assert capped.startswith("last 300 s (3600 s asked: the gateway keeps 300 s, its "
                              "stats_window_s; set prometheus_url for more)"), capped

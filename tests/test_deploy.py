@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mita.hooks import STAGE_COLORS, STAGE_ORDER
 from service import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +90,26 @@ def test_grafana_dashboard_and_provisioning():
     ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" /
                          "prometheus.yml").read_text())
     assert ds["datasources"][0]["uid"] == dash["panels"][0]["datasource"]["uid"]
+
+    # Stage panels: one query per stage in forward order, each stage in its colour (the same
+    # as the plots and /dashboard: mita.hooks.STAGE_COLORS).
+    stage_panels = [p for p in dash["panels"] if "per-stage" in p["title"].lower()]
+    assert len(stage_panels) == 3
+    for panel in stage_panels:
+        stages = [re.search(r'stage="(\w+)"', t["expr"]).group(1) for t in panel["targets"]]
+        for variant in ("mita", "dense"):
+            mine = [st for st, t in zip(stages, panel["targets"], strict=True)
+                    if f'variant="{variant}"' in t["expr"]]
+            assert mine == [st for st in STAGE_ORDER if st in mine]
+            assert len(mine) in (0, 6 if variant == "dense" else 12)
+        colours = {o["matcher"]["options"]: o["properties"][0]["value"]["fixedColor"]
+                   for o in panel["fieldConfig"]["overrides"]
+                   if o["properties"][0]["id"] == "color"}
+        assert colours == {f"^{st} .*": STAGE_COLORS[st] for st in STAGE_ORDER}
+        for t in panel["targets"]:  # each legend name matches its own stage's colour only
+            name = t["legendFormat"].replace("{{n_bucket}}", "le_1024")
+            assert [st for st in STAGE_ORDER if re.match(f"^{st} .*", name)] == [
+                re.search(r'stage="(\w+)"', t["expr"]).group(1)]
 
 
 def test_build_app_refuses_bad_args_at_deploy_time():

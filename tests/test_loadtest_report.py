@@ -79,3 +79,33 @@ def test_closed_loop_report_warns_of_coordinated_omission():
     assert "coordinated omission" in closed and "--mode open --rate R" in closed
     open_cfg = dataclasses.replace(CFG, mode="open")
     assert "coordinated omission" not in markdown(summarize(samples, open_cfg))
+
+
+def test_stage_order_and_colours_do_not_depend_on_arrival():
+    """Two runs whose responses list the stages in different orders give the same stage
+    table columns and the same plot: forward order, each stage in its one colour."""
+    from matplotlib.colors import to_hex
+
+    from mita.hooks import STAGE_COLORS, STAGE_ORDER
+    from profiler.plots import stage_figure
+
+    rng = np.random.default_rng(2)
+    mds, legends = [], []
+    for seed in (0, 1):
+        order = list(STAGE_ORDER)
+        np.random.default_rng(seed).shuffle(order)
+        samples = [Sample(n, "mita", "mita", 200, 0.1 * i, 0.05,
+                          {st: float(rng.uniform(0.01, 5)) for st in order})
+                   for i, n in enumerate((256, 256, 1024, 1024))]
+        summary = summarize(samples, CFG)
+        header = [x for x in markdown(summary).splitlines() if x.startswith("| N | variant")][-1]
+        mds.append(header)
+        assert list(summary["rows"][0]["stages_ms"]["mita"]) == list(STAGE_ORDER)
+        fig = stage_figure({"mita": [(r["n"], r["stages_ms"]["mita"])
+                                     for r in summary["rows"]]}, "ms")
+        (legend,) = fig.legends
+        legends.append([t.get_text() for t in legend.get_texts()])
+        lines = {ln.get_label(): to_hex(ln.get_color()) for ln in fig.axes[0].get_lines()}
+        assert lines == {**{st: STAGE_COLORS[st] for st in STAGE_ORDER}, "total": "#000000"}
+    assert mds[0] == mds[1] == "| N | variant | " + " | ".join(STAGE_ORDER) + " |"
+    assert legends[0] == legends[1] == [*STAGE_ORDER, "total"]

@@ -229,6 +229,14 @@ def test_stats_from_prometheus(service, prometheus):
     assert all(x["count"] > 0 and x["p50_ms"] > 0 and x["p95_ms"] >= x["p50_ms"]
                for x in prom["stages"])
     assert prom["ratios"] and prom["ab"]["observed"]
+    # Prometheus knows only the bucket: its ratios say they are not like for like.
+    assert all(x["like_for_like"] is False and x["n_values"] is None for x in prom["ratios"])
+    # The latency timeline per N bucket: Prometheus' own range query, one series per served
+    # (variant, bucket), the same buckets the latency rows have.
+    served = {(x["variant"], x["n_bucket"]) for x in prom["latency"]}
+    assert {(p["variant"], p["n_bucket"]) for p in prom["timeline_by_n"]} == served
+    assert {(p["variant"], p["n_bucket"]) for p in prom["timeline_by_n"]
+            if p["p50_ms"] is not None} == served
 
 
 def test_loadtest_refuses_non_loopback():

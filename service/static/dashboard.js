@@ -4,6 +4,8 @@
 const VARIANTS = ["mita", "dense"];
 const COLOR = { mita: "#1f6fb4", dense: "#e07b10" };
 const SVG = "http://www.w3.org/2000/svg";
+const OTHER_STAGE = "#c7c7c7";
+let stageColors = {};  // stage → colour, in forward order: from v1/stats (mita.hooks)
 const query = new URLSearchParams(window.location.search);
 const REFRESH_MS = Math.max(1, Number(query.get("refresh_s")) || 2) * 1000;
 let windowS = Number(query.get("window_s")) || 300;
@@ -148,7 +150,7 @@ function stageChart(bucket, rows, stageOrder) {
   if (!values.length) return empty(`${bucketLabel(bucket)}: no non-zero stage timings`);
   const lo = Math.pow(10, Math.floor(Math.log10(Math.min(...values))));
   const hi = Math.pow(10, Math.ceil(Math.log10(Math.max(...values) * 1.0001)));
-  const W = 560, left = 112, right = 76, top = 22, rowH = 30, barH = 11;
+  const W = 560, left = 124, right = 76, top = 22, rowH = 30, barH = 11;
   const H = top + stages.length * rowH + 22;
   const x = (ms) => left + (W - left - right) *
     (Math.log10(Math.max(ms, lo)) - Math.log10(lo)) / (Math.log10(hi) - Math.log10(lo));
@@ -163,8 +165,10 @@ function stageChart(bucket, rows, stageOrder) {
   chart.append(axis);
   stages.forEach((stage, i) => {
     const y0 = top + i * rowH;
-    chart.append(svg("text", { x: left - 6, y: y0 + rowH / 2 + 3, "text-anchor": "end",
+    chart.append(svg("text", { x: left - 16, y: y0 + rowH / 2 + 3, "text-anchor": "end",
       class: "stage-name" }, stage));
+    chart.append(svg("rect", { x: left - 12, y: y0 + rowH / 2 - 5, width: 8, height: 8, rx: 1,
+      fill: stageColors[stage] || OTHER_STAGE, class: "stage-swatch", "data-stage": stage }));
     VARIANTS.forEach((v, j) => {
       const r = rows.find((row) => row.stage === stage && row.variant === v);
       if (!r || !(r.p50_ms > 0)) return;
@@ -190,27 +194,47 @@ function stageChart(bucket, rows, stageOrder) {
 function renderStages(stages) {
   replace("legend", ...VARIANTS.map((v) => html("span", { "data-variant": v }, swatch(v), v)));
   if (!stages.length) return replace("stages", empty("no stage timings in the window yet"));
-  const order = [...new Set(stages.map((r) => r.stage))];  // the server sends forward order
+  // Forward order (the server's stage_colors), then any stage it does not know.
+  const seen = new Set(stages.map((r) => r.stage));
+  const order = [...Object.keys(stageColors).filter((st) => seen.has(st)),
+    ...[...seen].filter((st) => !(st in stageColors)).sort()];
   const buckets = [...new Set(stages.map((r) => r.n_bucket))];
   replace("stages", ...buckets.map((b) => stageChart(b, stages.filter((r) => r.n_bucket === b),
     order)));
 }
 
-// Lines over time; series: [{variant, key, dash}] read from timeline points.
-function timeChart(timeline, series, unit, id) {
-  const ts = [...new Set(timeline.map((p) => p.t))].sort((a, b) => a - b);
-  const vals = timeline.flatMap((p) => series.map((s) => p[s.key]))
-    .filter((v) => v !== null && v !== undefined);
+// The first bin with an answered request: time axes start there, not before the service ran.
+function firstSample(timeline) {
+  const ts = timeline.filter((p) => p.requests > 0).map((p) => p.t);
+  return ts.length ? Math.min(...ts) : null;
+}
+
+// Lines over time from t0; series: [{variant, key, dash}] read from timeline points. log: a
+// log-scale y axis (latency: one slow burst does not flatten the rest).
+function timeChart(timeline, series, unit, attrs, t0, log, title) {
+  const points = timeline.filter((p) => p.t >= t0);
+  const ts = [...new Set(points.map((p) => p.t))].sort((a, b) => a - b);
+  const vals = points.flatMap((p) => series.map((s) => p[s.key]))
+    .filter((v) => v !== null && v !== undefined && (!log || v > 0));
   if (!ts.length || !vals.some((v) => v > 0)) return empty("no answered requests in the window yet");
-  const W = 440, H = 220, left = 58, right = 12, top = 10, bottom = 24;
-  const ymax = niceMax(Math.max(...vals));
-  const t0 = ts[0], t1 = Math.max(ts[ts.length - 1], t0 + 1);
+  const W = 440, H = title ? 200 : 220, left = 58, right = 12, top = title ? 24 : 10;
+  const bottom = 24;
+  const lo = log ? Math.pow(10, Math.floor(Math.log10(Math.min(...vals)))) : 0;
+  const hi = log ? Math.pow(10, Math.ceil(Math.log10(Math.max(...vals) * 1.0001)))
+    : niceMax(Math.max(...vals));
+  const frac = log ? (v) => (Math.log10(v) - Math.log10(lo)) / (Math.log10(hi) - Math.log10(lo))
+    : (v) => v / hi;
+  const t1 = Math.max(ts[ts.length - 1], t0 + 1);
   const x = (t) => left + (W - left - right) * (t - t0) / (t1 - t0);
-  const y = (v) => H - bottom - (H - top - bottom) * v / ymax;
-  const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img", id });
+  const y = (v) => H - bottom - (H - top - bottom) * frac(v);
+  const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
+    "data-t0": t0, ...attrs });
+  if (title) chart.append(svg("text", { x: 0, y: 13, "font-weight": 600 }, title));
   const axis = svg("g", { class: "axis" });
-  for (let i = 0; i <= 4; i++) {
-    const v = ymax * i / 4;
+  const ticks = [];
+  if (log) for (let d = lo; d <= hi * 1.0001; d *= 10) ticks.push(d);
+  else for (let i = 0; i <= 4; i++) ticks.push(hi * i / 4);
+  for (const v of ticks) {
     axis.append(svg("line", { class: "grid", x1: left, x2: W - right, y1: y(v), y2: y(v) }));
     axis.append(svg("text", { x: left - 4, y: y(v) + 4, "text-anchor": "end" },
       unit === "ms" ? fmtTick(v) : `${+v.toPrecision(3)}/s`));
@@ -222,13 +246,12 @@ function timeChart(timeline, series, unit, id) {
   }
   chart.append(axis);
   for (const s of series) {
-    const points = timeline.filter((p) => p.variant === s.variant)
-      .sort((a, b) => a.t - b.t);
+    const own = points.filter((p) => p.variant === s.variant).sort((a, b) => a.t - b.t);
+    const ok = (v) => v !== null && v !== undefined && (!log || v > 0);
     let d = "", pen = "M";
-    for (const p of points) {
-      const v = p[s.key];
-      if (v === null || v === undefined) { pen = "M"; continue; }
-      d += `${pen}${x(p.t).toFixed(1)},${y(v).toFixed(1)} `;
+    for (const p of own) {
+      if (!ok(p[s.key])) { pen = "M"; continue; }
+      d += `${pen}${x(p.t).toFixed(1)},${y(p[s.key]).toFixed(1)} `;
       pen = "L";
     }
     if (!d) continue;
@@ -236,8 +259,8 @@ function timeChart(timeline, series, unit, id) {
       "stroke-dasharray": s.dash ? "5 3" : "none", class: "series", "data-variant": s.variant,
       "data-key": s.key }));
     // Single points (a bin between gaps) still show as dots.
-    for (const p of points) {
-      if (p[s.key] !== null && p[s.key] !== undefined) {
+    for (const p of own) {
+      if (ok(p[s.key])) {
         chart.append(svg("circle", { cx: x(p.t), cy: y(p[s.key]), r: 1.8,
           fill: COLOR[s.variant] }));
       }
@@ -246,21 +269,35 @@ function timeChart(timeline, series, unit, id) {
   return chart;
 }
 
-function renderTimeline(timeline) {
-  replace("latency", timeChart(timeline, VARIANTS.flatMap((v) => [
-    { variant: v, key: "p50_ms" }, { variant: v, key: "p99_ms", dash: true }]), "ms",
-  "latency-chart"));
+function renderTimeline(timeline, byN) {
+  const t0 = firstSample(timeline);
+  if (t0 === null) {
+    replace("latency", empty("no answered requests in the window yet"));
+    return replace("throughput", empty("no answered requests in the window yet"));
+  }
+  const lines = VARIANTS.flatMap((v) => [{ variant: v, key: "p50_ms" },
+    { variant: v, key: "p99_ms", dash: true }]);
+  const buckets = [...new Set(byN.map((p) => p.n_bucket))];
+  replace("latency", ...buckets.map((b) => timeChart(byN.filter((p) => p.n_bucket === b),
+    lines, "ms", { class: "latency-chart", "data-bucket": b }, t0, true, bucketLabel(b))));
   replace("throughput", timeChart(timeline, VARIANTS.map((v) => ({ variant: v, key: "rps" })),
-    "rps", "throughput-chart"));
+    "rps", { id: "throughput-chart" }, t0, false));
+}
+
+// What a ratio bar compared: "N = 1,024" for one N, else how many N values and their range.
+function ratioLabel(r) {
+  if (!r.like_for_like) return "N mix may differ";
+  const fmt = (n) => n.toLocaleString("en");
+  return r.n_values === 1 ? `N = ${fmt(r.n_min)}`
+    : `${r.n_values} N, ${fmt(r.n_min)}–${fmt(r.n_max)}`;
 }
 
 function renderRatio(ratios) {
   if (!ratios.length) {
-    return replace("ratio", empty("needs answered requests of both variants in the same N " +
-      "bucket"));
+    return replace("ratio", empty("needs answered requests of both variants at the same N"));
   }
-  const W = 440, left = 44, gap = 20, H = 220, top = 16, bottom = 24;
-  const barW = Math.min(72, (W - left - 10) / ratios.length - gap);
+  const W = 440, left = 44, gap = 20, H = 220, top = 16, bottom = 36;
+  const barW = Math.min(64, (W - left - 10) / ratios.length - gap);
   const ymax = niceMax(Math.max(1.2, ...ratios.map((r) => r.ratio)) * 1.05);
   const y = (v) => H - bottom - (H - top - bottom) * v / ymax;
   const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
@@ -275,20 +312,29 @@ function renderRatio(ratios) {
   chart.append(axis);
   ratios.forEach((r, i) => {
     const x0 = left + gap / 2 + i * (barW + gap);
-    const g = svg("g", { class: "ratio", "data-bucket": r.n_bucket, "data-ratio": r.ratio });
-    g.append(svg("title", {}, `${bucketLabel(r.n_bucket)}: mita p50 ${fmtMs(r.mita_p50_ms)}, ` +
-      `dense p50 ${fmtMs(r.dense_p50_ms)}`));
+    const g = svg("g", { class: "ratio", "data-bucket": r.n_bucket, "data-ratio": r.ratio,
+      "data-like-for-like": r.like_for_like });
+    g.append(svg("title", {}, `${ratioLabel(r)}: mita p50 ${fmtMs(r.mita_p50_ms)}, ` +
+      `dense p50 ${fmtMs(r.dense_p50_ms)}` + (r.like_for_like ? ", same N for both"
+        : "; the variants may have served different N in this bucket")));
     g.append(svg("rect", { x: x0, y: y(r.ratio), width: barW, height: y(0) - y(r.ratio),
-      fill: r.ratio < 1 ? COLOR.mita : COLOR.dense, rx: 2 }));
+      fill: r.ratio < 1 ? COLOR.mita : COLOR.dense, rx: 2,
+      "fill-opacity": r.like_for_like ? 1 : 0.45 }));
     g.append(svg("text", { x: x0 + barW / 2, y: y(r.ratio) - 3, "text-anchor": "middle" },
       `${r.ratio.toFixed(2)}×`));
-    g.append(svg("text", { x: x0 + barW / 2, y: H - 6, "text-anchor": "middle" },
+    g.append(svg("text", { x: x0 + barW / 2, y: H - 20, "text-anchor": "middle" },
       bucketLabel(r.n_bucket)));
+    g.append(svg("text", { x: x0 + barW / 2, y: H - 6, "text-anchor": "middle",
+      class: "sub" }, ratioLabel(r)));
     chart.append(g);
   });
   chart.append(svg("line", { x1: left, x2: W - 10, y1: y(1), y2: y(1), stroke: "#444",
     "stroke-dasharray": "3 3" }));
-  replace("ratio", chart);
+  const mixed = ratios.some((r) => !r.like_for_like);
+  replace("ratio", chart, html("div", { class: "note" }, mixed
+    ? "Prometheus knows only the N bucket: a pale bar compares whatever N each variant served " +
+      "in it, not like for like"
+    : "only N values both variants served, each N's ratio of medians (geometric mean)"));
 }
 
 // ---- refresh loop --------------------------------------------------------------------------
@@ -307,8 +353,9 @@ function render(s) {
   renderAB(s.ab);
   renderShadow(s.shadow);
   renderRequests(s.requests, s.latency);
+  stageColors = s.stage_colors;
   renderStages(s.stages);
-  renderTimeline(s.timeline);
+  renderTimeline(s.timeline, s.timeline_by_n);
   renderRatio(s.ratios);
 }
 
