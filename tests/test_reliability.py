@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -558,63 +557,6 @@ def own_instance(tmp_path, *args: str) -> tuple[subprocess.Popen, int, int]:
                              *(args or ("--dashboard-host", "off"))],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, http_port, metrics_port
-
-
-def test_live_update_with_serve_deploy(tmp_path):
-    """The documented live-update path: ``python -m service --check`` on an edited copy of
-    the config, then Ray's ``serve deploy FILE -a DASHBOARD`` against the running instance:
-    the new A/B weights and shadow flag apply without a restart (same replica ids), and
-    ``serve status`` reports the application RUNNING. (``serve deploy`` failed before: the
-    launcher started Ray without its dashboard.)"""
-    import signal
-
-    from .conftest import free_port
-
-    dashboard_port = free_port()
-    address = f"http://127.0.0.1:{dashboard_port}"
-    proc, http_port, _ = own_instance(tmp_path, "--dashboard-port", str(dashboard_port))
-    url = f"http://127.0.0.1:{http_port}"
-    serve_cli = str(Path(sys.executable).parent / "serve")
-    try:
-        def models():
-            try:
-                return httpx.get(f"{url}/v1/models", timeout=5).json()
-            except (httpx.HTTPError, ValueError):
-                return None
-        before = wait_for(models, timeout_s=180)
-        assert before, "service did not start"
-        config = yaml.safe_load((tmp_path / "serve.yaml").read_text())
-        gateway = next(d for d in config["applications"][0]["deployments"]
-                       if d["name"] == "Gateway")
-        gateway["user_config"].update(weights={"mita": 0.0, "dense": 1.0}, shadow=True)
-        (tmp_path / "live.yaml").write_text(yaml.safe_dump(config))
-        check = subprocess.run([sys.executable, "-m", "service", "--check", "--config",
-                                str(tmp_path / "live.yaml")], cwd=ROOT, capture_output=True,
-                               text=True, timeout=120)
-        assert check.returncode == 0 and ": OK" in check.stdout, check.stderr[-1000:]
-        auth = os.environ | {"RAY_AUTH_MODE": "token"}  # as the service prints
-        done = subprocess.run([serve_cli, "deploy", str(tmp_path / "live.yaml"), "-a", address],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120, env=auth)
-        assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-1000:]
-
-        def applied():
-            m = models()
-            return m if m and m["ab_policy"]["shadow"] else None
-        after = wait_for(applied, timeout_s=60)
-        assert after, models()
-        status = subprocess.run([serve_cli, "status", "-a", address], cwd=ROOT,
-                                capture_output=True, text=True, timeout=60, env=auth)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-    assert after["ab_policy"]["weights"] == {"mita": 0.0, "dense": 1.0}
-    assert {v: i["replica"] for v, i in after["variants"].items()} == {
-        v: i["replica"] for v, i in before["variants"].items()}  # reconfigured, not restarted
-    assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout[-2000:]
 
 
 def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):

@@ -1,0 +1,304 @@
+"""Every command the README shows, run as a newcomer runs it (CI: from a clean clone).
+
+``README_COMMANDS`` says how each command is exercised: run here as written (``run``), run
+with arguments appended that shrink it (``run`` + ``shrink``: argparse keeps a repeated
+flag's last value, so the README's own flags stay in the command), run by a named test
+(``test``), or not runnable on a CPU machine without Docker or Kubernetes (``no``, with the
+reason). ``test_every_readme_command_is_listed`` fails when the README gains a command this
+table does not know, or loses one it lists. ``test_readme_walkthrough`` starts ``make serve``
+on its default ports (8000, 9100, 8265) and runs the README's commands against it in the
+README's order, then the offline ones (training, evaluation, sweep).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from .conftest import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+|PYTHONPATH=[^`]+|make [^`]+|docker [^`]+"
+                    r"|kubectl [^`]+|serve (?:run|deploy|config|status)[^`]*|ray [^`]+)`")
+TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
+
+# command → (how, detail). The commands appear here as in the README (whitespace collapsed).
+README_COMMANDS = {
+    "make serve": ("run", "the walkthrough's service, on the default ports"),
+    "make test": ("test", ".ci/run: CI's own command"),
+    "make serve TORCH_SPEC=": ("no", "a GPU host with its own CUDA torch"),
+    "python -m service": ("run", "what make serve runs"),
+    "python -m service --config FILE": (
+        "test", "tests/test_reliability.py::test_ctrl_c_during_start_up_stops_ray_cleanly"),
+    "curl -s -X POST http://127.0.0.1:8000/v1/classify -H 'content-type: application/json' "
+    "-d '{\"text\": \"[MAX 2 [MIN 4 7 ] 0 ]\", \"profile\": true}'": ("run", ""),
+    "python3 -c \"import sys; sys.stdout.buffer.write(bytes([12, 3, 11, 5, 8, 15, 1, 15]))\" | "
+    "curl -s -X POST 'http://127.0.0.1:8000/v1/classify/binary?profile=true' "
+    "-H 'content-type: application/octet-stream' --data-binary @-": ("run", ""),
+    "cp deploy/serve_config.yaml my.yaml": ("run", "then the Gateway's user_config is edited"),
+    ".venv/bin/python -m service --check --config my.yaml": ("run", ""),
+    "export RAY_AUTH_MODE=token": ("run", ""),
+    ".venv/bin/serve deploy my.yaml": ("run", ""),
+    ".venv/bin/serve status": ("run", ""),
+    "serve config": ("run", ".venv/bin/serve config"),
+    "serve deploy": ("run", "as .venv/bin/serve deploy my.yaml"),
+    "ray get-auth-token --generate": ("run", "make serve runs it on first start"),
+    "prometheus --config.file=deploy/prometheus/prometheus.yml "
+    "--web.listen-address=127.0.0.1:9090 --storage.tsdb.path=runs/prometheus": (
+        "run", "until it scrapes the service"),
+    ".venv/bin/python -m loadtest run --n 1024 4096 16384 --variants mita dense --mode closed "
+    "--concurrency 4 --requests 50 --out runs/loadtest": (
+        "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
+    ".venv/bin/python -m mita.train --mode mixed --out checkpoints/listops-default "
+    "--threads 1": ("run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
+    "python -m mita.train": ("run", "as the line above"),
+    "python -m mita.evaluate checkpoints/listops-default": ("run", ""),
+    "python -m mita.evaluate checkpoints/listops-default runs/listops-dense runs/listops-mita "
+    "--min-length 500 --max-length 2000": (
+        "run", "after tiny dense and mita runs; shrink: --test-size 50"),
+    ".venv/bin/python -m profiler sweep --n 1024 4096 16384 65536 --settings fig5 64x64 "
+    "--out runs/sweep": ("run", "shrink: --n 1024"),
+    "python -m profiler sweep --mita-backend torch|cpu|triton": (
+        "run", "the sweep again with --mita-backend torch (default auto: cpu here; triton "
+               "needs CUDA)"),
+    "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
+    "PYTHONPATH=. .venv/bin/python benchmarks/gpu_serving.py --smoke": (
+        "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
+    "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
+        "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
+    ".venv/bin/python benchmarks/request_overhead.py": (
+        "run", "shrink: --n 512 --requests 1"),
+    "serve deploy deploy/serve_config.gpu.yaml --address http://<head>:8265": (
+        "no", "needs a Ray cluster with GPU workers"),
+    "docker build -f deploy/kuberay/Dockerfile -t mita-serve:0.1.0-gpu .": (
+        "no", "needs Docker and a CUDA base image download"),
+    "kubectl apply -f deploy/kuberay/rayservice.yaml": ("no", "needs a Kubernetes cluster"),
+}
+
+
+def readme_commands() -> list[str]:
+    """The README's commands in order: each line of its ```bash blocks (continuations with
+    a trailing ``\\`` or ``|`` joined, comments dropped), then its inline `code` commands."""
+    out: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        text = re.sub(r"\\\n|\|\n", lambda m: "| " if m.group(0)[0] == "|" else " ", block)
+        for line in text.splitlines():
+            line = " ".join(re.sub(r"\s#\s.*$", "", line).split())
+            if line and line not in out:
+                out.append(line)
+    for m in INLINE.finditer(README):
+        line = " ".join(m.group(1).split())
+        if line not in out:
+            out.append(line)
+    return out
+
+
+def test_every_readme_command_is_listed():
+    got = readme_commands()
+    assert [c for c in got if c not in README_COMMANDS] == [], "README command not covered"
+    assert [c for c in README_COMMANDS if c not in got] == [], "listed but not in the README"
+    for how, detail in README_COMMANDS.values():
+        assert how in ("run", "test", "no")
+        if how == "test" and detail.startswith("tests/"):
+            path, _, name = detail.split(" ")[0].partition("::")
+            assert (ROOT / path).is_file(), detail
+            assert not name or f"def {name}(" in (ROOT / path).read_text(), detail
+
+
+def listops_value(text: str) -> int:
+    """A ListOps expression's value from the task's definition (LRA): MIN, MAX, MED (the
+    median, rounded down), SM (sum mod 10)."""
+    stack: list[list] = [[]]
+    for tok in text.split():
+        if tok.startswith("["):
+            stack.append([tok])
+        elif tok == "]":
+            op, *args = stack.pop()
+            value = {"[MIN": min(args), "[MAX": max(args), "[SM": sum(args) % 10,
+                     "[MED": sorted(args)[(len(args) - 1) // 2] if len(args) % 2
+                     else (sorted(args)[len(args) // 2 - 1] + sorted(args)[len(args) // 2]) // 2
+                     }[op]
+            stack[-1].append(value)
+        else:
+            stack[-1].append(int(tok))
+    (value,) = stack[0]
+    return value
+
+
+def test_listops_value_matches_the_generator():
+    from mita.data.listops import ListOpsConfig, generate
+
+    for text, label in generate(200, seed=5, cfg=ListOpsConfig(1, 200)):
+        assert listops_value(text) == label, text
+
+
+def shrink(command: str, tmp: Path) -> str:
+    """The command with ``runs/`` in the temporary folder and its ``shrink:`` arguments."""
+    how, detail = README_COMMANDS[command]
+    extra = detail.split("shrink: ", 1)[1] if "shrink: " in detail else ""
+    return (command + " " + extra).replace("runs/", f"{tmp}/runs/").replace(
+        "RUNS/", f"{tmp}/runs/").strip()
+
+
+def sh(command: str, env: dict, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 90) -> str:
+    """SIGINT to the process group (Ctrl-C in a terminal); its output."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    return out or ""
+
+
+@pytest.mark.service
+def test_readme_walkthrough(tmp_path):
+    """The README from top to bottom on this checkout: ``make serve`` (set-up included), both
+    curl examples (the answer the README states), the live update with Ray's serve CLI (A/B
+    weights and shadow change, same replica ids), ``serve config``, Prometheus scraping the
+    service with the shipped config, a shrunk load test, ``make serve`` stopped with Ctrl-C;
+    then the offline commands shrunk: training, both evaluations, the sweep, the request
+    overhead benchmark."""
+    busy = [p for p in (8000, 9100, 8265, 9090) if not port_free(p)]
+    assert not busy, f"the README's default ports {busy} are in use: stop what holds them"
+    cmds = [c for c in readme_commands() if README_COMMANDS[c][0] == "run"]
+    env = os.environ | {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    env.pop("RAY_AUTH_MODE", None)
+    ran: set[str] = set()
+
+    def run(command: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+        ran.add(command)
+        return sh(shrink(command, tmp_path), env, timeout_s)
+
+    serve = subprocess.Popen(["make", "serve"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ran |= {"make serve", "python -m service", "ray get-auth-token --generate"}
+    url = "http://127.0.0.1:8000"
+    prometheus = None
+    try:
+        def models():
+            try:
+                r = httpx.get(f"{url}/v1/models", timeout=5)
+                return r.json() if r.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+        before = wait_for(models, timeout_s=400, interval_s=2)
+        assert before, stop(serve)[-4000:]
+
+        # The first curl: the README states the value and the shipped model's answer.
+        curl = next(c for c in cmds if c.startswith("curl"))
+        body = json.loads(run(curl).stdout)
+        text = re.search(r'"text": "([^"]+)"', curl).group(1)
+        stated = re.search(r"The value of `(.+?)` is (\d)\. The shipped model answers "
+                           r"\*\*(\d)\*\*", README)
+        assert stated and stated.group(1) == text
+        assert (int(stated.group(2)), int(stated.group(3))) == (listops_value(text),
+                                                                body["label"]), body
+        assert body["profile"]["stages_ms"] and body["variant"] in ("mita", "dense")
+        binary = json.loads(run(next(c for c in cmds if c.startswith("python3 -c"))).stdout)
+        # ids 12 3 11 5 8 15 1 15 are "[MAX 2 [MIN 4 7 ] 0 ]" again: the same answer
+        assert binary["n"] == 8 and binary["label"] == body["label"]
+
+        # Live update: copy, edit the Gateway's user_config, check, deploy, status.
+        run("cp deploy/serve_config.yaml my.yaml")
+        try:
+            config = yaml.safe_load((ROOT / "my.yaml").read_text())
+            gateway = next(d for d in config["applications"][0]["deployments"]
+                           if d["name"] == "Gateway")
+            gateway["user_config"].update(weights={"mita": 0.0, "dense": 1.0}, shadow=True)
+            (ROOT / "my.yaml").write_text(yaml.safe_dump(config))
+            assert ": OK" in run(".venv/bin/python -m service --check --config my.yaml").stdout
+            ran.add("export RAY_AUTH_MODE=token")
+            env["RAY_AUTH_MODE"] = "token"
+            run(".venv/bin/serve deploy my.yaml")
+            ran.add("serve deploy")
+            after = wait_for(lambda: (lambda m: m if m and m["ab_policy"]["shadow"] else None)(
+                models()), timeout_s=60)
+            assert after, models()
+            status = run(".venv/bin/serve status").stdout
+            shown = sh(".venv/bin/serve config", env).stdout
+            ran.add("serve config")
+        finally:
+            (ROOT / "my.yaml").unlink(missing_ok=True)
+        assert after["ab_policy"]["weights"] == {"mita": 0.0, "dense": 1.0}
+        assert {v: i["replica"] for v, i in after["variants"].items()} == {
+            v: i["replica"] for v, i in before["variants"].items()}  # no restart
+        assert "RUNNING" in status and "shadow: true" in shown, (status, shown)
+        assert httpx.post(f"{url}/v1/classify", json={"text": "[MAX 2 9 ]"}).json()[
+            "variant"] == "dense"  # the new weights route everything to dense
+
+        # Prometheus with the shipped config scrapes this service.
+        prom = next(c for c in cmds if c.startswith("prometheus"))
+        ran.add(prom)
+        prometheus = subprocess.Popen(shlex.split(shrink(prom, tmp_path)), cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True)
+
+        def scraped():
+            try:
+                targets = httpx.get("http://127.0.0.1:9090/api/v1/targets", timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                return None
+            up = [t for t in targets["data"]["activeTargets"] if t["health"] == "up"]
+            return up or None
+        assert wait_for(scraped, timeout_s=60, interval_s=2), "Prometheus never scraped it"
+
+        load = next(c for c in cmds if "-m loadtest" in c)
+        run(load, timeout_s=300)
+        report = json.loads((tmp_path / "runs" / "loadtest" / "loadtest.json").read_text())
+        assert {(r["n"], r["variant"], r["ok"]) for r in report["rows"]} == {
+            (n, v, 2) for n in (1024, 4096) for v in ("mita", "dense")}
+    finally:
+        if prometheus is not None:
+            stop(prometheus, 30)
+        out = stop(serve)
+    # Ctrl-C reaches make too, which then reports the interrupt; the service drained first.
+    assert "mita-serve: drained" in out, out[-3000:]
+
+    # Offline: tiny training runs, both evaluations on them, the sweep, request overhead.
+    train = next(c for c in cmds if "-m mita.train --mode" in c)
+    run(train)
+    ran.add("python -m mita.train")
+    for mode in ("dense", "mita"):
+        sh(shrink(train, tmp_path) + f" --mode {mode} --out {tmp_path}/runs/listops-{mode}", env)
+    for c in cmds:
+        if "-m mita.evaluate" in c:  # `python` is .venv/bin's first on PATH
+            out = run(c, 300).stdout
+            assert "| mixed |" in out, out
+    sweep = next(c for c in cmds if "-m profiler sweep --n" in c)
+    run(sweep)
+    assert (tmp_path / "runs" / "sweep" / "sweep.md").is_file()
+    sh(shrink(sweep, tmp_path) + f" --mita-backend torch --out {tmp_path}/runs/sweep-torch", env)
+    ran.add("python -m profiler sweep --mita-backend torch|cpu|triton")
+    assert (tmp_path / "runs" / "sweep-torch" / "sweep.md").is_file()
+    out = run(next(c for c in cmds if "request_overhead" in c), 300).stdout
+    assert "binary" in out, out
+    assert ran >= set(cmds), set(cmds) - ran
