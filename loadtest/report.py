@@ -122,6 +122,6 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
         panels.setdefault(name, []).append((n, ms))
     if panels:
         stage_lines(panels, files["stages_png"], "median ms per request")
-    else:
-        files.pop("stages_png")
+    else:  # nothing profiled: no plot, and none left from an earlier run
+        files.pop("stages_png").unlink(missing_ok=True)
     return files

@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
               f"RAY_AUTH_MODE=token serve status -a {address}; live changes: "
               f"RAY_AUTH_MODE=token serve deploy FILE -a {address})")
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
-          f"-d '{example}'\nCtrl-C stops.", flush=True)
+          f"-d '{example}'\n(the expression's value is 4; \"label\" is the model's answer, "
+          "right or wrong: see the README for its accuracy)\nCtrl-C stops.", flush=True)
     try:
         while not stop.wait(1.0):
             pass

@@ -77,8 +77,10 @@ def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dic
     (the mean of log-ratios). ``mita_p50_ms`` / ``dense_p50_ms``: medians over those matched
     requests. Buckets with no N served by both are left out."""
     by_bucket: dict[str, list[int]] = {}
-    for variant, n in latency_by_n:
-        if variant == "mita" and ("dense", n) in latency_by_n:
+    for variant, n in latency_by_n:  # a zero median has no ratio (not seen; never a 500)
+        if (variant == "mita" and ("dense", n) in latency_by_n
+                and np.median(latency_by_n["mita", n]) > 0
+                and np.median(latency_by_n["dense", n]) > 0):
             by_bucket.setdefault(n_bucket(n), []).append(n)
     out = []
     for b in N_BUCKETS:
@@ -321,11 +323,13 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
     series = {k: {(s["metric"].get("variant", ""), s["metric"].get("n_bucket"), float(t)):
                   _value(x) for s in res[k] for t, x in s["values"]} for k in RANGE}
     timeline, timeline_by_n = [], []
+    served = {(r["variant"], r["n_bucket"]) for r in latency}
     for variant in VARIANTS:
         for bucket in (None, *N_BUCKETS):
             pre = "" if bucket is None else "n_"
-            if bucket is not None and not any(
-                    (variant, bucket) == key[:2] for key in series["n_rps"]):
+            # Ray keeps exporting a histogram after its last request: rate() then gives zeros
+            # for a bucket served long ago. Only buckets answered in the window are drawn.
+            if bucket is not None and (variant, bucket) not in served:
                 continue
             for t in steps:
                 key = (variant, bucket, t)

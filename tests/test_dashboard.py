@@ -316,6 +316,44 @@ def test_ratio_compares_like_with_like():
     assert w.summary()["ratios"][0]["ratio"] == pytest.approx((0.74 * 2.0 ** 3) ** 0.25)
 
 
+def test_prometheus_stats_draw_only_buckets_answered_in_the_window():
+    """Ray keeps exporting a histogram after its last request, so rate() gives a series of
+    zeros for a bucket served long before the window: it must not get a chart (it did, an
+    empty one). Ratios from Prometheus say they are not like for like."""
+    from service.stats import INSTANT, RANGE, _prometheus_stats
+
+    now, bin_s = 1_000_000.0, 5.0
+    steps = [now - 10, now - 5, now]
+
+    def instant(rows):
+        return [{"metric": m, "value": [now, str(v)]} for m, v in rows]
+
+    def ranged(rows):
+        return [{"metric": m, "values": [[t, str(v)] for t, v in zip(steps, vs, strict=True)]}
+                for m, vs in rows]
+    mita, dense = {"variant": "mita", "n_bucket": "le_1024"}, {"variant": "dense",
+                                                                "n_bucket": "le_1024"}
+    res = {k: [] for k in (*INSTANT, *RANGE)}
+    res |= {"lat_count": instant([(mita, 6), (dense, 3)]),
+            "lat_sum": instant([(mita, 0.6), (dense, 0.6)]),
+            "lat_p50": instant([(mita, 0.1), (dense, 0.2)]),
+            "requests": instant([({"variant": "mita", "status": "200"}, 6),
+                                 ({"variant": "dense", "status": "200"}, 3)]),
+            "rps": ranged([({"variant": "mita"}, [0, 0.6, 0.6]),
+                           ({"variant": "dense"}, [0, 0.3, 0.3])]),
+            "n_rps": ranged([(mita, [0, 0.6, 0.6]), (dense, [0, 0.3, 0.3]),
+                             ({"variant": "mita", "n_bucket": "le_4096"}, [0, 0, 0])]),
+            "n_p50": ranged([(mita, ["NaN", 0.1, 0.1]), (dense, ["NaN", 0.2, 0.2])])}
+    s = _prometheus_stats(res, now, 15.0, bin_s, steps)
+    assert {(p["variant"], p["n_bucket"]) for p in s["timeline_by_n"]} == {
+        ("mita", "le_1024"), ("dense", "le_1024")}
+    mita_points = [p for p in s["timeline_by_n"] if p["variant"] == "mita"]
+    assert [p["p50_ms"] for p in mita_points] == [None, 100.0, 100.0]
+    assert [p["requests"] for p in mita_points] == [0, 3.0, 3.0]
+    (ratio,) = s["ratios"]
+    assert ratio["ratio"] == pytest.approx(0.5) and ratio["like_for_like"] is False
+
+
 # ---- the page in a real browser ------------------------------------------------------------
 
 _required = os.environ.get("MITA_SERVE_REQUIRE_CHROMIUM") == "1"

@@ -29,8 +29,11 @@ from .conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+|PYTHONPATH=[^`]+|make [^`]+|docker [^`]+"
-                    r"|kubectl [^`]+|serve (?:run|deploy|config|status)[^`]*|ray [^`]+)`")
+INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+|\.venv/bin/[^`]+|PYTHONPATH=[^`]+|make [^`]+"
+                    r"|docker [^`]+|kubectl [^`]+|serve (?:run|deploy|config|status)[^`]*"
+                    r"|ray [^`]+|curl [^`]+|prometheus [^`]+|promtool [^`]+)`")
+SHELL_FENCES = ("bash", "sh", "shell", "console")
+OTHER_FENCES = ("python", "yaml", "promql", "json")
 TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
 
 # command → (how, detail). The commands appear here as in the README (whitespace collapsed).
@@ -91,7 +94,9 @@ def readme_commands() -> list[str]:
     """The README's commands in order: each line of its ```bash blocks (continuations with
     a trailing ``\\`` or ``|`` joined, comments dropped), then its inline `code` commands."""
     out: list[str] = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    fences = re.findall(r"^ *```(\w*)\n", README, re.M)[::2]  # opening fences
+    assert all(f in SHELL_FENCES + OTHER_FENCES for f in fences), fences
+    for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", README, re.S):
         text = re.sub(r"\\\n|\|\n", lambda m: "| " if m.group(0)[0] == "|" else " ", block)
         for line in text.splitlines():
             line = " ".join(re.sub(r"\s#\s.*$", "", line).split())
@@ -200,7 +205,7 @@ def test_readme_walkthrough(tmp_path):
 
     serve = subprocess.Popen(["make", "serve"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    ran |= {"make serve", "python -m service", "ray get-auth-token --generate"}
+    ran |= {"make serve", "python -m service"}
     url = "http://127.0.0.1:8000"
     prometheus = None
     try:
@@ -212,6 +217,9 @@ def test_readme_walkthrough(tmp_path):
                 return None
         before = wait_for(models, timeout_s=400, interval_s=2)
         assert before, stop(serve)[-4000:]
+        # The service made Ray's token with `ray get-auth-token --generate` (or found one).
+        assert (Path.home() / ".ray" / "auth_token").is_file()
+        ran.add("ray get-auth-token --generate")
 
         # The first curl: the README states the value and the shipped model's answer.
         curl = next(c for c in cmds if c.startswith("curl"))

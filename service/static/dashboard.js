@@ -216,7 +216,9 @@ function timeChart(timeline, series, unit, attrs, t0, log, title) {
   const ts = [...new Set(points.map((p) => p.t))].sort((a, b) => a - b);
   const vals = points.flatMap((p) => series.map((s) => p[s.key]))
     .filter((v) => v !== null && v !== undefined && (!log || v > 0));
-  if (!ts.length || !vals.some((v) => v > 0)) return empty("no answered requests in the window yet");
+  if (!ts.length || !vals.some((v) => v > 0)) {
+    return empty(`${title ? `${title}: ` : ""}no answered requests in the window yet`);
+  }
   const W = 440, H = title ? 200 : 220, left = 58, right = 12, top = title ? 24 : 10;
   const bottom = 24;
   const lo = log ? Math.pow(10, Math.floor(Math.log10(Math.min(...vals)))) : 0;
@@ -278,7 +280,8 @@ function renderTimeline(timeline, byN) {
   const lines = VARIANTS.flatMap((v) => [{ variant: v, key: "p50_ms" },
     { variant: v, key: "p99_ms", dash: true }]);
   const buckets = [...new Set(byN.map((p) => p.n_bucket))];
-  replace("latency", ...buckets.map((b) => timeChart(byN.filter((p) => p.n_bucket === b),
+  if (!buckets.length) replace("latency", empty("no request latencies per N bucket yet"));
+  else replace("latency", ...buckets.map((b) => timeChart(byN.filter((p) => p.n_bucket === b),
     lines, "ms", { class: "latency-chart", "data-bucket": b }, t0, true, bucketLabel(b))));
   replace("throughput", timeChart(timeline, VARIANTS.map((v) => ({ variant: v, key: "rps" })),
     "rps", { id: "throughput-chart" }, t0, false));
