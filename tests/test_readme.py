@@ -64,8 +64,10 @@ README_COMMANDS = {
     "--concurrency 4 --requests 50 --out runs/loadtest": (
         "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
     ".venv/bin/python -m mita.train --mode mixed --out checkpoints/listops-default "
-    "--threads 1": ("run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
-    "python -m mita.train": ("run", "as the line above"),
+    "--threads 1 --min-length 1 --max-length 500 --steps 6000 --time-budget-min 45": (
+        "run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
+    "python -m mita.evaluate CHECKPOINT --min-length A --max-length B [--seed S]": (
+        "test", "tests/test_readme.py::test_readme_walkthrough runs both evaluate commands"),
     "python -m mita.evaluate checkpoints/listops-default": ("run", ""),
     "python -m mita.evaluate checkpoints/listops-default runs/listops-dense runs/listops-mita "
     "--min-length 500 --max-length 2000": (
@@ -294,7 +296,6 @@ def test_readme_walkthrough(tmp_path):
     # Offline: tiny training runs, both evaluations on them, the sweep, request overhead.
     train = next(c for c in cmds if "-m mita.train --mode" in c)
     run(train)
-    ran.add("python -m mita.train")
     for mode in ("dense", "mita"):
         sh(shrink(train, tmp_path) + f" --mode {mode} --out {tmp_path}/runs/listops-{mode}", env)
     for c in cmds:
