@@ -446,6 +446,14 @@ def test_dashboard_page_in_chromium(service, browser):
         (ARTIFACTS / "dashboard.png").write_bytes(base64.b64decode(shot["data"]))
         # Prometheus-mode counts (increase() estimates) showed "106.6 of 143.2 labels agree"
         counts = browser.execute_script("return [fmtCount(106.6), fmtCount(143), fmtCount(0)]")
+        # A bucket where only dense has stage timings (MiTA's forwards ran fused) says so.
+        notes = browser.execute_script(
+            "const row = {variant: 'dense', stage: 'attention', p50_ms: 5, p95_ms: 6, count: 1};"
+            "const one = stageChart('le_16384', [row], ['attention']);"
+            "const both = stageChart('le_16384', [row, {...row, variant: 'mita'}], "
+            "['attention']);"
+            "return [[...one.querySelectorAll('text.sub')].map(t => t.textContent), "
+            "both.querySelectorAll('text.sub').length]")
         # 1 h offered, 300 s kept: the page said only "last 300 s"
         browser.get(f"{service.url}/dashboard?window_s=3600")
         capped = wait_for(lambda: (lambda t: t if "asked" in t else None)(
@@ -482,6 +490,7 @@ def test_dashboard_page_in_chromium(service, browser):
     first = min(p["t"] for p in timeline if p["requests"])
     assert len(t0s) >= 3 and set(t0s) == {first}, (t0s, first)
     assert counts == ["≈107", "143", "0"]
+    assert notes == [["no mita stage timings in this bucket yet (staged forwards only)"], 0]
     assert capped.startswith("last 300 s (3600 s asked: the gateway keeps 300 s, its "
                              "stats_window_s; set prometheus_url for more)"), capped
     errors = [e for e in logs if e["level"] == "SEVERE"]

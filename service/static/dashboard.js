@@ -157,6 +157,13 @@ function stageChart(bucket, rows, stageOrder) {
   const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
     "data-bucket": bucket, class: "stage-chart" });
   chart.append(svg("text", { x: 0, y: 13, "font-weight": 600 }, bucketLabel(bucket)));
+  // A variant with no stage rows here: MiTA's fused forwards have no per-stage times, only
+  // one forward in staged_profile_every (or a "profile": "staged" request) is staged.
+  const absent = VARIANTS.filter((v) => !rows.some((r) => r.variant === v));
+  if (absent.length) {
+    chart.append(svg("text", { x: W - right, y: 13, "text-anchor": "end", class: "sub" },
+      `no ${absent.join(", ")} stage timings in this bucket yet (staged forwards only)`));
+  }
   const axis = svg("g", { class: "axis" });
   for (let d = lo; d <= hi * 1.0001; d *= 10) {
     axis.append(svg("line", { class: "grid", x1: x(d), x2: x(d), y1: top - 4, y2: H - 20 }));
