@@ -63,6 +63,8 @@ README_COMMANDS = {
     ".venv/bin/python -m loadtest run --n 1024 4096 16384 --variants mita dense --mode closed "
     "--concurrency 4 --requests 50 --out runs/loadtest": (
         "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
+    "python -m loadtest run --n 2048 4096 8192 --variants mita dense ab --concurrency 2 "
+    "--requests 12": ("run", "shrink: --n 2048 --requests 1 --warmup 0 --out RUNS/loadtest-shot"),
     ".venv/bin/python -m mita.train --mode mixed --out checkpoints/listops-default "
     "--threads 1 --min-length 1 --max-length 500 --steps 6000 --time-budget-min 45": (
         "run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
@@ -281,11 +283,15 @@ def test_readme_walkthrough(tmp_path):
             return up or None
         assert wait_for(scraped, timeout_s=60, interval_s=2), "Prometheus never scraped it"
 
-        load = next(c for c in cmds if "-m loadtest" in c)
+        load, shot = [c for c in cmds if "-m loadtest" in c]
         run(load, timeout_s=300)
         report = json.loads((tmp_path / "runs" / "loadtest" / "loadtest.json").read_text())
         assert {(r["n"], r["variant"], r["ok"]) for r in report["rows"]} == {
             (n, v, 2) for n in (1024, 4096) for v in ("mita", "dense")}
+        run(shot, timeout_s=300)  # the screenshot's traffic, one request per phase
+        report = json.loads((tmp_path / "runs" / "loadtest-shot" / "loadtest.json").read_text())
+        assert {(r["n"], r["variant"], r["ok"]) for r in report["rows"]} == {
+            (2048, v, 1) for v in ("mita", "dense", "ab")}
     finally:
         if prometheus is not None:
             stop(prometheus, 30)
