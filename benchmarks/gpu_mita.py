@@ -12,7 +12,7 @@ One prepared script for a short GPU lease (it must finish within 6 minutes on on
       near-tie differently from float64; the decisions are checked exactly in b), for
       float32 / bfloat16 / float16, s = 1, 2, 3, d = 32, 64, 128, masks, N < m, k = 300.
       Tolerances as in ``tests/test_kernels.py``: 1e-5 / 1.5e-2 / 2e-3 relative to the
-      largest output. The error against the float64 loop reference (``tests/reference.py``)
+      largest output. The error against the float64 loop reference (``mita/reference.py``)
       is reported beside it.
    b. The routing kernels vs the PyTorch stages on small-integer inputs (exact scores, ties
       everywhere): top-k indices equal (lowest-index ties) up to k = 512, N = 20000; route's
@@ -52,7 +52,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # mita, profiler and tests/reference.py without an install
+sys.path.insert(0, str(ROOT))  # mita and profiler without an install
 
 if "--smoke" in sys.argv:  # the interpreter is chosen when the kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -62,8 +62,8 @@ import torch  # noqa: E402
 
 from mita import attention as A  # noqa: E402
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
+from mita.reference import reference_mita  # noqa: E402
 from profiler.timer import StageTimer  # noqa: E402
-from tests.reference import reference_mita  # noqa: E402
 
 PAPER_FIG5 = {16384: 4.7, 65536: 19.0, 262144: 56.0, 1 << 20: 159.0}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}

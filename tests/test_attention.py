@@ -32,37 +32,12 @@ from mita import (
 )
 from mita import attention as A
 from mita.hooks import MITA_STAGES
+from mita.reference import reference_dense, reference_mita
 
-from .reference import reference_dense, reference_mita
+from .helpers import CPU_KERNEL_STAGES, F64_TOL, rand_qkv, random_mask
 
-F64_TOL = 1e-10
 # The PyTorch stages (the reference path) and the compiled CPU kernels: both must match.
 CPU_BACKENDS = ["torch", "cpu"]
-# Stages the compiled CPU kernels report for s = 1: topk + shared_compress run inside
-# landmark_scores, gather inside attention.
-CPU_KERNEL_STAGES = ("pool", "landmark_scores", "route", "attention")
-
-
-def rand_qkv(B, H, N, d, seed, dv=None, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, N, d, generator=g, dtype=dtype)
-    k = torch.randn(B, H, N, d, generator=g, dtype=dtype)
-    v = torch.randn(B, H, N, dv or d, generator=g, dtype=dtype)
-    return q, k, v
-
-
-def random_mask(B, N, seed, suffix=True):
-    """Bool (B, N), True = padding; every row keeps at least one valid token."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(B, N, dtype=torch.bool)
-    for b in range(B):
-        if suffix:
-            length = int(torch.randint(1, N + 1, (1,), generator=g))
-            mask[b, length:] = True
-        else:
-            mask[b] = torch.rand(N, generator=g) < 0.4
-            mask[b, int(torch.randint(0, N, (1,), generator=g))] = False
-    return mask
 
 
 CASES = [  # (N, m, k, s)

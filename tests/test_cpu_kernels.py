@@ -19,9 +19,9 @@ import torch
 from mita import attention as A
 from mita import mita_attention
 from mita.kernels import cpu
+from mita.reference import reference_mita
 
-from .reference import reference_mita
-from .test_attention import F64_TOL, rand_qkv, random_mask
+from .helpers import F64_TOL, rand_qkv, random_mask
 
 F32_REL_TOL = 1e-5
 

@@ -25,7 +25,7 @@ from service.metrics import DURATION_BUCKETS_S
 from service.stats import StatsWindow
 
 from .conftest import set_gateway, wait_for
-from .test_service import EXAMPLES
+from .helpers import EXAMPLES
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from mita.data.listops import ListOpsConfig, encode, generate, generate_long
+from mita.data.listops import encode, generate_long
 from mita.hooks import MITA_STAGES
 from mita.model import load_checkpoint
 from service import launch
@@ -22,9 +22,9 @@ from service.metrics import DURATION_BUCKETS_S, n_bucket
 from service.schemas import GatewayConfig
 
 from .conftest import CHECKPOINT, set_classifier, set_gateway, wait_for
+from .helpers import EXAMPLES
 
 pytestmark = pytest.mark.service
-EXAMPLES = generate(12, seed=777_001, cfg=ListOpsConfig(100, 500))
 
 
 def samples(text: str, name: str) -> dict[tuple, float]:
