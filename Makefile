@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint
+.PHONY: serve test test-fast lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +24,8 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# No Ray, no subprocess CLIs, no Triton interpreter: under a minute once the CPU kernels are
+# built (the first run builds them, ~1 min).
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not service and not slow"

@@ -189,6 +189,7 @@ def test_shipped_configs_parse_and_unknown_deployments_are_refused():
                            {"deployments": {"MitaClassifier": {"num_replicas": 1}}})
 
 
+@pytest.mark.slow  # one interpreter per case
 @pytest.mark.parametrize("argv,message", [
     (["-m", "service", "--metrics-port", "70000"], "--metrics-port: 70000 is outside [1, 65535]"),
     (["-m", "service", "--metrics-interval-ms", "5e3"], "'5e3' is not a valid int"),
@@ -237,6 +238,7 @@ def test_command_line_numbers_are_parsed_strictly(argv, message):
     assert message in done.stderr, done.stderr[-1000:]
 
 
+@pytest.mark.slow
 def test_busy_port_and_bad_config_refused_before_ray_starts(tmp_path):
     """``python -m service`` on a port another process listens on exits at once naming the
     port (it waited ~37 s for Ray's start-up timeout before); a config with a bad user_config
@@ -440,6 +442,7 @@ def test_every_serve_config_field_is_parsed_strictly(tmp_path, text, message):
     assert message in str(refused.value)
 
 
+@pytest.mark.slow
 def test_python_m_service_refuses_bad_files_in_one_line(tmp_path):
     """No traceback from ``python -m service --config``: one line, exit status 1."""
     import sys

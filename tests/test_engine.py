@@ -138,6 +138,7 @@ def test_engine_info(engines):
     assert engines[("dense", "float32")].info["mita_backend"] is None
 
 
+@pytest.mark.slow
 def test_gpu_serving_script_smoke(tmp_path):
     """``benchmarks/gpu_serving.py --smoke``: the GPU serving benchmark's own code path (checks,
     request cells, stage table, profiler overhead) on the CPU, so the GPU run is not its first

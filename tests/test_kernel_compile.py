@@ -23,8 +23,8 @@ from mita.kernels import aot
 
 # The compiles run in spawned processes without TRITON_INTERPRET: this process runs Triton
 # interpreted (tests/conftest.py), for the numerics tests in test_kernels.py.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="Triton is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                    reason="Triton is not installed")]
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():

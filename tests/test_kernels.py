@@ -27,10 +27,12 @@ import torch
 from mita import attention as A
 from mita import mita_attention
 from mita.hooks import MITA_STAGES
+from mita.reference import reference_mita
 
 from .conftest import run_smoke
-from .reference import reference_mita
-from .test_attention import rand_qkv, random_mask
+from .helpers import rand_qkv, random_mask
+
+pytestmark = pytest.mark.slow  # the Triton interpreter: minutes on 2 cores
 
 
 @pytest.fixture(scope="module")

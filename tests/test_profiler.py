@@ -17,7 +17,7 @@ from profiler.cost import model_stage_flops, profile_forward
 from profiler.sweep import SweepConfig, landmarks_for, run_sweep, write_outputs
 from profiler.timer import StageTimer
 
-from .test_attention import CPU_KERNEL_STAGES
+from .helpers import CPU_KERNEL_STAGES
 
 CFG = ModelConfig(dim=32, depth=3, num_heads=2, ffn_dim=64, num_landmarks=8, topk=16)
 
@@ -45,11 +45,16 @@ def test_records_complete_ordered_and_sum_below_end_to_end(attention, backend):
     _, prof = profile_forward(model, ids)
     assert [(r.name, r.layer) for r in prof.records] == expected_records(attention, 3, backend)
     assert len(prof.layers_ms) == 3
-    stage_sum = sum(prof.stages_ms.values())
     # Stages never overlap, so their sum cannot exceed the forward; the untimed rest (layer
-    # norms before attention, residual adds, Python glue) stays well under half of it.
-    assert stage_sum <= prof.total_ms
-    assert stage_sum >= 0.5 * prof.total_ms, (stage_sum, prof.total_ms)
+    # norms before attention, residual adds, Python glue) stays well under half of it. On a
+    # loaded machine one forward can lose the CPU inside untimed glue: the best of three
+    # forwards must cover half (a single preemption cannot fail the test).
+    shares = []
+    for _ in range(3):
+        _, p = profile_forward(model, ids)
+        assert sum(p.stages_ms.values()) <= p.total_ms
+        shares.append(sum(p.stages_ms.values()) / p.total_ms)
+    assert max(shares) >= 0.5, shares
     assert all(r.ms >= 0 for r in prof.records)
     assert prof.flops == model_stage_flops(model.config, 2, 2048)
     assert prof.peak_memory_kind == "analytic_activation_estimate"

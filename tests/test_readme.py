@@ -40,6 +40,7 @@ TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-ever
 README_COMMANDS = {
     "make serve": ("run", "the walkthrough's service, on the default ports"),
     "make test": ("test", ".ci/run: CI's own command"),
+    "make test-fast": ("test", "a subset of make test (-m 'not service and not slow')"),
     "make serve TORCH_SPEC=": ("no", "a GPU host with its own CUDA torch"),
     "python -m service": ("run", "what make serve runs"),
     "python -m service --config FILE": (
