@@ -120,7 +120,7 @@ def reference_given(q, k, v, m, s, mask, index, experts) -> torch.Tensor:
     q, k, v = q.double(), k.double(), v.double()
     landmarks, live = A.pool(q, m, mask)
     shared = A.shared_compress(A.landmark_scores(landmarks, k, mask), v)
-    return A._gather_and_attend(q, k, v, landmarks, live, shared, index, experts, "paper",
+    return A.gather_and_attend(q, k, v, landmarks, live, shared, index, experts, "paper",
                                 mask, A.NULL_HOOK)
 
 

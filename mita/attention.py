@@ -24,11 +24,10 @@ as flash attention).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .hooks import NULL_HOOK, StageHook
 
@@ -449,10 +448,11 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
             reference path), ``"cpu"`` (the compiled, cache-blocked CPU kernels of
             ``mita.kernels.cpu``: ``landmark_scores`` includes ``topk`` and ``shared_compress``; for
             s = 1 ``route`` includes the shared half of the joint softmax; no backward),
-            ``"triton"`` (the Triton kernels, ``_triton_path``: ``landmark_scores`` includes
-            ``topk``, ``route`` the shared half for s = 1, ``attention`` the gather; head dims ≤
-            128; no backward), or ``"auto"``: triton for CUDA float16/bfloat16/float32 inputs with
-            head dims ≤ 128 when Triton imports and no gradient is needed; on CPU the compiled
+            ``"triton"`` (the Triton kernels, ``kernels.triton_mita.mita_triton``:
+            ``landmark_scores`` includes ``topk``, ``route`` the shared half for s = 1,
+            ``attention`` the gather; head dims ≤ 128; no backward), or ``"auto"``: triton
+            for CUDA float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton imports
+            and no gradient is needed; on CPU the compiled
             kernels when no gradient is needed and they build here (else the PyTorch stages, logged
             once). The triton path computes in q, k, v's own dtype (16-bit matrix products, fp32
             accumulation; landmarks averaged in float32, rounded to the input dtype for the
@@ -485,25 +485,32 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
     out_dtype = q.dtype
     kk = min(topk, N)
     if _use_triton(backend, q, v, k):
-        return _triton_path(q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
-                            landmark_grid, shared_scale, hook)
+        from .kernels.triton_mita import mita_triton
+
+        return mita_triton(q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+                           landmark_grid, shared_scale, hook)
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     ext = _cpu_kernels(backend, q, k, v)
     if ext is not None:
-        out = _cpu_path(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
-                        landmark_grid, shared_scale, hook)
+        from .kernels.cpu import mita_cpu
+
+        out = mita_cpu(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+                       landmark_grid, shared_scale, hook)
         return out.to(out_dtype)
     landmarks, landmark_valid, expert_index, shared_values, experts = routing_stages(
         q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook)
-    out = _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index,
+    out = gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index,
                              experts, shared_scale, key_padding_mask, hook)
     return out.to(out_dtype)
 
 
-def _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index, experts,
-                       shared_scale, key_padding_mask, hook) -> Tensor:
-    """The PyTorch stages ``gather`` and ``attention``; zero at padded queries."""
+def gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index, experts,
+                      shared_scale, key_padding_mask, hook) -> Tensor:
+    """The PyTorch stages ``gather`` (eq. 10) and ``attention`` (eqs. 11-12), each inside
+    ``hook.stage``: the tensors of ``routing_stages`` (shapes there) and q, k ``(B, H, N, d)``,
+    v ``(B, H, N, dv)``. Returns ``(B, H, N, dv)`` in q's dtype, zero at padded queries. Also
+    the CPU launcher's path for s > 1."""
     with hook.stage("gather"):
         expert_keys, expert_values, expert_key_valid = gather(k, v, expert_index,
                                                               key_padding_mask)
@@ -532,80 +539,6 @@ def _cpu_kernels(backend: str, q: Tensor, k: Tensor, v: Tensor):
     if ext is None and backend == "cpu":
         raise ValueError("backend='cpu': the CPU kernels could not be built here (see the log)")
     return ext
-
-
-def _cpu_path(ext, q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_scale,
-              hook) -> Tensor:
-    """``mita_attention`` on the compiled CPU kernels (``mita/kernels/cpu_mita.cpp``): the same
-    eqs. 5-12, cache-blocked, float32/float64 q, k, v. Stage ``landmark_scores`` also does
-    ``topk`` and ``shared_compress`` (one pass over the keys; the m × N scores are never
-    stored). For s = 1, ``route`` also computes the shared half of the joint softmax from its
-    q·q̃ products (the reuse the paper's cost model assumes) and ``attention`` gathers each
-    expert's k raw pairs by index (no ``gather`` stage) and adds the routed half per tile of
-    one expert's queries, merged by log-sum-exp. s > 1 runs ``route``, ``gather`` and
-    ``attention`` as the PyTorch stages. Peak extra memory for s = 1, beyond q, k, v and the
-    output: B·H·(m·(2·d + dv + k) + 3·N) elements (landmarks and their scaled copy, shared
-    values, expert indices; per query its expert, shared-branch maximum and sum) plus per
-    thread 256·(d + k + dv) + k·(d + dv) — linear in N, no N × m or N × k block."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    B, H, N, d = q.shape
-    valid = None if key_padding_mask is None else ~key_padding_mask
-    with hook.stage("pool"):
-        landmarks, landmark_valid = pool(q, m, key_padding_mask, landmark_grid)
-    with hook.stage("landmark_scores"):
-        expert_index, shared_values = ext.landmark_pass(landmarks * d ** -0.5, k, v, valid, kk)
-    if s > 1:  # the PyTorch stages: per-slot partials merged by log-sum-exp
-        with hook.stage("route"):
-            experts = route(q, landmarks, s, landmark_valid)
-        return _gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values,
-                                  expert_index, experts, shared_scale, key_padding_mask, hook)
-    with hook.stage("route"):
-        experts, out, top, total = ext.route_shared(
-            q, landmarks, landmark_valid, shared_values, shared_logit_scale(d, shared_scale),
-            valid)
-    with hook.stage("attention"):  # gather is fused into this kernel
-        ext.routed_attention(q, k, v, expert_index, landmark_valid, valid, experts, d ** -0.5,
-                             out, top, total)
-    return out
-
-
-def _triton_path(q, k, v, m, kk, s, key_padding_mask, landmark_grid, shared_scale,
-                 hook) -> Tensor:
-    """``mita_attention`` on the Triton kernels (``mita/kernels``), q, k, v in their own dtype
-    (no float32 copies; matrix products in the input dtype with fp32 accumulation):
-    ``pool`` (PyTorch, float32 landmarks); ``landmark_scores`` also does ``topk``
-    (``routing.landmark_topk``: one streaming pass, exact top-k, no m × N scores; for
-    k > 512 the PyTorch stages on float32 scores); ``shared_compress`` as one SDPA call
-    (``shared_compress_sdpa``); ``route`` — for s = 1 ``routing.route_shared``, which also
-    computes the shared half of the joint softmax, for s > 1 the PyTorch stage; ``attention``
-    (``fused_attention``: gather fused, routed keys read by index). No host synchronisation.
-    """
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the "
-                         "CPU interpreter); use backend='torch' on CPU")
-    from .kernels import fused_attention, routing
-
-    d = q.shape[-1]
-    c = shared_logit_scale(d, shared_scale)
-    with hook.stage("pool"):
-        landmarks, landmark_valid = pool(q, m, key_padding_mask, landmark_grid)
-    with hook.stage("landmark_scores"):  # + topk, streamed
-        if kk <= routing.MAX_TOPK:
-            expert_index = routing.landmark_topk(landmarks, k, kk, d ** -0.5,
-                                                 key_padding_mask)
-        else:
-            expert_index = topk(landmark_scores(landmarks, k.float(), key_padding_mask), kk)
-    with hook.stage("shared_compress"):
-        shared_values = shared_compress_sdpa(landmarks, k, v, key_padding_mask)
-    with hook.stage("route"):
-        if s == 1:
-            experts, *partial = routing.route_shared(q, landmarks, shared_values,
-                                                     landmark_valid, c)
-        else:
-            experts, partial = route(q, landmarks, s, landmark_valid), None
-    with hook.stage("attention"):  # gather is fused into this kernel
-        return fused_attention(q, k, v, landmarks * c, shared_values, landmark_valid,
-                               expert_index, experts, key_padding_mask, shared_partial=partial)
 
 
 def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: int,
@@ -682,102 +615,3 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor,
     valid = _valid_tokens(key_padding_mask, B, N, q.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
     return out.masked_fill(~valid[:, None, :, None], 0.0)
-
-
-def mita_stage_flops(N: int, m: int, k: int, s: int = 1, d: int = 64) -> dict[str, int]:
-    """Analytic FLOPs of one MiTA head on one sequence, by stage (§3.2 cost model).
-
-    A multiply-add counts 2 FLOPs. Similarity scores: N·m landmark×key (``landmark_scores``),
-    N·m query×landmark (``route``; the paper reuses them as shared logits — this
-    implementation recomputes them inside ``attention``, 2·N·m·d FLOPs not counted here, to
-    avoid storing N×m affinities), N·s·k query×routed key
-    (``attention``) — N(2m+sk) in all, as in the paper, times 2d. Value sums: m·N for
-    ``shared_compress`` and N(m+sk) in ``attention``, times 2d. ``pool`` adds N·d.
-    Not counted: softmax exponentials, top-k selection, gathers, memory traffic. k is clamped
-    to N as in ``mita_attention``.
-    """
-    k = min(k, N)
-    return {
-        "pool": N * d,
-        "landmark_scores": 2 * N * m * d,
-        "topk": 0,
-        "shared_compress": 2 * N * m * d,
-        "route": 2 * N * m * d,
-        "gather": 0,
-        "attention": 2 * N * s * k * d + 2 * N * (m + s * k) * d,
-    }
-
-
-def mita_flops(N: int, m: int, k: int, s: int = 1, d: int = 64) -> int:
-    """Total analytic FLOPs of one MiTA head on one sequence: ``sum(mita_stage_flops(...))``
-    = 2dN(4m + 2sk) + Nd."""
-    return sum(mita_stage_flops(N, m, k, s, d).values())
-
-
-def dense_flops(N: int, d: int = 64) -> int:
-    """Analytic FLOPs of one dense attention head on one sequence: N² scores and N² value
-    multiply-adds, 4N²d (§3.1)."""
-    return 4 * N * N * d
-
-
-class _MultiHeadAttention(nn.Module):
-    """Shared projections of ``DenseAttention`` and ``MiTAAttention``: the two have identical
-    parameter names and shapes (``qkv``: dim → 3·dim, ``out_proj``: dim → dim), so one
-    state_dict loads into both."""
-
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
-                hook: StageHook = NULL_HOOK) -> Tensor:
-        """``x`` ``(B, N, dim)`` → ``(B, N, dim)``; stages ``qkv_proj``, attention's stages,
-        ``out_proj``."""
-        B, N, dim = x.shape
-        with hook.stage("qkv_proj"):
-            q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        o = self.attend(q, k, v, key_padding_mask, hook)
-        with hook.stage("out_proj"):
-            return self.out_proj(o.transpose(1, 2).reshape(B, N, dim))
-
-    def attend(self, q, k, v, key_padding_mask, hook):
-        raise NotImplementedError
-
-
-class DenseAttention(_MultiHeadAttention):
-    """Multi-head dense attention; reports its SDPA call as stage ``attention``."""
-
-    def attend(self, q, k, v, key_padding_mask, hook):
-        with hook.stage("attention"):
-            return dense_attention(q, k, v, key_padding_mask)
-
-
-class MiTAAttention(_MultiHeadAttention):
-    """Multi-head MiTA attention (``mita_attention``) with the same parameters as
-    ``DenseAttention``. ``backend`` as in ``mita_attention`` (``"auto"``: the fused Triton
-    kernel on CUDA, PyTorch stages on CPU)."""
-
-    def __init__(self, dim: int, num_heads: int, num_landmarks: int, topk: int,
-                 route_topk: int = 1, shared_scale: str = "paper",
-                 landmark_grid: tuple[int, int] | None = None, backend: str = "auto"):
-        super().__init__(dim, num_heads)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if shared_scale not in SHARED_SCALES:
-            raise ValueError(f"shared_scale must be one of {SHARED_SCALES}, got {shared_scale!r}")
-        if route_topk > num_landmarks:
-            raise ValueError(f"route_topk s={route_topk} exceeds num_landmarks m={num_landmarks}")
-        self.num_landmarks, self.topk, self.route_topk = num_landmarks, topk, route_topk
-        self.shared_scale, self.landmark_grid = shared_scale, landmark_grid
-        self.backend = backend  # plain attribute: the profiler switches it per run
-
-    def attend(self, q, k, v, key_padding_mask, hook):
-        return mita_attention(q, k, v, num_landmarks=self.num_landmarks, topk=self.topk,
-                              route_topk=self.route_topk, key_padding_mask=key_padding_mask,
-                              landmark_grid=self.landmark_grid,
-                              shared_scale=self.shared_scale, backend=self.backend,
-                              hook=hook)

@@ -24,8 +24,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .attention import BACKENDS, SHARED_SCALES, DenseAttention, MiTAAttention
+from .attention import BACKENDS, SHARED_SCALES
 from .hooks import NULL_HOOK, StageHook
+from .layers import DenseAttention, MiTAAttention
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mita.attention import dense_flops, mita_stage_flops
+from mita.cost import dense_flops, mita_stage_flops
 from mita.model import EncoderClassifier, ModelConfig
 
 from .timer import ForwardProfile, StageTimer

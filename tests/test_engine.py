@@ -183,8 +183,8 @@ def test_staged_profile_on_request_and_sampled(batch):
     """MiTA on the compiled CPU kernels reports fused stages; a forward asked for (staged) or
     sampled (every staged_every-th) runs the PyTorch stages, all seven timed apart, with the
     same answer (the two backends agree to 1e-5, as tests/test_cpu_kernels.py holds)."""
-    from mita.attention import MiTAAttention
     from mita.hooks import MITA_STAGES
+    from mita.layers import MiTAAttention
 
     engine = ClassifierEngine(CHECKPOINT, "mita", "cpu", "auto", "float32")
     assert engine.fused()

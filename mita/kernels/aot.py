@@ -84,7 +84,7 @@ def example_plan(case: Case) -> tuple:
     q, k, v = (torch.randn(B, H, N, case.d, generator=g).to(dtype) for _ in range(3))
     landmarks = torch.randn(B, H, m, case.d, generator=g)
     shared_values = torch.randn(B, H, m, case.d, generator=g)
-    live = torch.ones(B, m, dtype=torch.bool)
+    landmark_valid = torch.ones(B, m, dtype=torch.bool)
     mask = None
     if case.masked:
         mask = torch.zeros(B, N, dtype=torch.bool)
@@ -94,7 +94,7 @@ def example_plan(case: Case) -> tuple:
                                                       interpreter=False)
         return routing._landmark_topk_kernel, args, meta
     if case.kernel == "route_shared":
-        _, args, meta, _ = routing.route_shared_plan(q, landmarks, shared_values, live,
+        _, args, meta, _ = routing.route_shared_plan(q, landmarks, shared_values, landmark_valid,
                                                      case.d ** -0.5, interpreter=False)
         return routing._route_shared_kernel, args, meta
     index = torch.randint(0, N, (B, H, m, kk), generator=g)
@@ -103,7 +103,7 @@ def example_plan(case: Case) -> tuple:
     if case.s == 1:
         partial = (torch.randn(B, H, N, generator=g), torch.rand(B, H, N, generator=g) + 1,
                    torch.randn(B, H, N, case.d, generator=g))
-    plan = launch_plan(q, k, v, landmarks, shared_values, live, index, experts, mask,
+    plan = launch_plan(q, k, v, landmarks, shared_values, landmark_valid, index, experts, mask,
                        interpreter=False, shared_partial=partial)
     return _mita_fused_kernel, plan.args, plan.meta
 

@@ -158,7 +158,7 @@ constexpr int64_t kAttentionTile = 256; // queries per attention tile (all of on
 
 template <typename T>
 void landmark_pass_impl(const at::Tensor& lm, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& key_valid, int64_t topk, at::Tensor& index,
+                        const at::Tensor& token_valid, int64_t topk, at::Tensor& index,
                         at::Tensor& shared) {
   const int64_t B = k.size(0), H = k.size(1), N = k.size(2), d = k.size(3);
   const int64_t m = lm.size(2), dv = v.size(3);
@@ -172,7 +172,7 @@ void landmark_pass_impl(const at::Tensor& lm, const at::Tensor& k, const at::Ten
   const T* L = lm.data_ptr<T>();
   const T* K = k.data_ptr<T>();
   const T* Vp = v.data_ptr<T>();
-  const bool* valid = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
+  const bool* valid = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
   int64_t* I = index.data_ptr<int64_t>();
   T* S_out = shared.data_ptr<T>();
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -235,17 +235,17 @@ void landmark_pass_impl(const at::Tensor& lm, const at::Tensor& k, const at::Ten
 
 // Stages landmark_scores + topk + shared_compress (eqs. 6-8) in one pass over the keys:
 // the (m × N) score matrix is never stored. lm: (B, H, m, d) landmarks already scaled by
-// 1/√d; k: (B, H, N, d); v: (B, H, N, dv); key_valid: (B, N) bool or None.
+// 1/√d; k: (B, H, N, d); v: (B, H, N, dv); token_valid: (B, N) bool or None.
 // Returns expert_index (B, H, m, topk) int64 ascending and shared_values (B, H, m, dv).
 std::vector<at::Tensor> landmark_pass(at::Tensor lm, at::Tensor k, at::Tensor v,
-                                      c10::optional<at::Tensor> key_valid, int64_t topk) {
+                                      c10::optional<at::Tensor> token_valid, int64_t topk) {
   TORCH_CHECK(lm.dim() == 4 && k.dim() == 4 && v.dim() == 4, "expected 4-D tensors");
   TORCH_CHECK(topk >= 1 && topk <= k.size(2), "topk must be in [1, N]");
   lm = lm.contiguous();
   k = k.contiguous();
   v = v.contiguous();
   at::Tensor valid;
-  if (key_valid.has_value()) valid = key_valid->contiguous();
+  if (token_valid.has_value()) valid = token_valid->contiguous();
   auto index = at::empty({k.size(0), k.size(1), lm.size(2), topk}, k.options().dtype(at::kLong));
   auto shared = at::empty({k.size(0), k.size(1), lm.size(2), v.size(3)}, v.options());
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "landmark_pass", [&] {
@@ -255,8 +255,9 @@ std::vector<at::Tensor> landmark_pass(at::Tensor lm, at::Tensor k, at::Tensor v,
 }
 
 template <typename T>
-void route_shared_impl(const at::Tensor& q, const at::Tensor& lm, const at::Tensor& live,
-                       const at::Tensor& sv, double c_shared, const at::Tensor& query_valid,
+void route_shared_impl(const at::Tensor& q, const at::Tensor& lm,
+                       const at::Tensor& landmark_valid,
+                       const at::Tensor& sv, double c_shared, const at::Tensor& token_valid,
                        at::Tensor& experts, at::Tensor& acc, at::Tensor& mx_out,
                        at::Tensor& sum_out) {
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3), m = lm.size(2);
@@ -265,8 +266,8 @@ void route_shared_impl(const at::Tensor& q, const at::Tensor& lm, const at::Tens
   const T* Q = q.data_ptr<T>();
   const T* L = lm.data_ptr<T>();
   const T* SV = sv.data_ptr<T>();
-  const bool* lv = live.data_ptr<bool>();
-  const bool* qv = query_valid.defined() ? query_valid.data_ptr<bool>() : nullptr;
+  const bool* lm_valid = landmark_valid.data_ptr<bool>();
+  const bool* qv = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
   int64_t* E = experts.data_ptr<int64_t>();
   T* ACC = acc.data_ptr<T>();
   T* MX = mx_out.data_ptr<T>();
@@ -281,7 +282,7 @@ void route_shared_impl(const at::Tensor& q, const at::Tensor& lm, const at::Tens
       const int64_t n = std::min(kQueryBlock, N - n0);
       // Affinities q·q̃ (eq. 9); times c they are the shared logits of eq. 11.
       mm_nt<T>(n, m, d, Q + (bh * N + n0) * d, d, L + bh * m * d, d, T(0), A.data(), m);
-      const bool* l = lv + b * m;
+      const bool* l = lm_valid + b * m;
       bool all_live = true;
       for (int64_t e = 0; e < m; ++e) all_live &= l[e];
       for (int64_t i = 0; i < n; ++i) {
@@ -312,27 +313,28 @@ void route_shared_impl(const at::Tensor& q, const at::Tensor& lm, const at::Tens
 
 // Stage route for s = 1 (eq. 9) and the shared half of the joint softmax (eq. 11), from the
 // same q·q̃ products — the paper's cost model reuses them the same way (§3.2).
-// q: (B, H, N, d); lm: (B, H, m, d) landmarks (unscaled); live: (B, m) bool with ≥ 1 True per
-// row; shared_values: (B, H, m, dv); c_shared: shared logit scale; query_valid: (B, N) bool or
-// None. Returns experts (B, H, N) int64 (the live landmark with the largest q·q̃, first on
+// q: (B, H, N, d); lm: (B, H, m, d) landmarks (unscaled); landmark_valid: (B, m) bool with
+// ≥ 1 True per row; shared_values: (B, H, m, dv); c_shared: shared logit scale; token_valid:
+// (B, N) bool or None. Returns experts (B, H, N) int64 (the valid landmark with the largest q·q̃, first on
 // ties), and per query the shared branch's unnormalised values (B, H, N, dv), logit maximum
 // (B, H, N) and sum of exp(logit − maximum) (B, H, N); padded queries get (0, −inf, 0).
-std::vector<at::Tensor> route_shared(at::Tensor q, at::Tensor lm, at::Tensor live,
+std::vector<at::Tensor> route_shared(at::Tensor q, at::Tensor lm, at::Tensor landmark_valid,
                                      at::Tensor shared_values, double c_shared,
-                                     c10::optional<at::Tensor> query_valid) {
+                                     c10::optional<at::Tensor> token_valid) {
   q = q.contiguous();
   lm = lm.contiguous();
-  live = live.contiguous();
+  landmark_valid = landmark_valid.contiguous();
   shared_values = shared_values.contiguous();
   at::Tensor qv;
-  if (query_valid.has_value()) qv = query_valid->contiguous();
+  if (token_valid.has_value()) qv = token_valid->contiguous();
   const auto B = q.size(0), H = q.size(1), N = q.size(2);
   auto experts = at::empty({B, H, N}, q.options().dtype(at::kLong));
   auto acc = at::empty({B, H, N, shared_values.size(3)}, q.options());
   auto mx = at::empty({B, H, N}, q.options());
   auto sum = at::empty({B, H, N}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "route_shared", [&] {
-    route_shared_impl<scalar_t>(q, lm, live, shared_values, c_shared, qv, experts, acc, mx, sum);
+    route_shared_impl<scalar_t>(q, lm, landmark_valid, shared_values, c_shared, qv, experts,
+                                acc, mx, sum);
   });
   return {experts, acc, mx, sum};
 }
@@ -343,14 +345,14 @@ struct Tile {
 
 template <typename T>
 void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& expert_index, const at::Tensor& live,
-                 const at::Tensor& key_valid, const at::Tensor& experts, double scale_,
+                 const at::Tensor& expert_index, const at::Tensor& landmark_valid,
+                 const at::Tensor& token_valid, const at::Tensor& experts, double scale_,
                  at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum) {
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
   const int64_t m = expert_index.size(2), kk = expert_index.size(3), dv = v.size(3);
   const T scale = static_cast<T>(scale_);
   const int64_t* E = experts.data_ptr<int64_t>();
-  const bool* qv = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
+  const bool* qv = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
   // Counting sort of each head's queries by expert (padded queries left out: output zero).
   std::vector<int64_t> order(B * H * N);
   std::vector<Tile> tiles;
@@ -371,7 +373,7 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const T* K = k.data_ptr<T>();
   const T* Vp = v.data_ptr<T>();
   const int64_t* I = expert_index.data_ptr<int64_t>();
-  const bool* lv = live.data_ptr<bool>();
+  const bool* lm_valid = landmark_valid.data_ptr<bool>();
   T* ACC = acc.data_ptr<T>();
   const T* MX = mx.data_ptr<T>();
   const T* SUM = sum.data_ptr<T>();
@@ -398,7 +400,7 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           std::copy(K + (bh * N + idx[j]) * d, K + (bh * N + idx[j] + 1) * d, kbuf.data() + j * d);
           std::copy(Vp + (bh * N + idx[j]) * dv, Vp + (bh * N + idx[j] + 1) * dv,
                     vbuf.data() + j * dv);
-          key_ok[j] = lv[b * m + e] && (!qv || qv[b * N + idx[j]]);
+          key_ok[j] = lm_valid[b * m + e] && (!qv || qv[b * N + idx[j]]);
           masked |= !key_ok[j];
         }
         loaded = bh * m + e;
@@ -442,11 +444,12 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // a per-thread buffer; the result is merged in place with the shared branch from
 // route_shared (one softmax over m + k entries, by log-sum-exp).
 // q, k: (B, H, N, d); v: (B, H, N, dv); expert_index: (B, H, m, k) int64 from landmark_pass;
-// live: (B, m) bool; key_valid: (B, N) bool or None (keys and queries); experts: (B, H, N)
-// int64; scale: routed logit scale (1/√d); acc, mx, sum: route_shared's outputs — acc
+// landmark_valid: (B, m) bool; token_valid: (B, N) bool or None (keys and queries); experts:
+// (B, H, N) int64; scale: routed logit scale (1/√d); acc, mx, sum: route_shared's outputs — acc
 // (B, H, N, dv) is overwritten with the attention output (zero at padded queries).
 void routed_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor expert_index,
-                      at::Tensor live, c10::optional<at::Tensor> key_valid, at::Tensor experts,
+                      at::Tensor landmark_valid, c10::optional<at::Tensor> token_valid,
+                      at::Tensor experts,
                       double scale, at::Tensor acc, at::Tensor mx, at::Tensor sum) {
   TORCH_CHECK(acc.is_contiguous() && mx.is_contiguous() && sum.is_contiguous(),
               "route_shared outputs must be contiguous");
@@ -454,19 +457,26 @@ void routed_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor exper
   k = k.contiguous();
   v = v.contiguous();
   expert_index = expert_index.contiguous();
-  live = live.contiguous();
+  landmark_valid = landmark_valid.contiguous();
   experts = experts.contiguous();
   at::Tensor valid;
-  if (key_valid.has_value()) valid = key_valid->contiguous();
+  if (token_valid.has_value()) valid = token_valid->contiguous();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routed_attention", [&] {
-    routed_impl<scalar_t>(q, k, v, expert_index, live, valid, experts, scale, acc, mx, sum);
+    routed_impl<scalar_t>(q, k, v, expert_index, landmark_valid, valid, experts, scale, acc, mx,
+                          sum);
   });
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("landmark_pass", &landmark_pass);
-  m.def("route_shared", &route_shared);
-  m.def("routed_attention", &routed_attention);
+  // Named arguments: the Python launcher (kernels/cpu.py) passes every tensor by name.
+  m.def("landmark_pass", &landmark_pass, py::arg("landmarks"), py::arg("k"), py::arg("v"),
+        py::arg("token_valid"), py::arg("topk"));
+  m.def("route_shared", &route_shared, py::arg("q"), py::arg("landmarks"),
+        py::arg("landmark_valid"), py::arg("shared_values"), py::arg("c_shared"),
+        py::arg("token_valid"));
+  m.def("routed_attention", &routed_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("expert_index"), py::arg("landmark_valid"), py::arg("token_valid"),
+        py::arg("experts"), py::arg("scale"), py::arg("acc"), py::arg("mx"), py::arg("sum"));
 }

@@ -23,7 +23,7 @@ key sets through one online (flash-style) softmax in fp32:
    together cover the m + s·k entries once; a short PyTorch epilogue merges the slots by
    log-sum-exp — exactly the joint softmax of eq. 12.
 
-The stages before it run as ``mita.attention._triton_path`` does: ``routing.landmark_topk``
+The stages before it run as ``triton_mita.mita_triton`` does: ``routing.landmark_topk``
 (landmark scores + exact top-k, streamed, no m × N scores), ``shared_compress_sdpa`` (eq. 8 as
 one SDPA call with the landmarks as queries) and ``routing.route_shared`` (s = 1).
 """
@@ -78,7 +78,7 @@ def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: t
 
 @triton.jit
 def _mita_fused_kernel(
-    Q, K, V, SK, SV, IDX, KEY_VALID, LIVE, ORDER, TILE_E, TILE_LO, TILE_HI,
+    Q, K, V, SK, SV, IDX, KEY_VALID, LANDMARK_VALID, ORDER, TILE_E, TILE_LO, TILE_HI,
     OUT, PART_M, PART_L, SHARED_ACC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -138,19 +138,19 @@ def _mita_fused_kernel(
             sv = tl.load(SV + b * stride_svb + h * stride_svh + c[:, None] * stride_svm
                          + dvv[None, :] * stride_svd, mask=cm[:, None] & dvmask[None, :],
                          other=0.0)
-            live = tl.load(LIVE + b * M + c, mask=cm, other=0) != 0
+            lm_valid = tl.load(LANDMARK_VALID + b * M + c, mask=cm, other=0) != 0
             logits = _dot(q, tl.trans(sk), IEEE, UPCAST)
-            logits = tl.where(first[:, None] & live[None, :], logits, float("-inf"))
+            logits = tl.where(first[:, None] & lm_valid[None, :], logits, float("-inf"))
             m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, sv, IEEE, UPCAST)
 
     # Routed keys of expert e, read from K and V by index (eq. 10 without a copy).
-    e_live = tl.load(LIVE + b * M + e) != 0
+    expert_valid = tl.load(LANDMARK_VALID + b * M + e) != 0
     idx_base = IDX + b * stride_ib + h * stride_ih + e * stride_im
     for start in range(0, KK, BLOCK_N):
         c = start + cols
         cm = c < KK
         key = tl.load(idx_base + c * stride_ik, mask=cm, other=0)
-        ok = cm & e_live
+        ok = cm & expert_valid
         if HAS_MASK:
             ok = ok & (tl.load(KEY_VALID + b * N + key, mask=cm, other=0) != 0)
         kt = tl.load(K + b * stride_kb + h * stride_kh + key[:, None] * stride_kn
@@ -263,9 +263,9 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
 
     shared_keys = shared_keys.to(q.dtype)
     shared_values = shared_values.to(q.dtype)
-    live = landmark_valid.to(torch.int8).contiguous()
+    landmark_valid_i8 = landmark_valid.to(torch.int8).contiguous()
     key_valid = (~key_padding_mask).to(torch.int8).contiguous() \
-        if key_padding_mask is not None else live  # unused placeholder when no mask
+        if key_padding_mask is not None else landmark_valid_i8  # unused placeholder: no mask
     order, tile_e, tile_lo, tile_hi = _tile_table(experts, key_padding_mask, m, BLOCK_M)
     T = tile_e.shape[1]
     if out is None:
@@ -285,7 +285,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
         part_m = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         part_l = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         shared_acc = part_l  # unused for s > 1
-    args = (q, k, v, shared_keys, shared_values, expert_index, key_valid, live, order,
+    args = (q, k, v, shared_keys, shared_values, expert_index, key_valid, landmark_valid_i8, order,
             tile_e, tile_lo, tile_hi, target, part_m, part_l, shared_acc,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),

@@ -139,7 +139,7 @@ def _landmark_topk_kernel(
 
 @triton.jit
 def _route_shared_kernel(
-    Q, LM, SV, LIVE, EXPERT, PART_M, PART_L, PART_ACC,
+    Q, LM, SV, LANDMARK_VALID, EXPERT, PART_M, PART_L, PART_ACC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_lb, stride_lh, stride_lm, stride_ld,
     stride_svb, stride_svh, stride_svm, stride_svd,
@@ -171,9 +171,9 @@ def _route_shared_kernel(
                      + dd[None, :] * stride_ld, mask=cm[:, None] & dmask[None, :], other=0.0)
         sv = tl.load(SV + b * stride_svb + h * stride_svh + c[:, None] * stride_svm
                      + dd[None, :] * stride_svd, mask=cm[:, None] & dvmask[None, :], other=0.0)
-        live = (tl.load(LIVE + b * M + c, mask=cm, other=0) != 0) & cm
+        lm_valid = (tl.load(LANDMARK_VALID + b * M + c, mask=cm, other=0) != 0) & cm
         aff = _dot(q, tl.trans(lm), IEEE, UPCAST)
-        aff = tl.where(live[None, :], aff, float("-inf"))
+        aff = tl.where(lm_valid[None, :], aff, float("-inf"))
         # argmax with the lowest index on ties, across blocks: a later block wins only if
         # strictly greater
         blk_best = tl.max(aff, 1)
