@@ -18,7 +18,6 @@ Times are medians of interleaved repeats after one warm-up.
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import subprocess
 import sys
@@ -30,12 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from mita import mita_attention
+from mita.cost import fig5_setting
 from mita.model import EncoderClassifier, ModelConfig
-
-
-def fig5(n: int) -> tuple[int, int]:
-    side = 2 ** round(math.log2(math.sqrt(n / 4)))
-    return side, side
 
 
 def timed(fn) -> float:
@@ -63,7 +58,7 @@ def attention_only(ns, big_ns, repeats) -> None:
     for n in ns + big_ns:
         g = torch.Generator().manual_seed(n)
         q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
-        for setting, (m, kk) in (("m·k≈N/4", fig5(n)), ("fixed", (64, 64))):
+        for setting, (m, kk) in (("m·k≈N/4", fig5_setting(n)), ("fixed", (64, 64))):
             fns = {"mita": partial(mita_attention, q, k, v, num_landmarks=m, topk=kk,
                                    backend="cpu")}
             if n in ns:
@@ -102,7 +97,7 @@ def whole_model(ns, big_ns, repeats) -> None:
     print("| N | m | k | MiTA ms | dense ms | dense / MiTA | limit N/(2m+sk) |")
     print("|---|---|---|---|---|---|---|")
     for n in ns + big_ns:
-        m, k = fig5(n)
+        m, k = fig5_setting(n)
         mita, ids = model(n, "mita", m, k)
         fns = {"mita": lambda mita=mita, ids=ids: mita(ids)}
         if n in ns:
@@ -119,7 +114,7 @@ def whole_model(ns, big_ns, repeats) -> None:
 
 def one_million() -> None:
     n = 1 << 20
-    m, k = fig5(n)
+    m, k = fig5_setting(n)
     mita, ids = model(n, "mita", m, k)
     with torch.no_grad():
         seconds = timed(lambda: mita(ids))

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -61,17 +60,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mita import attention as A  # noqa: E402
+from mita.cost import fig5_setting  # noqa: E402
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
 from mita.reference import reference_mita  # noqa: E402
 from profiler.timer import StageTimer  # noqa: E402
 
 PAPER_FIG5 = {16384: 4.7, 65536: 19.0, 262144: 56.0, 1 << 20: 159.0}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
-
-
-def fig5(n: int) -> tuple[int, int]:
-    side = 2 ** round(math.log2(math.sqrt(n / 4)))
-    return side, side
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -216,7 +211,7 @@ def check_torch_path(device, gen, smoke: bool) -> list[dict]:
 
 
 def build(n: int, attention: str, device, dtype) -> EncoderClassifier:
-    m, k = fig5(n)
+    m, k = fig5_setting(n)
     torch.manual_seed(0)  # same weights for both variants
     cfg = ModelConfig(dim=128, depth=3, num_heads=2, ffn_dim=256, attention=attention,
                       num_landmarks=m, topk=k, max_len=max(n, 1 << 20))
@@ -267,7 +262,7 @@ def speed(device, dtype, ns, repeats: int, budget_s: float,
           start: float) -> tuple[list[dict], list[dict]]:
     rows, stages = [], []
     for n in ns:
-        m, k = fig5(n)
+        m, k = fig5_setting(n)
         gen = torch.Generator().manual_seed(n)
         ids = torch.randint(1, 16, (1, n), generator=gen).to(device)
         mita = build(n, "mita", device, dtype)
@@ -354,7 +349,7 @@ def attention_rows_at(n, device, dtype, repeats: int, smoke: bool) -> list[dict]
         dense = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
                         device, 1 if n > 300000 else repeats)
     rows = []
-    for m, kk in [fig5(n)] + ([] if smoke else [(64, 64)]):
+    for m, kk in [fig5_setting(n)] + ([] if smoke else [(64, 64)]):
         def run(hook=A.NULL_HOOK, m=m, kk=kk):
             return A.mita_attention(q, k, v, num_landmarks=m, topk=kk, backend="triton",
                                     hook=hook)
@@ -365,7 +360,7 @@ def attention_rows_at(n, device, dtype, repeats: int, smoke: bool) -> list[dict]
         with timer.forward():
             run(timer)
         row["stages"] = {st: round(ms, 3) for st, ms in timer.result().stages_ms.items()}
-        if (m, kk) == fig5(n):
+        if (m, kk) == fig5_setting(n):
             row["floor"] = stock_floor(q, k, v, m, kk, device, repeats)
         rows.append(row)
     return rows

@@ -3,6 +3,8 @@ head and sequence, by stage. The profiler divides measured time by these."""
 
 from __future__ import annotations
 
+import math
+
 
 def mita_stage_flops(N: int, m: int, k: int, s: int = 1, d: int = 64) -> dict[str, int]:
     """Analytic FLOPs of one MiTA head on one sequence, by stage (§3.2 cost model).
@@ -38,3 +40,12 @@ def dense_flops(N: int, d: int = 64) -> int:
     """Analytic FLOPs of one dense attention head on one sequence: N² scores and N² value
     multiply-adds, 4N²d (§3.1)."""
     return 4 * N * N * d
+
+
+def fig5_setting(n: int) -> tuple[int, int]:
+    """(m, k) of the paper's Fig. 5 setting for sequence length ``n``: m = k = the power of two
+    nearest √(n/4), so m·k ≈ n/4 (at least 1). Raises ValueError for n < 1."""
+    if n < 1:
+        raise ValueError(f"sequence length must be ≥ 1, got {n}")
+    side = max(1, 2 ** round(math.log2(math.sqrt(n / 4))))
+    return side, side

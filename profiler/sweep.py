@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mita.cost import fig5_setting
 from mita.hooks import stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 
@@ -36,8 +36,7 @@ MITA_ATTENTION_STAGES = ("pool", "landmark_scores", "topk", "shared_compress", "
 def landmarks_for(n: int, setting: str) -> tuple[int, int]:
     """(m, k) for sequence length n under ``fig5`` or ``MxK``. Raises ValueError otherwise."""
     if setting == "fig5":
-        side = 2 ** round(math.log2(math.sqrt(n / 4)))
-        return max(1, side), max(1, side)
+        return fig5_setting(n)
     try:
         m, k = (int(x) for x in setting.lower().split("x"))
     except ValueError:

@@ -131,6 +131,15 @@ def test_landmarks_for_settings():
     assert landmarks_for(5000, "32x128") == (32, 128)
     with pytest.raises(ValueError, match="neither"):
         landmarks_for(10, "lots")
+    # The one Fig. 5 rule (mita.cost), as the sweep and both benchmark scripts use it:
+    # m = k = the power of two nearest √(N/4); at least 1.
+    from mita.cost import fig5_setting
+
+    assert [fig5_setting(n)[0] for n in (1, 4, 1024, 4096, 65536, 262144)] == [
+        1, 1, 16, 32, 128, 256]
+    assert fig5_setting(3000) == (32, 32)  # √750 = 27.4: 32 is nearer than 16 in log2
+    with pytest.raises(ValueError, match="≥ 1"):
+        fig5_setting(0)
 
 
 def test_small_sweep_writes_parseable_files(tmp_path):
