@@ -23,14 +23,11 @@ import torch
 from tqdm import tqdm
 
 from mita.cost import fig5_setting
-from mita.hooks import stage_sorted
+from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 
 from .cost import model_stage_flops, profile_forward
 from .plots import stage_lines
-
-MITA_ATTENTION_STAGES = ("pool", "landmark_scores", "topk", "shared_compress", "route",
-                         "gather", "attention")
 
 
 def landmarks_for(n: int, setting: str) -> tuple[int, int]:
@@ -158,7 +155,7 @@ def run_sweep(cfg: SweepConfig) -> list[dict]:
 
 def attention_ms(row: dict) -> float:
     """Time of the attention proper: dense's SDPA stage or the sum of MiTA's seven stages."""
-    return sum(row["stages_ms"].get(s, 0.0) for s in MITA_ATTENTION_STAGES)
+    return sum(row["stages_ms"].get(s, 0.0) for s in MITA_STAGES)
 
 
 def speedups(rows: list[dict]) -> list[dict]:

@@ -33,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mita.data.listops import VOCAB, encode
+from mita.hooks import STAGE_COLORS
 
 from . import replica_state
 from .metrics import ServiceMetrics, n_bucket
@@ -639,6 +640,7 @@ class Gateway:
                       "observed": {v: answered.get(v, 0) / total for v in VARIANTS} if total
                       else {}}
         body["models"] = await self._variants()
+        body["stage_colors"] = STAGE_COLORS
         return body
 
     @app.get("/dashboard", response_class=HTMLResponse,

@@ -10,8 +10,9 @@ each answers for itself.
 ``prometheus_summary`` answers the same question from the Prometheus HTTP API: fixed PromQL
 (instant queries over the window, range queries for the timeline), all replicas together.
 
-Both return the same dict (``schemas.StatsResponse`` less ``models`` and ``ab``): milliseconds
-for durations, ``None`` where a quantile has no data.
+Both return the same dict (``schemas.StatsResponse`` less ``models``, ``ab`` and
+``stage_colors``, which the gateway adds): milliseconds for durations, ``None`` where a
+quantile has no data.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mita.hooks import STAGE_COLORS, STAGE_ORDER
+from mita.hooks import STAGE_ORDER
 
 from .metrics import N_BUCKETS, n_bucket
 from .schemas import VARIANTS
@@ -76,24 +77,22 @@ def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dic
     medians weighted by the smaller of its two request counts, combined by geometric mean
     (the mean of log-ratios). ``mita_p50_ms`` / ``dense_p50_ms``: medians over those matched
     requests. Buckets with no N served by both are left out."""
+    median = {key: float(np.median(ms)) for key, ms in latency_by_n.items()}
     by_bucket: dict[str, list[int]] = {}
-    for variant, n in latency_by_n:  # a zero median has no ratio (not seen; never a 500)
-        if (variant == "mita" and ("dense", n) in latency_by_n
-                and np.median(latency_by_n["mita", n]) > 0
-                and np.median(latency_by_n["dense", n]) > 0):
+    for variant, n in sorted(latency_by_n, key=lambda key: key[1]):
+        # a zero median has no ratio (not seen; never a 500)
+        if variant == "mita" and median.get(("dense", n), 0) > 0 and median["mita", n] > 0:
             by_bucket.setdefault(n_bucket(n), []).append(n)
     out = []
     for b in N_BUCKETS:
-        ns = sorted(by_bucket.get(b, []))
+        ns = by_bucket.get(b)
         if not ns:
             continue
-        mita = {n: latency_by_n["mita", n] for n in ns}
-        dense = {n: latency_by_n["dense", n] for n in ns}
-        weights = np.array([min(len(mita[n]), len(dense[n])) for n in ns], dtype=float)
-        logs = np.array([math.log(np.median(mita[n]) / np.median(dense[n])) for n in ns])
+        weights = [min(len(latency_by_n["mita", n]), len(latency_by_n["dense", n])) for n in ns]
+        logs = [math.log(median["mita", n] / median["dense", n]) for n in ns]
         out.append({"n_bucket": b, "ratio": float(np.exp(np.average(logs, weights=weights))),
-                    "mita_p50_ms": float(np.median(np.concatenate(list(mita.values())))),
-                    "dense_p50_ms": float(np.median(np.concatenate(list(dense.values())))),
+                    **{f"{v}_p50_ms": float(np.median(np.concatenate(
+                        [latency_by_n[v, n] for n in ns]))) for v in ("mita", "dense")},
                     "like_for_like": True, "n_values": len(ns), "n_min": ns[0],
                     "n_max": ns[-1]})
     return out
@@ -219,7 +218,7 @@ def summarize(snapshot: tuple) -> dict:
                            for (v, s), c in counts.items()]),
         "latency": _sort(latency_rows), "stages": _sort(stage_rows),
         "ratios": matched_ratios(by_n), "timeline": timeline, "timeline_by_n": timeline_by_n,
-        "shadow": _shadow(agree, len(shadows) - agree), "stage_colors": STAGE_COLORS,
+        "shadow": _shadow(agree, len(shadows) - agree),
     }
 
 
@@ -347,7 +346,6 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
         "requests": _sort(requests), "latency": latency, "stages": _sort(stages),
         "ratios": bucket_ratios(latency), "timeline": timeline, "timeline_by_n": timeline_by_n,
         "shadow": _shadow(shadow.get(("true",)) or 0.0, shadow.get(("false",)) or 0.0),
-        "stage_colors": STAGE_COLORS,
     }
 
 
