@@ -58,23 +58,23 @@ def attention_only(ns, big_ns, repeats) -> None:
     for n in ns + big_ns:
         g = torch.Generator().manual_seed(n)
         q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
-        for setting, (m, kk) in (("m·k≈N/4", fig5_setting(n)), ("fixed", (64, 64))):
-            fns = {"mita": partial(mita_attention, q, k, v, num_landmarks=m, topk=kk,
+        for setting, (m, topk) in (("m·k≈N/4", fig5_setting(n)), ("fixed", (64, 64))):
+            fns = {"mita": partial(mita_attention, q, k, v, num_landmarks=m, topk=topk,
                                    backend="cpu")}
             if n in ns:
-                fns["torch"] = partial(mita_attention, q, k, v, num_landmarks=m, topk=kk,
+                fns["torch"] = partial(mita_attention, q, k, v, num_landmarks=m, topk=topk,
                                        backend="torch")
                 fns["sdpa"] = partial(F.scaled_dot_product_attention, q, k, v)
             t = median_times(fns, repeats if n <= 65536 else 1)
-            limit = n / (2 * m + kk)
+            limit = n / (2 * m + topk)
             growth.setdefault(setting, []).append((n, t["mita"]))
             if "sdpa" in t:
                 r = t["sdpa"] / t["mita"]
-                print(f"| {n} | {setting} | {m} | {kk} | {1e3 * t['mita']:.1f} | "
+                print(f"| {n} | {setting} | {m} | {topk} | {1e3 * t['mita']:.1f} | "
                       f"{1e3 * t['torch']:.1f} | {1e3 * t['sdpa']:.1f} | {r:.1f}× | "
                       f"{limit:.1f}× | {r / limit:.2f} |")
             else:
-                print(f"| {n} | {setting} | {m} | {kk} | {1e3 * t['mita']:.1f} | - | - | - | "
+                print(f"| {n} | {setting} | {m} | {topk} | {1e3 * t['mita']:.1f} | - | - | - | "
                       f"{limit:.1f}× | - |")
     print()
     for setting, pts in growth.items():

@@ -90,19 +90,19 @@ def rand_mask(B, N, gen, device, p=0.3):
     return mask.to(device)
 
 
-def fused_decisions(q, k, v, m, kk, s, mask):
+def fused_decisions(q, k, v, m, topk, s, mask):
     """The routing decisions the fused path makes — its own (deterministic) kernels on the
     same inputs: ``(expert_index (B, H, m, k), experts (B, H, N, s))``."""
     from mita.kernels import routing
 
     d = q.shape[-1]
-    landmarks, live = A.pool(q, m, mask)
-    index = routing.landmark_topk(landmarks, k, kk, d ** -0.5, mask)
+    landmarks, landmark_valid = A.pool(q, m, mask)
+    index = routing.landmark_topk(landmarks, k, topk, d ** -0.5, mask)
     if s == 1:
         shared = A.shared_compress_sdpa(landmarks, k, v, mask)
-        experts = routing.route_shared(q, landmarks, shared, live, d ** -0.5)[0]
+        experts = routing.route_shared(q, landmarks, shared, landmark_valid, d ** -0.5)[0]
     else:
-        experts = A.route(q, landmarks, s, live)
+        experts = A.route(q, landmarks, s, landmark_valid)
     return index, experts
 
 
@@ -113,9 +113,9 @@ def reference_given(q, k, v, m, s, mask, index, experts) -> torch.Tensor:
     against float64 here (the decisions themselves are checked exactly by
     ``check_routing``)."""
     q, k, v = q.double(), k.double(), v.double()
-    landmarks, live = A.pool(q, m, mask)
+    landmarks, landmark_valid = A.pool(q, m, mask)
     shared = A.shared_compress(A.landmark_scores(landmarks, k, mask), v)
-    return A.gather_and_attend(q, k, v, landmarks, live, shared, index, experts, "paper",
+    return A.gather_and_attend(q, k, v, landmarks, landmark_valid, shared, index, experts, "paper",
                                 mask, A.NULL_HOOK)
 
 
@@ -134,17 +134,17 @@ def check_reference(device, gen, smoke: bool) -> list[dict]:
     if smoke:  # the interpreter sorts slowly: one s = 1 and one s = 2 case
         runs = [(cases[0], torch.float32), (cases[1], torch.bfloat16)]
     rows = []
-    for (B, H, N, d, m, kk, s, masked), dtype in runs:
+    for (B, H, N, d, m, topk, s, masked), dtype in runs:
         q, k, v = rand_inputs((B, H, N, d), gen, device, dtype)
         mask = rand_mask(B, N, gen, device) if masked else None
-        out = A.mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+        out = A.mita_attention(q, k, v, num_landmarks=m, topk=topk, route_topk=s,
                                key_padding_mask=mask, backend="triton")
-        index, experts = fused_decisions(q, k, v, m, min(kk, N), s, mask)
+        index, experts = fused_decisions(q, k, v, m, A.clamp_topk(topk, N), s, mask)
         err = rel_err(out, reference_given(q, k, v, m, s, mask, index, experts))
-        loop = reference_mita(*(t.double().cpu().numpy() for t in (q, k, v)), m, kk, s,
+        loop = reference_mita(*(t.double().cpu().numpy() for t in (q, k, v)), m, topk, s,
                               None if mask is None else mask.cpu().numpy())
         rows.append({"check": "fused path vs float64 stages (its routing decisions)",
-                     "dtype": str(dtype), "shape": f"B{B} H{H} N{N} d{d} m{m} k{kk} s{s}"
+                     "dtype": str(dtype), "shape": f"B{B} H{H} N{N} d{d} m{m} k{topk} s{s}"
                      + (" masked" if masked else ""), "rel_err": err, "tol": TOL[dtype],
                      "ok": bool(torch.isfinite(out).all()) and err < TOL[dtype],
                      "loop_reference_rel_err": rel_err(out, torch.from_numpy(loop))})
@@ -164,23 +164,23 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
                   (1, 1, 5000, 16, 17, 256)]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for B, H, N, d, m, kk in cases:
+        for B, H, N, d, m, topk in cases:
             q, k, v = rand_inputs((B, H, N, d), gen, device, dtype, integer=True)
             mask = rand_mask(B, N, gen, device)
-            landmarks, live = A.pool(q, m, mask)
+            landmarks, landmark_valid = A.pool(q, m, mask)
             landmarks = landmarks.round()  # integer landmarks: exact scores again
-            got = routing.landmark_topk(landmarks, k, kk, d ** -0.5, mask)
-            want = A.topk(A.landmark_scores(landmarks, k.float(), mask), kk)
-            shape = f"B{B} H{H} N{N} d{d} m{m} k{kk} masked"
+            got = routing.landmark_topk(landmarks, k, topk, d ** -0.5, mask)
+            want = A.topk_tokens(A.landmark_scores(landmarks, k.float(), mask), topk)
+            shape = f"B{B} H{H} N{N} d{d} m{m} k{topk} masked"
             same = int((got != want).any(-1).sum())
             rows.append({"check": "landmark_topk == topk(landmark_scores), ties lowest index",
                          "dtype": str(dtype), "shape": shape, "rel_err": float(same),
                          "tol": 0.0, "ok": same == 0})
             sv = torch.randn(B, H, m, d, generator=gen).to(device)
-            experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, live, d ** -0.5)
-            ref_experts = A.route(q.float(), landmarks, 1, live)
+            experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, landmark_valid, d ** -0.5)
+            ref_experts = A.route(q.float(), landmarks, 1, landmark_valid)
             logits = (q.float() @ landmarks.transpose(-1, -2) * d ** -0.5).masked_fill(
-                ~live[:, None, None, :], float("-inf"))
+                ~landmark_valid[:, None, None, :], float("-inf"))
             weights = torch.softmax(logits, -1)
             shared = pa / pl[..., None]
             err = rel_err(shared, weights @ sv.to(dtype).float())
@@ -193,19 +193,19 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
 
 
 def check_torch_path(device, gen, smoke: bool) -> list[dict]:
-    n, m, kk = (128, 8, 8) if smoke else (8192, 64, 64)
+    n, m, topk = (128, 8, 8) if smoke else (8192, 64, 64)
     rows = []
     for s in (1, 2):
         q, k, v = (torch.randn(2, 2, n, 64, generator=gen).to(device) for _ in range(3))
         mask = (torch.rand(2, n, generator=gen) < 0.2).to(device)
         mask[:, 0] = False
-        fused = A.mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+        fused = A.mita_attention(q, k, v, num_landmarks=m, topk=topk, route_topk=s,
                                  key_padding_mask=mask, backend="triton")
-        ref = A.mita_attention(q.double(), k.double(), v.double(), num_landmarks=m, topk=kk,
+        ref = A.mita_attention(q.double(), k.double(), v.double(), num_landmarks=m, topk=topk,
                                route_topk=s, key_padding_mask=mask, backend="torch")
         err = rel_err(fused, ref)
         rows.append({"check": "kernel fp32 vs PyTorch path fp64", "dtype": "torch.float32",
-                     "shape": f"B2 H2 N{n} d64 m{m} k{kk} s{s} masked", "rel_err": err,
+                     "shape": f"B2 H2 N{n} d64 m{m} k{topk} s{s} masked", "rel_err": err,
                      "tol": 1e-5, "ok": err < 1e-5})
     return rows
 
@@ -310,7 +310,7 @@ def cuda_ms(fn, device, repeats: int) -> float:
     return float(np.median(times))
 
 
-def stock_floor(q, k, v, m, kk, device, repeats: int) -> dict[str, float]:
+def stock_floor(q, k, v, m, topk, device, repeats: int) -> dict[str, float]:
     """The routing stages as stock PyTorch ops on the same (1, H, N, d) inputs — the floor
     the kernels should beat (as ``../shared/tools/gpu_lower_bounds.py``): pool as one mean,
     landmark scores as one matmul in the input dtype, ``torch.topk`` over those scores, the
@@ -321,7 +321,7 @@ def stock_floor(q, k, v, m, kk, device, repeats: int) -> dict[str, float]:
     with flash_only(device):
         floor = {"pool": cuda_ms(lambda: q.view(B, H, m, N // m, d).mean(3), device, repeats),
                  "landmark_scores": cuda_ms(lambda: lm @ k.transpose(-1, -2), device, repeats),
-                 "topk": cuda_ms(lambda: scores.topk(kk, dim=-1), device, repeats),
+                 "topk": cuda_ms(lambda: scores.topk(topk, dim=-1), device, repeats),
                  "shared_compress": cuda_ms(
                      lambda: torch.nn.functional.scaled_dot_product_attention(lm, k, v),
                      device, repeats),
@@ -349,19 +349,19 @@ def attention_rows_at(n, device, dtype, repeats: int, smoke: bool) -> list[dict]
         dense = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
                         device, 1 if n > 300000 else repeats)
     rows = []
-    for m, kk in [fig5_setting(n)] + ([] if smoke else [(64, 64)]):
-        def run(hook=A.NULL_HOOK, m=m, kk=kk):
-            return A.mita_attention(q, k, v, num_landmarks=m, topk=kk, backend="triton",
+    for m, topk in [fig5_setting(n)] + ([] if smoke else [(64, 64)]):
+        def run(hook=A.NULL_HOOK, m=m, topk=topk):
+            return A.mita_attention(q, k, v, num_landmarks=m, topk=topk, backend="triton",
                                     hook=hook)
-        row = {"N": n, "m": m, "k": kk, "s": 1, "batch": 1, "heads": 2, "d": 64,
+        row = {"N": n, "m": m, "k": topk, "s": 1, "batch": 1, "heads": 2, "d": 64,
                "dtype": str(dtype), "mita_ms": cuda_ms(run, device, repeats),
                "dense_ms": dense}
         timer = StageTimer(device)
         with timer.forward():
             run(timer)
         row["stages"] = {st: round(ms, 3) for st, ms in timer.result().stages_ms.items()}
-        if (m, kk) == fig5_setting(n):
-            row["floor"] = stock_floor(q, k, v, m, kk, device, repeats)
+        if (m, topk) == fig5_setting(n):
+            row["floor"] = stock_floor(q, k, v, m, topk, device, repeats)
         rows.append(row)
     return rows
 

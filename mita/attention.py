@@ -33,6 +33,30 @@ from .hooks import NULL_HOOK, StageHook
 
 SHARED_SCALES = ("paper", "official")
 BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def check_setting(num_landmarks: int, topk: int, route_topk: int,
+                  shared_scale: str = "paper") -> None:
+    """The one check of a MiTA setting (§3.2): m, k, s ints ≥ 1, s ≤ m (a query picks s of
+    the m routed experts), ``shared_scale`` in ``SHARED_SCALES``. ``ModelConfig`` and
+    ``mita_attention`` both call it. Raises ValueError naming the bad value."""
+    for name, value in (("num_landmarks", num_landmarks), ("topk", topk),
+                        ("route_topk", route_topk)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name!r} must be an int ≥ 1, got {value!r}")
+    if route_topk > num_landmarks:
+        raise ValueError(f"'route_topk' s = {route_topk} exceeds 'num_landmarks' m = "
+                         f"{num_landmarks}")
+    if shared_scale not in SHARED_SCALES:
+        raise ValueError(f"'shared_scale' must be one of {SHARED_SCALES}, got "
+                         f"{shared_scale!r}")
+
+
+def clamp_topk(topk: int, n: int) -> int:
+    """k tokens per routed expert for a sequence of N = n tokens: min(k, N) (a landmark
+    cannot pick more keys than exist). Every path (attention, cost model, memory estimate)
+    clamps through here."""
+    return min(topk, n)
 _KEYED_TOPK_ELEMENTS = 1 << 24  # float32 scores up to which top-k runs on 64-bit keys (no sync)
 _CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
 _CHUNK_ELEMENTS_CUDA = 1 << 26  # 256 MiB on a GPU: fewer, larger launches
@@ -183,7 +207,7 @@ def landmark_scores(landmarks: Tensor, k: Tensor,
     return scores
 
 
-def topk(scores: Tensor, k: int) -> Tensor:
+def topk_tokens(scores: Tensor, k: int) -> Tensor:
     """Stage ``topk`` (eq. 7): indices of each landmark's k highest-scoring keys.
 
     Args: ``scores`` ``(B, H, m, N)`` from ``landmark_scores``; ``1 ≤ k ≤ N``.
@@ -264,19 +288,19 @@ def gather(k: Tensor, v: Tensor, expert_index: Tensor,
     ``expert_key_valid`` ``(B, H, m, k)`` bool (False where top-k had to take a padded key).
     Memory is m·k·(d + dv) per head — independent of which queries use the expert.
     """
-    B, H, m, kk = expert_index.shape
+    B, H, m, topk = expert_index.shape
     N = k.shape[2]
     # One index_select over the (B·H·N) rows: an expanded (B, H, m·k, d) int64 index for
     # torch.gather would be d times larger than the rows it picks.
-    rows = (expert_index.reshape(B * H, m * kk)
+    rows = (expert_index.reshape(B * H, m * topk)
             + torch.arange(B * H, device=k.device)[:, None] * N).reshape(-1)
-    keys = k.reshape(B * H * N, -1).index_select(0, rows).view(B, H, m, kk, -1)
-    values = v.reshape(B * H * N, -1).index_select(0, rows).view(B, H, m, kk, -1)
+    keys = k.reshape(B * H * N, -1).index_select(0, rows).view(B, H, m, topk, -1)
+    values = v.reshape(B * H * N, -1).index_select(0, rows).view(B, H, m, topk, -1)
     if key_padding_mask is None:
-        key_valid = torch.ones(B, H, m, kk, dtype=torch.bool, device=k.device)
+        key_valid = torch.ones(B, H, m, topk, dtype=torch.bool, device=k.device)
     else:
         key_valid = ~key_padding_mask[:, None, :].expand(B, H, -1).gather(
-            2, expert_index.reshape(B, H, m * kk)).reshape(B, H, m, kk)
+            2, expert_index.reshape(B, H, m * topk)).reshape(B, H, m, topk)
     return keys, values, key_valid
 
 
@@ -321,8 +345,8 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
     c_shared = shared_logit_scale(d, shared_scale)
     out = q.new_zeros(B, H, N, dv)  # padded queries' rows stay zero
     for b in range(B):
-        live = landmark_valid[b]
-        all_live = bool(live.all())
+        row_valid = landmark_valid[b]
+        all_valid = bool(row_valid.all())
         for h in range(H):
             qh = q[b, h]
             # Entries r = n·s + j sorted by expert; padded queries go to a dummy group m.
@@ -333,12 +357,12 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
             counts = torch.bincount(flat, minlength=m + 1).tolist()
             rows = torch.div(order, s, rounding_mode="floor")
             if s == 1:
-                _joint_blocks(qh, rows, counts, live, all_live,
+                _joint_blocks(qh, rows, counts, row_valid, all_valid,
                               landmarks[b, h] * c_shared, shared_values[b, h],
                               expert_keys[b, h] * scale, expert_values[b, h],
                               expert_key_valid[b, h], out[b, h])
             else:
-                out[b, h] = _merged_blocks(qh, s, rows, order, counts, live, all_live,
+                out[b, h] = _merged_blocks(qh, s, rows, order, counts, row_valid, all_valid,
                                            landmarks[b, h] * c_shared, shared_values[b, h],
                                            expert_keys[b, h] * scale, expert_values[b, h],
                                            expert_key_valid[b, h])
@@ -354,7 +378,7 @@ def _expert_segments(counts: list[int]):
             start += count
 
 
-def _joint_blocks(qh, rows, counts, live, all_live, shared_keys, shared_values,
+def _joint_blocks(qh, rows, counts, landmark_valid, all_valid, shared_keys, shared_values,
                   expert_keys, expert_values, expert_key_valid, out) -> None:
     """s = 1: each expert's queries attend to [m shared ; k routed] in one block — a single
     matrix product, softmax and weighted sum per expert, written straight into ``out`` at the
@@ -365,8 +389,8 @@ def _joint_blocks(qh, rows, counts, live, all_live, shared_keys, shared_values,
     # concatenation per expert.
     keys = torch.cat([shared_keys.expand(m, -1, -1), expert_keys], 1)
     values = torch.cat([shared_values.expand(m, -1, -1), expert_values], 1)
-    ok = torch.cat([live.expand(m, -1), expert_key_valid & live[:, None]], 1)
-    ok_rows = ok.all(1).tolist() if all_live else [False] * m
+    ok = torch.cat([landmark_valid.expand(m, -1), expert_key_valid & landmark_valid[:, None]], 1)
+    ok_rows = ok.all(1).tolist() if all_valid else [False] * m
     for e, sl in _expert_segments(counts):
         if e == m:  # padded queries
             continue
@@ -377,8 +401,8 @@ def _joint_blocks(qh, rows, counts, live, all_live, shared_keys, shared_values,
         out.index_copy_(0, idx, torch.softmax(logits, -1) @ values[e])
 
 
-def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shared_values,
-                   expert_keys, expert_values, expert_key_valid) -> Tensor:
+def _merged_blocks(qh, s, rows, order, counts, landmark_valid, all_valid, shared_keys,
+                   shared_values, expert_keys, expert_values, expert_key_valid) -> Tensor:
     """s > 1: a shared block per query chunk and a routed block per expert, each reduced to
     (max, sum of exp, weighted values), merged by log-sum-exp per query across the shared
     block and its s routed blocks. ``expert_keys`` are pre-scaled."""
@@ -389,19 +413,19 @@ def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shar
     chunk = _query_chunk(m)
     for start in range(0, N, chunk):
         logits = qh[start:start + chunk] @ shared_keys.T
-        if not all_live:
-            logits = logits.masked_fill(~live, neg_inf)
-        mx = logits.amax(-1, keepdim=True)  # finite: a row has ≥ 1 live landmark
+        if not all_valid:
+            logits = logits.masked_fill(~landmark_valid, neg_inf)
+        mx = logits.amax(-1, keepdim=True)  # finite: a row has ≥ 1 valid landmark
         p = torch.exp(logits - mx)
         sh_max.append(mx)
         sh_sum.append(p.sum(-1, keepdim=True))
         sh_out.append(p @ shared_values)
     sh_max, sh_sum, sh_out = torch.cat(sh_max), torch.cat(sh_sum), torch.cat(sh_out)
-    live_list = live.tolist()
+    valid_list = landmark_valid.tolist()
     pieces: list[tuple[Tensor, Tensor, Tensor]] = []
     for e, sl in _expert_segments(counts):
         count = sl.stop - sl.start
-        if e == m or not live_list[e]:  # padding, or an empty landmark: no weight
+        if e == m or not valid_list[e]:  # padding, or an empty landmark: no weight
             pieces.append((qh.new_full((count, 1), neg_inf), qh.new_zeros(count, 1),
                            qh.new_zeros(count, dv)))
             continue
@@ -419,9 +443,6 @@ def _merged_blocks(qh, s, rows, order, counts, live, all_live, shared_keys, shar
     w_rt = torch.exp(rt_max - top[:, None])  # 0 for masked experts
     return ((w_sh * sh_out + (w_rt * rt_out).sum(1))
             / (w_sh * sh_sum + (w_rt * rt_sum).sum(1)))
-
-
-_topk_stage = topk
 
 
 def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk: int,
@@ -472,22 +493,16 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
     B, H, N, _ = q.shape
     if N == 0:
         raise ValueError("sequence length N must be ≥ 1")
-    if num_landmarks < 1 or topk < 1 or route_topk < 1:
-        raise ValueError(f"num_landmarks, topk and route_topk must be ≥ 1, got "
-                         f"{num_landmarks}, {topk}, {route_topk}")
-    if route_topk > num_landmarks:
-        raise ValueError(f"route_topk s={route_topk} exceeds num_landmarks m={num_landmarks}")
-    if shared_scale not in SHARED_SCALES:
-        raise ValueError(f"shared_scale must be one of {SHARED_SCALES}, got {shared_scale!r}")
+    check_setting(num_landmarks, topk, route_topk, shared_scale)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _valid_tokens(key_padding_mask, B, N, q.device)  # raises on a bad mask
     out_dtype = q.dtype
-    kk = min(topk, N)
+    topk = clamp_topk(topk, N)
     if _use_triton(backend, q, v, k):
         from .kernels.triton_mita import mita_triton
 
-        return mita_triton(q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+        return mita_triton(q, k, v, num_landmarks, topk, route_topk, key_padding_mask,
                            landmark_grid, shared_scale, hook)
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -495,11 +510,11 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
     if ext is not None:
         from .kernels.cpu import mita_cpu
 
-        out = mita_cpu(ext, q, k, v, num_landmarks, kk, route_topk, key_padding_mask,
+        out = mita_cpu(ext, q, k, v, num_landmarks, topk, route_topk, key_padding_mask,
                        landmark_grid, shared_scale, hook)
         return out.to(out_dtype)
     landmarks, landmark_valid, expert_index, shared_values, experts = routing_stages(
-        q, k, v, num_landmarks, kk, route_topk, key_padding_mask, landmark_grid, hook)
+        q, k, v, num_landmarks, topk, route_topk, key_padding_mask, landmark_grid, hook)
     out = gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index,
                              experts, shared_scale, key_padding_mask, hook)
     return out.to(out_dtype)
@@ -559,7 +574,7 @@ def routing_stages(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, topk: in
     with hook.stage("landmark_scores"):
         scores = landmark_scores(landmarks, k, key_padding_mask)
     with hook.stage("topk"):
-        expert_index = _topk_stage(scores, topk)
+        expert_index = topk_tokens(scores, topk)
     with hook.stage("shared_compress"):
         shared_values = shared_compress(scores, v)
         del scores  # m × N: freed before route

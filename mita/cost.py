@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from .attention import clamp_topk
+
 
 def mita_stage_flops(N: int, m: int, k: int, s: int = 1, d: int = 64) -> dict[str, int]:
     """Analytic FLOPs of one MiTA head on one sequence, by stage (§3.2 cost model).
@@ -18,7 +20,7 @@ def mita_stage_flops(N: int, m: int, k: int, s: int = 1, d: int = 64) -> dict[st
     Not counted: softmax exponentials, top-k selection, gathers, memory traffic. k is clamped
     to N as in ``mita_attention``.
     """
-    k = min(k, N)
+    k = clamp_topk(k, N)
     return {
         "pool": N * d,
         "landmark_scores": 2 * N * m * d,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .attention import BACKENDS, SHARED_SCALES, dense_attention, mita_attention
+from .attention import BACKENDS, dense_attention, mita_attention
+from .config import ModelConfig
 from .hooks import NULL_HOOK, StageHook
 
 
@@ -14,13 +15,11 @@ class _MultiHeadAttention(nn.Module):
     parameter names and shapes (``qkv``: dim → 3·dim, ``out_proj``: dim → dim), so one
     state_dict loads into both."""
 
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.num_heads = cfg.num_heads  # ModelConfig checked that it divides dim
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.out_proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 hook: StageHook = NULL_HOOK) -> Tensor:
@@ -47,26 +46,21 @@ class DenseAttention(_MultiHeadAttention):
 
 class MiTAAttention(_MultiHeadAttention):
     """Multi-head MiTA attention (``mita_attention``) with the same parameters as
-    ``DenseAttention``. ``backend`` as in ``mita_attention`` (``"auto"``: the fused Triton
-    kernel on CUDA, PyTorch stages on CPU)."""
+    ``DenseAttention``; m, k, s, ``shared_scale`` and ``landmark_grid`` come from the
+    (already validated) ``ModelConfig``. ``backend`` as in ``mita_attention`` (``"auto"``:
+    the fused Triton kernel on CUDA, the compiled kernels or PyTorch stages on CPU). Raises
+    ValueError for an unknown backend."""
 
-    def __init__(self, dim: int, num_heads: int, num_landmarks: int, topk: int,
-                 route_topk: int = 1, shared_scale: str = "paper",
-                 landmark_grid: tuple[int, int] | None = None, backend: str = "auto"):
-        super().__init__(dim, num_heads)
+    def __init__(self, cfg: ModelConfig, backend: str = "auto"):
+        super().__init__(cfg)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if shared_scale not in SHARED_SCALES:
-            raise ValueError(f"shared_scale must be one of {SHARED_SCALES}, got {shared_scale!r}")
-        if route_topk > num_landmarks:
-            raise ValueError(f"route_topk s={route_topk} exceeds num_landmarks m={num_landmarks}")
-        self.num_landmarks, self.topk, self.route_topk = num_landmarks, topk, route_topk
-        self.shared_scale, self.landmark_grid = shared_scale, landmark_grid
+        self.cfg = cfg
         self.backend = backend  # plain attribute: the profiler switches it per run
 
     def attend(self, q, k, v, key_padding_mask, hook):
-        return mita_attention(q, k, v, num_landmarks=self.num_landmarks, topk=self.topk,
-                              route_topk=self.route_topk, key_padding_mask=key_padding_mask,
-                              landmark_grid=self.landmark_grid,
-                              shared_scale=self.shared_scale, backend=self.backend,
-                              hook=hook)
+        c = self.cfg
+        return mita_attention(q, k, v, num_landmarks=c.num_landmarks, topk=c.topk,
+                              route_topk=c.route_topk, key_padding_mask=key_padding_mask,
+                              landmark_grid=c.landmark_grid, shared_scale=c.shared_scale,
+                              backend=self.backend, hook=hook)

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,77 +23,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .attention import BACKENDS, SHARED_SCALES
+from .attention import BACKENDS
+from .config import ATTENTIONS, LIMITS, OPTIONAL_FIELDS, ModelConfig  # noqa: F401
 from .hooks import NULL_HOOK, StageHook
 from .layers import DenseAttention, MiTAAttention
 
 log = logging.getLogger(__name__)
 
-ATTENTIONS = ("dense", "mita")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
-
-# Largest value of each size field: a config.json beyond these asks for more memory than any
-# machine has, and is refused before anything is allocated.
-LIMITS = {"vocab_size": 1 << 20, "num_classes": 1 << 16, "dim": 16384, "depth": 256,
-          "num_heads": 256, "ffn_dim": 1 << 17, "max_len": 1 << 24, "num_landmarks": 1 << 16,
-          "topk": 1 << 24, "route_topk": 1 << 16}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Model hyper-parameters; round-trips through ``config.json``."""
-
-    vocab_size: int = 16
-    num_classes: int = 10
-    pad_id: int = 0
-    dim: int = 64
-    depth: int = 2
-    num_heads: int = 2
-    ffn_dim: int = 128
-    max_len: int = 1_048_576
-    attention: str = "mita"
-    num_landmarks: int = 16  # m
-    topk: int = 16  # k
-    route_topk: int = 1  # s
-    shared_scale: str = "paper"
-
-    def __post_init__(self):
-        for name, most in LIMITS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
-                raise ValueError(f"config field {name!r} must be an int in [1, {most}], got "
-                                 f"{value!r}")
-        for name in ("num_landmarks", "topk"):
-            if getattr(self, name) > self.max_len:
-                raise ValueError(f"config field {name!r} ({getattr(self, name)}) exceeds "
-                                 f"'max_len' ({self.max_len})")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"config field 'attention' must be one of {ATTENTIONS}, "
-                             f"got {self.attention!r}")
-        if self.shared_scale not in SHARED_SCALES:
-            raise ValueError(f"config field 'shared_scale' must be one of {SHARED_SCALES}, "
-                             f"got {self.shared_scale!r}")
-        if self.dim % self.num_heads or self.dim % 2:
-            raise ValueError(f"config field 'dim' ({self.dim}) must be even and divisible by "
-                             f"num_heads ({self.num_heads})")
-        if self.route_topk > self.num_landmarks:
-            raise ValueError("config field 'route_topk' exceeds 'num_landmarks'")
-        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool) or not (
-                0 <= self.pad_id < self.vocab_size):
-            raise ValueError(f"config field 'pad_id' must be in [0, {self.vocab_size})")
-
-    def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ModelConfig:
-        """Raises ValueError naming unknown fields."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
-        return cls(**data)
 
 
 _POSITION_TABLES: dict[tuple, Tensor] = {}
@@ -139,10 +75,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
         if cfg.attention == "dense":
-            self.attn = DenseAttention(cfg.dim, cfg.num_heads)
+            self.attn = DenseAttention(cfg)
         else:
-            self.attn = MiTAAttention(cfg.dim, cfg.num_heads, cfg.num_landmarks, cfg.topk,
-                                      cfg.route_topk, cfg.shared_scale)
+            self.attn = MiTAAttention(cfg)
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None,
@@ -250,7 +185,8 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     meta = checkpoint_metadata(folder)
     # Every field written out: a default would stand in for the fields that the weights'
     # shapes do not pin down (attention, m, k, s, shared_scale, pad_id).
-    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"]))
+    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"])
+                    - set(OPTIONAL_FIELDS))
     if absent:
         raise ValueError(f"{cfg_path}: config lacks field(s) {absent}")
     cfg = ModelConfig.from_dict({**meta["config"], **overrides})

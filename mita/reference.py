@@ -53,12 +53,12 @@ def reference_mita(q, k, v, m, topk, s=1, key_padding_mask=None, landmark_grid=N
             members = _segments_1d(valid, m)
         else:
             members = _windows_2d(set(valid), landmark_grid, m)
-        live = [i for i in range(m) if members[i]]
+        filled = [i for i in range(m) if members[i]]  # valid landmarks (non-empty segments)
         for h in range(H):
             # eq. 5: landmarks are means of the queries of each segment
-            landmark = {i: np.mean([q[b, h, j] for j in members[i]], axis=0) for i in live}
+            landmark = {i: np.mean([q[b, h, j] for j in members[i]], axis=0) for i in filled}
             expert, shared_value = {}, {}
-            for i in live:
+            for i in filled:
                 # eq. 6: landmark scores over all valid keys
                 score = {j: float(landmark[i] @ k[b, h, j]) / math.sqrt(d) for j in valid}
                 # eq. 7: top-k keys, ties to the lowest index
@@ -68,12 +68,12 @@ def reference_mita(q, k, v, m, topk, s=1, key_padding_mask=None, landmark_grid=N
                 shared_value[i] = sum(wj * v[b, h, j] for wj, j in zip(w, valid, strict=True))
             for n in valid:
                 qn = q[b, h, n]
-                affinity = {i: float(qn @ landmark[i]) for i in live}
+                affinity = {i: float(qn @ landmark[i]) for i in filled}
                 # eq. 9: top-s landmarks by q·q̃, ties to the lowest index; no gate
-                chosen = sorted(live, key=lambda i, af=affinity: (-af[i], i))[:s]
+                chosen = sorted(filled, key=lambda i, af=affinity: (-af[i], i))[:s]
                 # eqs. 10-12: one softmax over m shared + s·k routed entries
-                logits = [affinity[i] * c_shared for i in live]
-                values = [shared_value[i] for i in live]
+                logits = [affinity[i] * c_shared for i in filled]
+                values = [shared_value[i] for i in filled]
                 for e in chosen:
                     for j in expert[e]:
                         logits.append(float(qn @ k[b, h, j]) / math.sqrt(d))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mita.attention import clamp_topk
 from mita.cost import dense_flops, mita_stage_flops
 from mita.model import EncoderClassifier, ModelConfig
 
@@ -50,7 +51,7 @@ def activation_bytes_estimate(cfg: ModelConfig, batch: int, n: int,
     d = dim // heads
     hidden = n * (dim + 3 * dim + dim + cfg.ffn_dim)
     if cfg.attention == "mita":
-        m, k, s = cfg.num_landmarks, min(cfg.topk, n), cfg.route_topk
+        m, k, s = cfg.num_landmarks, clamp_topk(cfg.topk, n), cfg.route_topk
         attn = heads * (2 * m * n + 2 * n * m + 2 * n * s * (2 * k + 2 * d))
     else:
         attn = heads * n * n

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from mita import (
     DenseAttention,
     MiTAAttention,
+    ModelConfig,
     dense_attention,
     dense_flops,
     mita_attention,
@@ -54,10 +55,10 @@ CASES = [  # (N, m, k, s)
 @pytest.mark.parametrize("N,m,k,s", CASES)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_matches_float64_reference_1d(N, m, k, s, shared_scale, backend):
-    q, kk, v = rand_qkv(2, 2, N, 8, seed=N * 100 + m, dv=6)
-    got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s,
+    q, keys, v = rand_qkv(2, 2, N, 8, seed=N * 100 + m, dv=6)
+    got = mita_attention(q, keys, v, num_landmarks=m, topk=k, route_topk=s,
                          shared_scale=shared_scale, backend=backend)
-    want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s, shared_scale=shared_scale)
+    want = reference_mita(q.numpy(), keys.numpy(), v.numpy(), m, k, s, shared_scale=shared_scale)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
 
@@ -67,10 +68,10 @@ def test_matches_float64_reference_1d(N, m, k, s, shared_scale, backend):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_matches_float64_reference_2d(grid, m, k, s, shared_scale, backend):
     N = grid[0] * grid[1]
-    q, kk, v = rand_qkv(2, 2, N, 8, seed=7 * N + m)
-    got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s, landmark_grid=grid,
+    q, keys, v = rand_qkv(2, 2, N, 8, seed=7 * N + m)
+    got = mita_attention(q, keys, v, num_landmarks=m, topk=k, route_topk=s, landmark_grid=grid,
                          shared_scale=shared_scale, backend=backend)
-    want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s, landmark_grid=grid,
+    want = reference_mita(q.numpy(), keys.numpy(), v.numpy(), m, k, s, landmark_grid=grid,
                           shared_scale=shared_scale)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
@@ -81,11 +82,11 @@ def test_matches_float64_reference_2d(grid, m, k, s, shared_scale, backend):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_matches_reference_with_padding(suffix, grid, s, backend):
     N, m, k = 30, 4, 5
-    q, kk, v = rand_qkv(3, 2, N, 8, seed=11 + s + 3 * suffix)
+    q, keys, v = rand_qkv(3, 2, N, 8, seed=11 + s + 3 * suffix)
     mask = random_mask(3, N, seed=5 + s, suffix=suffix)
-    got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s,
+    got = mita_attention(q, keys, v, num_landmarks=m, topk=k, route_topk=s,
                          key_padding_mask=mask, landmark_grid=grid, backend=backend)
-    want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s,
+    want = reference_mita(q.numpy(), keys.numpy(), v.numpy(), m, k, s,
                           key_padding_mask=mask.numpy(), landmark_grid=grid)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
     assert torch.all(got[mask[:, None, :].expand(-1, 2, -1)] == 0)
@@ -96,10 +97,10 @@ def test_matches_reference_with_padding(suffix, grid, s, backend):
        seed=st.integers(0, 2**31 - 1), scale=st.sampled_from(["paper", "official"]))
 def test_matches_reference_fresh_random(N, m, k, s_frac, seed, scale):
     s = 1 + int(s_frac * (m - 1))
-    q, kk, v = rand_qkv(1, 2, N, 4, seed=seed)
-    want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), m, k, s, shared_scale=scale)
+    q, keys, v = rand_qkv(1, 2, N, 4, seed=seed)
+    want = reference_mita(q.numpy(), keys.numpy(), v.numpy(), m, k, s, shared_scale=scale)
     for backend in CPU_BACKENDS:
-        got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s, shared_scale=scale,
+        got = mita_attention(q, keys, v, num_landmarks=m, topk=k, route_topk=s, shared_scale=scale,
                              backend=backend)
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
@@ -133,12 +134,12 @@ def test_spec_counterexample_m_equals_k_equals_n_is_not_dense():
     assert dense_attention(q, k, v)[0, 0, 0, 0].item() == pytest.approx(0.5, abs=1e-15)
 
 
-def _stages(q, k, v, m, kk, s):
-    landmarks, lv = A.pool(q, m)
+def _stages(q, k, v, m, topk, s):
+    landmarks, landmark_valid = A.pool(q, m)
     scores = A.landmark_scores(landmarks, k)
-    index = A.topk(scores, kk)
+    index = A.topk_tokens(scores, topk)
     shared_values = A.shared_compress(scores, v)
-    experts = A.route(q, landmarks, s, lv)
+    experts = A.route(q, landmarks, s, landmark_valid)
     affinity = q @ landmarks.transpose(-1, -2)  # q·q̃, the shared branch's raw logits
     keys, values, ok = A.gather(k, v, index)
     return shared_values, affinity, experts, keys, values, ok
@@ -146,9 +147,9 @@ def _stages(q, k, v, m, kk, s):
 
 def test_joint_softmax_equals_lse_merge_and_not_sum():
     q, k, v = rand_qkv(1, 2, 40, 8, seed=21)
-    m, kk, s, d = 5, 6, 2, 8
-    out = mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s)
-    shared_values, affinity, experts, keys, values, _ = _stages(q, k, v, m, kk, s)
+    m, topk, s, d = 5, 6, 2, 8
+    out = mita_attention(q, k, v, num_landmarks=m, topk=topk, route_topk=s)
+    shared_values, affinity, experts, keys, values, _ = _stages(q, k, v, m, topk, s)
     # branch 1: shared entries, normalised inside the branch
     l1 = affinity / math.sqrt(d)
     z1 = l1.exp().sum(-1, keepdim=True)
@@ -156,9 +157,10 @@ def test_joint_softmax_equals_lse_merge_and_not_sum():
     # branch 2: routed raw entries of the selected experts
     B, H, N, _ = q.shape
     idx = experts[..., None, None]  # (B, H, N, s, 1, 1)
-    sel_k = keys[:, :, None].expand(B, H, N, m, kk, d).gather(3, idx.expand(-1, -1, -1, -1, kk, d))
-    sel_v = values[:, :, None].expand(B, H, N, m, kk, d).gather(
-        3, idx.expand(-1, -1, -1, -1, kk, d))
+    sel_k = keys[:, :, None].expand(B, H, N, m, topk, d).gather(
+        3, idx.expand(-1, -1, -1, -1, topk, d))
+    sel_v = values[:, :, None].expand(B, H, N, m, topk, d).gather(
+        3, idx.expand(-1, -1, -1, -1, topk, d))
     l2 = torch.einsum("bhnd,bhnskd->bhnsk", q, sel_k).flatten(-2) / math.sqrt(d)
     z2 = l2.exp().sum(-1, keepdim=True)
     o2 = torch.einsum("bhnr,bhnrd->bhnd", torch.softmax(l2, -1), sel_v.flatten(3, 4))
@@ -169,14 +171,14 @@ def test_joint_softmax_equals_lse_merge_and_not_sum():
 
 def test_key_outside_every_topk_still_contributes_through_shared_values():
     q, k, v = rand_qkv(1, 1, 32, 4, seed=8)
-    m, kk = 2, 3
-    shared_values, _, _, _, _, _ = _stages(q, k, v, m, kk, 1)
-    index = A.topk(A.landmark_scores(A.pool(q, m)[0], k), kk)
+    m, topk = 2, 3
+    shared_values, _, _, _, _, _ = _stages(q, k, v, m, topk, 1)
+    index = A.topk_tokens(A.landmark_scores(A.pool(q, m)[0], k), topk)
     outside = sorted(set(range(32)) - set(index.flatten().tolist()))[0]
-    out = mita_attention(q, k, v, num_landmarks=m, topk=kk)
+    out = mita_attention(q, k, v, num_landmarks=m, topk=topk)
     v2 = v.clone()
     v2[0, 0, outside] += 1.0
-    out2 = mita_attention(q, k, v2, num_landmarks=m, topk=kk)
+    out2 = mita_attention(q, k, v2, num_landmarks=m, topk=topk)
     assert (out2 - out).abs().max() > 1e-4
 
 
@@ -293,8 +295,9 @@ def test_hook_sees_every_stage_in_order(backend, s, stages):
 
 def test_modules_share_parameters_and_state_dict():
     torch.manual_seed(0)
-    dense = DenseAttention(32, 4)
-    mita = MiTAAttention(32, 4, num_landmarks=4, topk=8)
+    cfg = ModelConfig(dim=32, num_heads=4, num_landmarks=4, topk=8)
+    dense = DenseAttention(cfg.replace(attention="dense"))
+    mita = MiTAAttention(cfg)
     assert {n: p.shape for n, p in dense.named_parameters()} == {
         n: p.shape for n, p in mita.named_parameters()}
     mita.load_state_dict(dense.state_dict())

@@ -47,11 +47,11 @@ CASES = [
 
 @pytest.mark.parametrize("B,H,N,d,m,k,s,mask", CASES)
 def test_float64_equals_reference_path(ext, B, H, N, d, m, k, s, mask):
-    q, kk, v = rand_qkv(B, H, N, d, seed=N + m + s, dv=d + 2)
+    q, keys, v = rand_qkv(B, H, N, d, seed=N + m + s, dv=d + 2)
     kpm = None if mask is None else random_mask(B, N, seed=N, suffix=mask == "suffix")
-    got = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s,
+    got = mita_attention(q, keys, v, num_landmarks=m, topk=k, route_topk=s,
                          key_padding_mask=kpm, backend="cpu")
-    want = mita_attention(q, kk, v, num_landmarks=m, topk=k, route_topk=s,
+    want = mita_attention(q, keys, v, num_landmarks=m, topk=k, route_topk=s,
                           key_padding_mask=kpm, backend="torch")
     torch.testing.assert_close(got, want, rtol=0, atol=F64_TOL)
     if kpm is not None:
@@ -60,25 +60,25 @@ def test_float64_equals_reference_path(ext, B, H, N, d, m, k, s, mask):
 
 def test_experts_no_query_selects(ext):
     # m = 40 landmarks over N = 60 queries of dimension 2: most landmarks win no query.
-    q, kk, v = rand_qkv(1, 2, 60, 2, seed=4)
-    lm, live = A.pool(q, 40)
-    experts, *_ = ext.route_shared(q, lm, live, torch.rand(1, 2, 40, 2, dtype=torch.float64),
-                                   0.5, None)
-    assert torch.equal(experts, A.route(q, lm, 1, live)[..., 0])
+    q, keys, v = rand_qkv(1, 2, 60, 2, seed=4)
+    lm, landmark_valid = A.pool(q, 40)
+    experts, *_ = ext.route_shared(q, lm, landmark_valid,
+                                   torch.rand(1, 2, 40, 2, dtype=torch.float64), 0.5, None)
+    assert torch.equal(experts, A.route(q, lm, 1, landmark_valid)[..., 0])
     assert len(experts[0, 0].unique()) < 40
     for s in (1, 2):
-        got = mita_attention(q, kk, v, num_landmarks=40, topk=6, route_topk=s, backend="cpu")
-        want = reference_mita(q.numpy(), kk.numpy(), v.numpy(), 40, 6, s)
+        got = mita_attention(q, keys, v, num_landmarks=40, topk=6, route_topk=s, backend="cpu")
+        want = reference_mita(q.numpy(), keys.numpy(), v.numpy(), 40, 6, s)
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
 
 @pytest.mark.parametrize("shared_scale", ["paper", "official"])
 def test_float32_close_to_float64(ext, shared_scale):
-    q, kk, v = rand_qkv(2, 2, 2000, 32, seed=9)
+    q, keys, v = rand_qkv(2, 2, 2000, 32, seed=9)
     mask = random_mask(2, 2000, seed=3)
-    want = mita_attention(q, kk, v, num_landmarks=32, topk=48, key_padding_mask=mask,
+    want = mita_attention(q, keys, v, num_landmarks=32, topk=48, key_padding_mask=mask,
                           shared_scale=shared_scale, backend="torch")
-    got = mita_attention(q.float(), kk.float(), v.float(), num_landmarks=32, topk=48,
+    got = mita_attention(q.float(), keys.float(), v.float(), num_landmarks=32, topk=48,
                          key_padding_mask=mask, shared_scale=shared_scale, backend="cpu")
     assert got.dtype == torch.float32
     err = (got.double() - want).abs().max() / want.abs().max()
@@ -95,7 +95,7 @@ def test_landmark_pass_topk_ties_and_padding(ext):
     mask[1, 7:] = True  # 7 valid keys, k = 20
     index, shared = ext.landmark_pass(lm, k, v, ~mask, 20)
     scores = A.landmark_scores(lm, k, mask) * 3 ** 0.5  # the kernel takes pre-scaled landmarks
-    assert torch.equal(index, A.topk(scores, 20))
+    assert torch.equal(index, A.topk_tokens(scores, 20))
     assert index[1, 0, :, :7].tolist() == [list(range(7))] * 5
     torch.testing.assert_close(shared, A.shared_compress(scores, v), rtol=0, atol=F64_TOL)
 
@@ -103,40 +103,40 @@ def test_landmark_pass_topk_ties_and_padding(ext):
 def test_route_ties_lowest_index(ext):
     q = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]], dtype=torch.float64)
     lm = torch.tensor([[[[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]]], dtype=torch.float64)
-    live = torch.tensor([[True, True, True, True]])
-    experts, *_ = ext.route_shared(q, lm, live, torch.ones(1, 1, 4, 2, dtype=torch.float64),
-                                   1.0, None)
+    landmark_valid = torch.tensor([[True, True, True, True]])
+    experts, *_ = ext.route_shared(q, lm, landmark_valid,
+                                   torch.ones(1, 1, 4, 2, dtype=torch.float64), 1.0, None)
     assert experts.tolist() == [[[1, 0, 0]]]  # q2 ties all four: the first wins
-    live[0, :2] = False  # dead landmarks are never picked
-    experts, *_ = ext.route_shared(q, lm, live, torch.ones(1, 1, 4, 2, dtype=torch.float64),
-                                   1.0, None)
+    landmark_valid[0, :2] = False  # dead landmarks are never picked
+    experts, *_ = ext.route_shared(q, lm, landmark_valid,
+                                   torch.ones(1, 1, 4, 2, dtype=torch.float64), 1.0, None)
     assert experts.tolist() == [[[2, 3, 2]]]
 
 
 def test_same_bits_for_any_thread_count_and_batch(ext):
-    q, kk, v = (t.float() for t in rand_qkv(2, 2, 1500, 16, seed=2))
+    q, keys, v = (t.float() for t in rand_qkv(2, 2, 1500, 16, seed=2))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = mita_attention(q, kk, v, num_landmarks=16, topk=32, backend="cpu")
+        one = mita_attention(q, keys, v, num_landmarks=16, topk=32, backend="cpu")
     finally:
         torch.set_num_threads(threads)
-    both = mita_attention(q, kk, v, num_landmarks=16, topk=32, backend="cpu")
-    alone = mita_attention(q[1:], kk[1:], v[1:], num_landmarks=16, topk=32, backend="cpu")
+    both = mita_attention(q, keys, v, num_landmarks=16, topk=32, backend="cpu")
+    alone = mita_attention(q[1:], keys[1:], v[1:], num_landmarks=16, topk=32, backend="cpu")
     assert torch.equal(one, both)
     assert torch.equal(both[1:], alone)
 
 
 def test_autograd_uses_the_pytorch_stages(ext):
-    q, kk, v = rand_qkv(1, 1, 30, 4, seed=5)
+    q, keys, v = rand_qkv(1, 1, 30, 4, seed=5)
     q.requires_grad_(True)
     with pytest.raises(ValueError, match="no backward"):
-        mita_attention(q, kk, v, num_landmarks=3, topk=4, backend="cpu")
-    out = mita_attention(q, kk, v, num_landmarks=3, topk=4)  # auto: PyTorch stages
+        mita_attention(q, keys, v, num_landmarks=3, topk=4, backend="cpu")
+    out = mita_attention(q, keys, v, num_landmarks=3, topk=4)  # auto: PyTorch stages
     out.sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
     with torch.no_grad():
-        fast = mita_attention(q, kk, v, num_landmarks=3, topk=4)
+        fast = mita_attention(q, keys, v, num_landmarks=3, topk=4)
     torch.testing.assert_close(fast, out.detach(), rtol=0, atol=F64_TOL)
 
 

@@ -50,11 +50,11 @@ def kernel():
         yield module
 
 
-def stage_inputs(q, k, v, m, kk, s, mask=None):
+def stage_inputs(q, k, v, m, topk, s, mask=None):
     """The PyTorch stages up to ``route``, as the fused kernel's arguments (paper scaling)."""
-    landmarks, live, expert_index, shared_values, experts = A.routing_stages(
-        q, k, v, m, min(kk, q.shape[2]), s, mask)
-    return (landmarks * A.shared_logit_scale(q.shape[-1], "paper"), shared_values, live,
+    landmarks, landmark_valid, expert_index, shared_values, experts = A.routing_stages(
+        q, k, v, m, A.clamp_topk(topk, q.shape[2]), s, mask)
+    return (landmarks * A.shared_logit_scale(q.shape[-1], "paper"), shared_values, landmark_valid,
             expert_index, experts)
 
 
@@ -74,18 +74,18 @@ CASES = [  # B, H, N, d, m, k, s, mask
 ]
 
 
-@pytest.mark.parametrize("B,H,N,d,m,kk,s,mask", CASES)
-def test_kernel_matches_float64_reference(kernel, B, H, N, d, m, kk, s, mask):
+@pytest.mark.parametrize("B,H,N,d,m,topk,s,mask", CASES)
+def test_kernel_matches_float64_reference(kernel, B, H, N, d, m, topk, s, mask):
     q, k, v = rand_qkv(B, H, N, d, seed=N * 31 + m, dtype=torch.float32)
     km = None if mask is None else random_mask(B, N, seed=N, suffix=mask == "suffix")
-    out = mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+    out = mita_attention(q, k, v, num_landmarks=m, topk=topk, route_topk=s,
                          key_padding_mask=km, backend="triton")
     assert out.dtype == torch.float32
     ref = torch.from_numpy(reference_mita(q.double().numpy(), k.double().numpy(),
-                                          v.double().numpy(), m, kk, s,
+                                          v.double().numpy(), m, topk, s,
                                           None if km is None else km.numpy()))
     assert rel_err(out, ref) < 1e-5
-    torch_path = mita_attention(q, k, v, num_landmarks=m, topk=kk, route_topk=s,
+    torch_path = mita_attention(q, k, v, num_landmarks=m, topk=topk, route_topk=s,
                                 key_padding_mask=km, backend="torch")
     assert rel_err(out, torch_path.double()) < 1e-5
 
@@ -117,14 +117,14 @@ def test_ragged_experts_and_poisoned_output(kernel, s):
     mask = torch.zeros(1, 200, dtype=torch.bool)
     mask[0, 190:] = True
     mask[0, 17] = True
-    shared_keys, shared_values, live, expert_index, experts = stage_inputs(q, k, v, 12, 10, s,
-                                                                           mask)
+    shared_keys, shared_values, landmark_valid, expert_index, experts = stage_inputs(
+        q, k, v, 12, 10, s, mask)
     counts = torch.bincount(experts[0, 0][~mask[0]].flatten(), minlength=12)
     assert (counts == 0).sum() >= 3, counts  # experts no query selects
     assert counts.max() > kernel.BLOCK_M, counts  # an expert spanning several tiles
     out = torch.full_like(q, float("nan"))
-    kernel.fused_attention(q, k, v, shared_keys, shared_values, live, expert_index, experts,
-                           mask, out=out)
+    kernel.fused_attention(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
+                           experts, mask, out=out)
     assert torch.isfinite(out).all()
     assert (out[0, 0, mask[0]] == 0).all()
     ref = reference_mita(q.double().numpy(), k.double().numpy(), v.double().numpy(), 12, 10, s,
@@ -255,23 +255,23 @@ def integer_qk(B, H, N, m, d, seed):
     return landmarks, k
 
 
-@pytest.mark.parametrize("B,H,N,d,m,kk,masked", [
+@pytest.mark.parametrize("B,H,N,d,m,topk,masked", [
     (1, 2, 150, 16, 5, 7, False),    # 3 super-tiles of 64, ties at the boundary
     (2, 1, 100, 64, 18, 70, True),   # two landmark blocks, K_PAD 128, padding
     (1, 1, 40, 16, 3, 40, True),     # k = N: padded keys fill the rows, lowest index first
 ])
-def test_landmark_topk_equals_torch_stages_with_ties(routing, B, H, N, d, m, kk, masked):
-    landmarks, k = integer_qk(B, H, N, m, d, seed=N + kk)
-    mask = random_mask(B, N, seed=kk) if masked else None
-    want = A.topk(A.landmark_scores(landmarks, k, mask), kk)
+def test_landmark_topk_equals_torch_stages_with_ties(routing, B, H, N, d, m, topk, masked):
+    landmarks, k = integer_qk(B, H, N, m, d, seed=N + topk)
+    mask = random_mask(B, N, seed=topk) if masked else None
+    want = A.topk_tokens(A.landmark_scores(landmarks, k, mask), topk)
     scores = A.landmark_scores(landmarks, k, mask)
-    kth = scores.sort(-1, descending=True).values[..., kk - 1:kk]
-    if kk < N:
+    kth = scores.sort(-1, descending=True).values[..., topk - 1:topk]
+    if topk < N:
         assert ((scores == kth).sum(-1) > 1).any()  # the test really has ties at the k-th
     else:
         assert mask.any(-1).all()  # every row takes padded (-inf) keys
     for dtype in (torch.float32, torch.bfloat16):  # integers: exact in bfloat16 too
-        got = routing.landmark_topk(landmarks, k.to(dtype), kk, d ** -0.5, mask)
+        got = routing.landmark_topk(landmarks, k.to(dtype), topk, d ** -0.5, mask)
         assert got.dtype == torch.int64 and torch.equal(got, want), dtype
 
 
@@ -307,11 +307,12 @@ def test_route_shared_equals_route_and_shared_branch(routing):
     q = torch.randint(-2, 3, (2, 2, 130, 16), generator=g).float()
     landmarks = torch.randint(-2, 3, (2, 2, 70, 16), generator=g).float()
     sv = torch.randn(2, 2, 70, 24, generator=g)
-    live = torch.rand(2, 70, generator=g) > 0.3
-    experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, live, 0.25)
-    assert torch.equal(experts, A.route(q, landmarks, 1, live))
-    assert live.gather(1, experts[:, :, :, 0].flatten(1)).all()
-    logits = (q @ landmarks.transpose(-1, -2) * 0.25).masked_fill(~live[:, None, None], -1e30)
+    landmark_valid = torch.rand(2, 70, generator=g) > 0.3
+    experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, landmark_valid, 0.25)
+    assert torch.equal(experts, A.route(q, landmarks, 1, landmark_valid))
+    assert landmark_valid.gather(1, experts[:, :, :, 0].flatten(1)).all()
+    logits = (q @ landmarks.transpose(-1, -2) * 0.25).masked_fill(
+        ~landmark_valid[:, None, None], -1e30)
     assert torch.equal(pm, logits.amax(-1))
     w = torch.exp(logits - pm[..., None])
     assert rel_err(pl, w.sum(-1).double()) < 1e-6

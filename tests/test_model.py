@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from mita.attention import mita_attention
 from mita.data.listops import ListOpsConfig, encode, generate
 from mita.model import (
     EncoderClassifier,
@@ -266,3 +267,62 @@ def test_config_json_and_weights_file_are_checked(tmp_path):
              "'training' must be an object")]:
         with pytest.raises(ValueError, match=message):
             load_checkpoint(folder)
+
+
+def test_mita_setting_is_checked_by_one_rule():
+    """m, k, s are validated by ``mita.attention.check_setting`` alone: ModelConfig and the
+    functional ``mita_attention`` refuse the same setting with the same words."""
+    with pytest.raises(ValueError) as from_config:
+        SMALL.replace(num_landmarks=4, route_topk=5)
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError) as from_function:
+        mita_attention(q, q, q, num_landmarks=4, topk=2, route_topk=5)
+    assert str(from_config.value) == "config: " + str(from_function.value)
+    assert str(from_function.value) == "'route_topk' s = 5 exceeds 'num_landmarks' m = 4"
+
+
+def test_landmark_grid_through_model_config(tmp_path):
+    """A 2-D landmark grid set in ModelConfig reaches every MiTA layer: the model's attention
+    equals ``mita_attention`` with that grid on the layer's own projections (float64, 1e-12:
+    the same operations in the same order), differs from 1-D pooling, survives a
+    checkpoint round trip (JSON list → tuple), and a sequence that is not H·W tokens, or an m
+    that is not a square, is refused."""
+    cfg = SMALL.replace(num_landmarks=4, topk=5, landmark_grid=(4, 6))
+    torch.manual_seed(3)
+    model = EncoderClassifier(cfg).double().eval()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 24, cfg.dim, dtype=torch.float64)
+    q, k, v = attn.qkv(x).view(2, 24, 3, cfg.num_heads, -1).permute(2, 0, 3, 1, 4)
+    for grid, same in (((4, 6), True), (None, False)):
+        o = mita_attention(q, k, v, num_landmarks=4, topk=5, landmark_grid=grid)
+        want = attn.out_proj(o.transpose(1, 2).reshape(2, 24, cfg.dim))
+        assert torch.allclose(attn(x), want, rtol=0, atol=1e-12) is same
+    ids = torch.randint(1, cfg.vocab_size, (2, 24))
+    logits = model(ids)
+    save_checkpoint(model.float(), tmp_path / "grid")
+    assert json.loads((tmp_path / "grid" / "config.json").read_text())["config"][
+        "landmark_grid"] == [4, 6]
+    loaded = load_checkpoint(tmp_path / "grid")
+    assert loaded.config.landmark_grid == (4, 6)
+    assert torch.allclose(loaded.double()(ids), logits, atol=1e-5)  # float32 weights
+    with pytest.raises(ValueError, match=r"landmark_grid \(4, 6\) has 24 cells but N = 25"):
+        model(torch.randint(1, cfg.vocab_size, (1, 25)))
+    with pytest.raises(ValueError, match="perfect square"):
+        SMALL.replace(num_landmarks=6, landmark_grid=(4, 6))
+    with pytest.raises(ValueError, match="two ints"):
+        SMALL.replace(landmark_grid=(4, 0))
+
+
+def test_checkpoints_written_before_landmark_grid_load_with_1d_pooling(tmp_path):
+    """The shipped checkpoint's config.json predates ``landmark_grid``: it loads with
+    ``None`` (1-D pooling, what it was trained with); any other missing field is refused."""
+    save_checkpoint(EncoderClassifier(SMALL), tmp_path / "ck")
+    path = tmp_path / "ck" / "config.json"
+    meta = json.loads(path.read_text())
+    del meta["config"]["landmark_grid"]
+    path.write_text(json.dumps(meta))
+    assert load_checkpoint(tmp_path / "ck").config.landmark_grid is None
+    del meta["config"]["topk"]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"config lacks field\(s\) \['topk'\]"):
+        load_checkpoint(tmp_path / "ck")

@@ -63,7 +63,7 @@ def cases() -> list[Case]:
     BLOCK_D ∈ {16, 32, 64, 128} = 12."""
     out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
         DTYPE_NAMES, (1, 3), (False, True), (8, 32, 48, 128))]
-    out += [Case("landmark_topk", dt, d, topk=kk) for dt, d, kk in itertools.product(
+    out += [Case("landmark_topk", dt, d, topk=topk) for dt, d, topk in itertools.product(
         DTYPE_NAMES, (48, 128), (40, 100, 200, 512))]
     out += [Case("route_shared", dt, d) for dt, d in itertools.product(
         DTYPE_NAMES, (8, 32, 48, 128))]
@@ -80,7 +80,7 @@ def example_plan(case: Case) -> tuple:
 
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
-    B, H, N, m, kk = 2, 2, 600, 6, case.topk or 8
+    B, H, N, m, topk = 2, 2, 600, 6, case.topk or 8
     q, k, v = (torch.randn(B, H, N, case.d, generator=g).to(dtype) for _ in range(3))
     landmarks = torch.randn(B, H, m, case.d, generator=g)
     shared_values = torch.randn(B, H, m, case.d, generator=g)
@@ -90,14 +90,14 @@ def example_plan(case: Case) -> tuple:
         mask = torch.zeros(B, N, dtype=torch.bool)
         mask[1, N - 10:] = True
     if case.kernel == "landmark_topk":
-        _, args, meta, _ = routing.landmark_topk_plan(landmarks, k, kk, case.d ** -0.5, mask,
+        _, args, meta, _ = routing.landmark_topk_plan(landmarks, k, topk, case.d ** -0.5, mask,
                                                       interpreter=False)
         return routing._landmark_topk_kernel, args, meta
     if case.kernel == "route_shared":
         _, args, meta, _ = routing.route_shared_plan(q, landmarks, shared_values, landmark_valid,
                                                      case.d ** -0.5, interpreter=False)
         return routing._route_shared_kernel, args, meta
-    index = torch.randint(0, N, (B, H, m, kk), generator=g)
+    index = torch.randint(0, N, (B, H, m, topk), generator=g)
     experts = torch.randint(0, m, (B, H, N, case.s), generator=g)
     partial = None
     if case.s == 1:

@@ -73,7 +73,7 @@ def _build():
         return None
 
 
-def mita_cpu(ext, q: Tensor, k: Tensor, v: Tensor, m: int, kk: int, s: int,
+def mita_cpu(ext, q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
              key_padding_mask: Tensor | None, landmark_grid: tuple[int, int] | None,
              shared_scale: str, hook: StageHook) -> Tensor:
     """``mita_attention`` on the compiled CPU kernels (``mita/kernels/cpu_mita.cpp``): the same
@@ -95,7 +95,7 @@ def mita_cpu(ext, q: Tensor, k: Tensor, v: Tensor, m: int, kk: int, s: int,
         landmarks, landmark_valid = A.pool(q, m, key_padding_mask, landmark_grid)
     with hook.stage("landmark_scores"):
         expert_index, shared_values = ext.landmark_pass(
-            landmarks=landmarks * d ** -0.5, k=k, v=v, token_valid=token_valid, topk=kk)
+            landmarks=landmarks * d ** -0.5, k=k, v=v, token_valid=token_valid, topk=topk)
     if s > 1:  # the PyTorch stages: per-slot partials merged by log-sum-exp
         with hook.stage("route"):
             experts = A.route(q, landmarks, s, landmark_valid)

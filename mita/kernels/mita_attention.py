@@ -87,7 +87,7 @@ def _mita_fused_kernel(
     stride_svb, stride_svh, stride_svm, stride_svd,
     stride_ib, stride_ih, stride_im, stride_ik,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, N, M, KK, D, DV, T, S, scale,
+    H, N, M, TOPK, D, DV, T, S, scale,
     SINGLE_SLOT: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -146,9 +146,9 @@ def _mita_fused_kernel(
     # Routed keys of expert e, read from K and V by index (eq. 10 without a copy).
     expert_valid = tl.load(LANDMARK_VALID + b * M + e) != 0
     idx_base = IDX + b * stride_ib + h * stride_ih + e * stride_im
-    for start in range(0, KK, BLOCK_N):
+    for start in range(0, TOPK, BLOCK_N):
         c = start + cols
-        cm = c < KK
+        cm = c < TOPK
         key = tl.load(idx_base + c * stride_ik, mask=cm, other=0)
         ok = cm & expert_valid
         if HAS_MASK:
@@ -247,7 +247,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
-    m, kk = expert_index.shape[2], expert_index.shape[3]
+    m, topk = expert_index.shape[2], expert_index.shape[3]
     s = experts.shape[-1]
     dv = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
@@ -289,7 +289,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
             tile_e, tile_lo, tile_hi, target, part_m, part_l, shared_acc,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),
-            H, N, m, kk, d, dv, T, s, d ** -0.5)
+            H, N, m, topk, d, dv, T, s, d ** -0.5)
     block_d = max(16, triton.next_power_of_2(max(d, dv)))
     meta = dict(SINGLE_SLOT=s == 1, HAS_MASK=key_padding_mask is not None,
                 IEEE=q.dtype == torch.float32,

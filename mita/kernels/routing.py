@@ -81,7 +81,7 @@ def _landmark_topk_kernel(
     stride_lb, stride_lh, stride_lm, stride_ld,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_ib, stride_ih, stride_im, stride_ik,
-    H, N, M, KK, D, scale,
+    H, N, M, TOPK, D, scale,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -115,8 +115,8 @@ def _landmark_topk_kernel(
             best = tl.bitonic_merge(tl.maximum(best, tile), dim=1, descending=True)
     # The k-th largest score T; `need` of the keys equal to T are taken, lowest index first.
     rank = tl.arange(0, K_PAD)
-    kth = tl.max(tl.where(rank[None, :] == KK - 1, best, _NO_KEY), 1)
-    need = KK - tl.sum((best > kth[:, None]).to(tl.int32), 1)
+    kth = tl.max(tl.where(rank[None, :] == TOPK - 1, best, _NO_KEY), 1)
+    need = TOPK - tl.sum((best > kth[:, None]).to(tl.int32), 1)
 
     # Pass 2: the same scores again, left to right: every key above T and the first `need`
     # keys equal to T, written in ascending index order.
@@ -266,7 +266,7 @@ def landmark_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     Returns:
         ``(B, H, m, k)`` int64 key indices in ascending order; ties broken by the lowest index
         (padded keys fill a row that has fewer than k real ones, lowest index first) — the
-        contract of ``mita.attention.topk``.
+        contract of ``mita.attention.topk_tokens``.
     Raises:
         ValueError: dtype, shapes, d > 128, or k outside [1, min(N, 512)].
     """

@@ -17,7 +17,7 @@ from . import mita_attention as fused
 from . import routing
 
 
-def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, kk: int, s: int,
+def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
                 key_padding_mask: Tensor | None, landmark_grid: tuple[int, int] | None,
                 shared_scale: str, hook: StageHook) -> Tensor:
     """``mita_attention`` on the Triton kernels (``mita/kernels``), q, k, v in their own dtype
@@ -37,11 +37,13 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, kk: int, s: int,
     with hook.stage("pool"):
         landmarks, landmark_valid = A.pool(q, m, key_padding_mask, landmark_grid)
     with hook.stage("landmark_scores"):  # + topk, streamed
-        if kk <= routing.MAX_TOPK:
-            expert_index = routing.landmark_topk(landmarks, k, kk, d ** -0.5,
+        if topk <= routing.MAX_TOPK:
+            expert_index = routing.landmark_topk(landmarks, k, topk, d ** -0.5,
                                                  key_padding_mask)
         else:
-            expert_index = A.topk(A.landmark_scores(landmarks, k.float(), key_padding_mask), kk)
+            scores = A.landmark_scores(landmarks, k.float(), key_padding_mask)
+            expert_index = A.topk_tokens(scores, topk)
+            del scores
     with hook.stage("shared_compress"):
         shared_values = A.shared_compress_sdpa(landmarks, k, v, key_padding_mask)
     with hook.stage("route"):

@@ -1,0 +1,101 @@
+"""``ModelConfig``: the model's hyper-parameters, validated once here and handed whole to the
+modules that use them (``EncoderClassifier``, ``DenseAttention``, ``MiTAAttention``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .attention import check_setting
+
+ATTENTIONS = ("dense", "mita")
+
+# Largest value of each size field: a config.json beyond these asks for more memory than any
+# machine has, and is refused before anything is allocated.
+LIMITS = {"vocab_size": 1 << 20, "num_classes": 1 << 16, "dim": 16384, "depth": 256,
+          "num_heads": 256, "ffn_dim": 1 << 17, "max_len": 1 << 24, "num_landmarks": 1 << 16,
+          "topk": 1 << 24, "route_topk": 1 << 16}
+
+# Fields added after checkpoints were first written, with the value that means what those
+# checkpoints did (1-D landmark pooling); every other field must be in config.json.
+OPTIONAL_FIELDS = {"landmark_grid": None}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model hyper-parameters; round-trips through ``config.json``.
+
+    MiTA's setting (§3.2): ``num_landmarks`` m (= routed experts), ``topk`` k (tokens per
+    routed expert, clamped to N at run time), ``route_topk`` s (experts per query),
+    ``shared_scale`` (``"paper"``: eq. 11's 1/√d; ``"official"``: the authors' 1/d) and
+    ``landmark_grid`` (None: 1-D pooling into m contiguous segments; ``(H, W)``: 2-D pooling
+    of an H×W token grid, so N must be H·W and m a perfect square). Raises ValueError naming
+    the field."""
+
+    vocab_size: int = 16
+    num_classes: int = 10
+    pad_id: int = 0
+    dim: int = 64
+    depth: int = 2
+    num_heads: int = 2
+    ffn_dim: int = 128
+    max_len: int = 1_048_576
+    attention: str = "mita"
+    num_landmarks: int = 16  # m
+    topk: int = 16  # k
+    route_topk: int = 1  # s
+    shared_scale: str = "paper"
+    landmark_grid: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        for name, most in LIMITS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ValueError(f"config field {name!r} must be an int in [1, {most}], got "
+                                 f"{value!r}")
+        for name in ("num_landmarks", "topk"):
+            if getattr(self, name) > self.max_len:
+                raise ValueError(f"config field {name!r} ({getattr(self, name)}) exceeds "
+                                 f"'max_len' ({self.max_len})")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"config field 'attention' must be one of {ATTENTIONS}, "
+                             f"got {self.attention!r}")
+        try:
+            check_setting(self.num_landmarks, self.topk, self.route_topk, self.shared_scale)
+        except ValueError as e:
+            raise ValueError(f"config: {e}") from None
+        if self.dim % self.num_heads or self.dim % 2:
+            raise ValueError(f"config field 'dim' ({self.dim}) must be even and divisible by "
+                             f"num_heads ({self.num_heads})")
+        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool) or not (
+                0 <= self.pad_id < self.vocab_size):
+            raise ValueError(f"config field 'pad_id' must be in [0, {self.vocab_size})")
+        if self.landmark_grid is not None:
+            self._check_grid()
+
+    def _check_grid(self) -> None:
+        grid = self.landmark_grid
+        if (not isinstance(grid, (list, tuple)) or len(grid) != 2
+                or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in grid)):
+            raise ValueError(f"config field 'landmark_grid' must be null or two ints ≥ 1 "
+                             f"(H, W), got {grid!r}")
+        if grid[0] * grid[1] > self.max_len:
+            raise ValueError(f"config field 'landmark_grid' {list(grid)} has more cells than "
+                             f"'max_len' ({self.max_len})")
+        if math.isqrt(self.num_landmarks) ** 2 != self.num_landmarks:
+            raise ValueError(f"config field 'landmark_grid' needs 'num_landmarks' to be a "
+                             f"perfect square (2-D pooling to p×p), got {self.num_landmarks}")
+        object.__setattr__(self, "landmark_grid", tuple(grid))  # JSON gives a list
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelConfig:
+        """Raises ValueError naming unknown fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
