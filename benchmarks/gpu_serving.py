@@ -47,9 +47,9 @@ import torch  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from profiler.timer import StageTimer  # noqa: E402
 from service.engine import ClassifierEngine  # noqa: E402
+from service.schemas import VARIANTS  # noqa: E402
 
 CHECKPOINT = "checkpoints/listops-default"
-VARIANTS = ("mita", "dense")
 
 
 def probs(results) -> np.ndarray:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from mita.model import ModelConfig, checkpoint_metadata
+
 from .classifier import Classifier
-from .gateway import Gateway
+from .engine import resolve_checkpoint
+from .gateway import Gateway, Vocabulary
 from .schemas import AppArgs, validated
 
 
@@ -23,11 +26,15 @@ def build_app(args: dict) -> Application:
     ``cuda_graphs`` (default true): replay unstaged forwards from CUDA graphs on CUDA.
     Parsed strictly by ``schemas.AppArgs``.
 
-    Raises ValueError naming every refused arg (at deploy time, not in a replica).
+    The gateway validates token ids against the checkpoint's vocabulary (its config.json).
+
+    Raises ValueError naming every refused arg, or for a malformed config.json, and
+    FileNotFoundError for a checkpoint without one (at deploy time, not in a replica).
     """
     a = validated(AppArgs, args, "application args")
+    cfg = ModelConfig.from_dict(checkpoint_metadata(resolve_checkpoint(a.checkpoint))["config"])
     mita = Classifier.options(name="MiTAClassifier").bind(
         a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs)
     dense = Classifier.options(name="DenseClassifier").bind(
         a.checkpoint, "dense", a.device, "auto", a.dtype, a.cuda_graphs)
-    return Gateway.bind(mita, dense)
+    return Gateway.bind(mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id))

@@ -2,9 +2,10 @@
 
 ``ClassifierEngine`` is what each Serve classifier replica runs (``service.classifier`` wraps
 it): load the checkpoint on a device in a dtype, group a batch of requests, pad, run the
-profiled forward, turn logits into probabilities and hand each forward's profile to a
-recorder (the deployment's Prometheus metrics). Nothing here imports Ray, so the exact serving
-code runs on a GPU machine without it (``benchmarks/gpu_serving.py``) and in unit tests.
+profiled forward, turn logits into probabilities; each answer carries the profile of the
+forward it was part of (the gateway's ``service.recorder`` records it). Nothing here imports
+Ray, so the exact serving code runs on a GPU machine without it
+(``benchmarks/gpu_serving.py``) and in unit tests.
 
 Batching: with ``deterministic=True`` every sequence of a batch runs as its own forward,
 unpadded: the same request gives bit-identical probabilities whatever else arrived with it (a
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,8 +34,6 @@ from .graphs import GraphCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
-# Called once per forward with the lengths of the sequences it covered and its profile dict.
-Recorder = Callable[[list[int], dict], None]
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -138,7 +137,7 @@ class ClassifierEngine:
                 set_mita_backend(self.model, self.backend)
 
     def run(self, batch: Sequence[Sequence[int] | np.ndarray], deterministic: bool = True,
-            record: Recorder | None = None, staged: Sequence[bool] | None = None) -> list[dict]:
+            staged: Sequence[bool] | None = None) -> list[dict]:
         """Classify a batch of validated id sequences (lists or 1-D integer numpy arrays).
 
         Returns one dict per sequence, in order: ``label``, ``probabilities`` (float64
@@ -151,8 +150,7 @@ class ClassifierEngine:
         sampled — every ``staged_every``-th — or asked for: ``staged[i]`` True for a sequence
         in it). A sequence whose logits are not all finite gets no ``label`` or
         ``probabilities`` but ``error`` (the Serve gateway answers it with a JSON 500).
-        ``record(lengths, profile)`` is called after each forward with the lengths of
-        the sequences it covered.
+        The sequences of one forward share one profile dict (``batch_size`` of them).
         """
         results: list[dict | None] = [None] * len(batch)
         pad = self.model.config.pad_id
@@ -184,8 +182,6 @@ class ClassifierEngine:
                                         "dtype": self.dtype_name, "started_at": started_at,
                                         "staged": (want or not self.fused()) and not graph,
                                         "cuda_graph": graph}
-            if record is not None:
-                record([lengths[i] for i in group], profile)
             finite = torch.isfinite(probs).all(-1).tolist()
             for row, i in enumerate(group):
                 results[i] = {"label": int(probs[row].argmax()),

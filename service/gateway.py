@@ -5,9 +5,11 @@ endpoint parameters of the ingress class.)
 
 Request path: HTTP → pydantic model → validation (before any tensor exists) → A/B policy →
 classifier deployment handle (``mita`` or ``dense``) → response; in shadow mode the other
-variant runs too and the comparison is recorded as metrics. Wherever a metric is recorded the
-gateway also keeps the record in its ``StatsWindow``, which ``/v1/stats`` summarises for the
-``/dashboard`` page (or Prometheus does, when ``prometheus_url`` is configured).
+variant runs too and the two answers are compared. Every outcome goes through one
+``service.recorder.Recorder`` into Prometheus and the ``StatsWindow`` that ``/v1/stats``
+summarises for the ``/dashboard`` page (or Prometheus does, when ``prometheus_url`` is
+configured). A classify request is counted once, by the ``check_body`` middleware, whichever
+layer answered it; routed requests are recorded where they were routed.
 """
 
 
@@ -17,6 +19,7 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from importlib.metadata import version
 from importlib.resources import files
 from typing import Annotated, Literal
@@ -32,11 +35,11 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mita.data.listops import VOCAB, encode
+from mita.data.listops import encode
 from mita.hooks import STAGE_COLORS
 
 from . import replica_state
-from .metrics import ServiceMetrics, n_bucket
+from .recorder import Recorder, kl_divergence
 from .schemas import (
     VARIANTS,
     BatchRequest,
@@ -49,11 +52,23 @@ from .schemas import (
     Variant,
     validated,
 )
-from .stats import PrometheusError, StatsWindow, prometheus_summary, summarize
+from .stats import PrometheusError, prometheus_summary, summarize
 
-VOCAB_SIZE = len(VOCAB)
 CLASSIFIER_DEPLOYMENTS = {"mita": "MiTAClassifier", "dense": "DenseClassifier"}  # service.app
-ID_DTYPE = np.uint8 if VOCAB_SIZE <= 256 else np.int32  # ids between deployments
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The checkpoint's token ids: ``0 … size - 1`` except ``pad_id`` (``service.app`` reads
+    them from the checkpoint's config.json)."""
+
+    size: int
+    pad_id: int = 0
+
+    @property
+    def dtype(self) -> type:
+        """The smallest integer type the ids travel to the classifiers in."""
+        return np.uint8 if self.size <= 256 else np.int32
 
 
 class ApiError(Exception):
@@ -61,11 +76,10 @@ class ApiError(Exception):
     ``rejections_total``, not as an error)."""
 
     def __init__(self, status: int, message: str, headers: dict | None = None,
-                 rejected: bool = False, counted: bool = False):
+                 rejected: bool = False):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
         self.rejected = rejected
-        self.counted = counted  # already in requests_total / rejections_total
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -133,37 +147,34 @@ def choose_variant(cfg: GatewayConfig, override: str | None, client_key: str | N
     return primary, shadow
 
 
-def kl_divergence(p: list[float], q: list[float]) -> float:
-    """KL(p || q) in nats; probabilities clamped at 1e-12 so a zero in q stays finite."""
-    return float(sum(pi * math.log(max(pi, 1e-12) / max(qi, 1e-12))
-                     for pi, qi in zip(p, q, strict=True) if pi > 0))
-
-
-def _out_of_range(value, position: int) -> ApiError:
+def _out_of_range(value, position: int, vocab: Vocabulary) -> ApiError:
     shown = str(value)
     shown = shown if len(shown) <= 30 else shown[:30] + "…"
-    return ApiError(422, f"token id {shown} at position {position} is out of range "
-                         f"[1, {VOCAB_SIZE - 1}] (0 is padding)")
+    if vocab.pad_id == 0:
+        allowed = f"[1, {vocab.size - 1}] (0 is padding)"
+    else:
+        allowed = f"[0, {vocab.size - 1}] except the padding id {vocab.pad_id}"
+    return ApiError(422, f"token id {shown} at position {position} is out of range {allowed}")
 
 
-def check_ids(ids: np.ndarray, max_n: int, hint: str = "") -> np.ndarray:
-    """Validate a 1-D integer array of token ids (range, then emptiness, then length) and
-    return it in the smallest dtype that holds the vocabulary (what travels to the
+def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") -> np.ndarray:
+    """Validate a 1-D integer array of token ids against the checkpoint's vocabulary (range,
+    then emptiness, then length) and return it in ``vocab.dtype`` (what travels to the
     classifier). Raises ApiError(422) saying what is wrong (``hint`` appended to an
     out-of-range message); nothing is allocated for the model before this passes."""
-    bad = np.flatnonzero((ids < 1) | (ids >= VOCAB_SIZE))
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab.size) | (ids == vocab.pad_id))
     if bad.size:
-        error = _out_of_range(ids[bad[0]], int(bad[0]))
+        error = _out_of_range(ids[bad[0]], int(bad[0]), vocab)
         error.message += hint
         raise error
     if not ids.size:
         raise ApiError(422, "empty sequence: no tokens to classify")
     if ids.size > max_n:
         raise ApiError(422, f"sequence length N = {ids.size} exceeds max_n = {max_n}")
-    return ids.astype(ID_DTYPE, copy=False)
+    return ids.astype(vocab.dtype, copy=False)
 
 
-def to_ids(req: ClassifyRequest, max_n: int) -> np.ndarray:
+def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary) -> np.ndarray:
     """Validated token ids of a JSON request (``check_ids``); raises ApiError(422)."""
     if req.text is not None:  # the body-size limit bounds the tokenising work
         try:
@@ -176,14 +187,14 @@ def to_ids(req: ClassifyRequest, max_n: int) -> np.ndarray:
         arr = np.array(ids, dtype=np.int64)
     except OverflowError:  # an integer beyond int64 is out of range too: name the first
         bad = next(i for i, x in enumerate(ids) if not -(2**63) <= x < 2**63)
-        raise _out_of_range(ids[bad], bad) from None
-    return check_ids(arr, max_n)
+        raise _out_of_range(ids[bad], bad, vocab) from None
+    return check_ids(arr, max_n, vocab)
 
 
 BINARY_DTYPES = {"uint8": np.dtype("<u1"), "int32": np.dtype("<i4")}
 
 
-def binary_ids(body: bytes, dtype: str, max_n: int) -> np.ndarray:
+def binary_ids(body: bytes, dtype: str, max_n: int, vocab: Vocabulary) -> np.ndarray:
     """Token ids from an ``application/octet-stream`` body: little-endian ``uint8`` (one byte
     per token) or ``int32`` (four). Raises ApiError: 400 for an empty body or a length that is
     not a whole number of ids, 422 as ``check_ids``."""
@@ -195,7 +206,7 @@ def binary_ids(body: bytes, dtype: str, max_n: int) -> np.ndarray:
         raise ApiError(400, f"a body of {len(body)} bytes is not a whole number of {dtype} ids "
                             f"({width} bytes each)")
     other = "int32" if dtype == "uint8" else "uint8"
-    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n,
+    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n, vocab,
                      f"; the body was read as {dtype} little-endian (?dtype={dtype}): "
                      f"{other} ids need ?dtype={other}")
 
@@ -227,6 +238,7 @@ app.router.route_class = StrictJSONRoute
 BINARY_PATH = "/v1/classify/binary"
 CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch", BINARY_PATH)
 ARRIVED = "mita_serve.arrived_at"  # ASGI scope key: Unix seconds the request reached the gateway
+ROUTED = "mita_serve.routed"  # ASGI scope key: set once a variant was chosen (and recorded)
 # The query parameters each endpoint takes; on these paths any other is refused (422), so a
 # ?variant= sent to the JSON endpoint is not silently ignored. Other paths (the dashboard
 # page reads its own ?refresh_s=) are not checked.
@@ -239,14 +251,6 @@ MAX_ERRORS_SHOWN = 10
 def _error(status: int, message: str, detail=None, headers=None) -> JSONResponse:
     return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True),
                         status_code=status, headers=headers)
-
-
-def _count_refusal(request: Request, status: int) -> None:
-    """A classification request refused before routing: ``requests_total{variant="none"}``
-    and the stats window, whichever layer refused it (middleware, parsing, validation)."""
-    gateway = replica_state.gateway
-    if gateway is not None and request.url.path in CLASSIFY_PATHS:
-        gateway.record_request("none", status)
 
 
 def query_refusal(request: Request) -> tuple[int, str] | None:
@@ -273,17 +277,29 @@ async def check_body(request: Request, call_next):
     """Before any parsing: POST bodies to the classify endpoints must be JSON (binary ids for
     ``/v1/classify/binary``) with a Content-Length within the limit (other paths and methods
     go on to routing: 404/405). Stamps the arrival time the response's ``pre_forward_ms`` and
-    the request latency count from."""
+    the request latency count from.
+
+    The one place a classify request refused before routing is counted
+    (``requests_total{variant="none"}`` and the stats window), whichever layer refused it:
+    this middleware, routing (404/405), parsing, validation or the endpoint's own checks.
+    Requests that were routed were recorded with their variant where they were routed."""
     request.scope[ARRIVED] = time.time()
+    response = await _answer(request, call_next)
+    gateway = replica_state.gateway
+    if (gateway is not None and request.url.path in CLASSIFY_PATHS
+            and not request.scope.get(ROUTED)):
+        gateway.recorder.request("none", response.status_code)
+    return response
+
+
+async def _answer(request: Request, call_next):
     if replica_state.draining and request.url.path != "/healthz":
         # shutting down: in-flight requests finish, new ones go elsewhere (liveness stays ok)
-        _count_refusal(request, 503)
         retry = replica_state.gateway.config.retry_after_s if replica_state.gateway else 1
         return _error(503, "the service is shutting down; retry on another instance",
                       headers={"Retry-After": str(retry)})
     refusal = query_refusal(request)
     if refusal is not None:
-        _count_refusal(request, refusal[0])
         return _error(*refusal)
     if request.method == "POST" and request.url.path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -310,7 +326,6 @@ async def check_body(request: Request, call_next):
             refusal = (413, f"request body of {length} bytes exceeds the limit of "
                             f"{limit} bytes")
         if refusal is not None:
-            _count_refusal(request, refusal[0])
             return _error(*refusal)
         replica_state.inflight += 1
         try:
@@ -322,7 +337,6 @@ async def check_body(request: Request, call_next):
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
-    _count_refusal(request, exc.status_code)
     return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
@@ -345,14 +359,11 @@ async def _validation_error(request: Request, exc: RequestValidationError):
         msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
                         for e in errors[:5])
         status, message = 422, f"invalid request: {msg}{more}"
-    _count_refusal(request, status)
     return _error(status, message, errors)
 
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError):
-    if not exc.counted and not exc.rejected:
-        _count_refusal(request, exc.status)
     return _error(exc.status, exc.message, headers=exc.headers)
 
 
@@ -376,32 +387,21 @@ class Gateway:
     """Ingress. ``user_config`` is a ``GatewayConfig`` (A/B weights, sticky header, shadow,
     limits); it can change without a restart."""
 
-    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle):
+    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, vocab: Vocabulary):
         self.handles = {"mita": mita, "dense": dense}
+        self.vocab = vocab
         self.config = GatewayConfig()
-        self.metrics = ServiceMetrics()
+        self.recorder = Recorder()
         replica_state.gateway = self
         self.rng = random.Random()
         self._shadow_tasks: set[asyncio.Task] = set()
-        self.window = StatsWindow()
         self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
         self._variant_info_at = -math.inf
 
     def reconfigure(self, config: dict) -> None:
         self.config = validated(GatewayConfig, config, "deployment 'Gateway' user_config")
         replica_state.max_body_bytes = self.config.max_body_bytes
-        self.window.retention_s = self.config.stats_window_s
-
-    def record_request(self, variant: str, status: int, n: int | None = None,
-                       latency_s: float | None = None) -> None:
-        """One answered request in the metrics and in the stats window (kept in step, so
-        ``/v1/stats`` matches ``requests_total``); answered ones (200) with their N (tokens)
-        and latency."""
-        self.metrics.requests.inc(1, {"variant": variant, "status": str(status)})
-        if latency_s is not None:
-            self.metrics.request_duration.observe(latency_s,
-                                                  {"variant": variant, "n_bucket": n_bucket(n)})
-        self.window.add_request(variant, status, n, latency_s)
+        self.recorder.window.retention_s = self.config.stats_window_s
 
     async def _infos(self, timeout_s: float | None = None) -> list[dict]:
         """Both classifiers' ``info()``, in ``VARIANTS`` order. Raises asyncio.TimeoutError
@@ -439,39 +439,32 @@ class Gateway:
             other = await self._call(shadow, ids)
         except ApiError as e:  # the shadow is best effort; the primary already answered
             if e.rejected:
-                self.metrics.rejections.inc(1, {"variant": shadow, "role": "shadow"})
+                self.recorder.rejection(shadow, "shadow")
             return
-        agree = other["label"] == served["label"]
-        self._add_stages(shadow, n_bucket(len(ids)), other["profile"])
-        self.window.add_shadow(primary, agree)
-        self.metrics.shadow_comparisons.inc(
-            1, {"primary": primary, "agree": str(agree).lower()})
-        self.metrics.shadow_kl.observe(
-            kl_divergence(served["probabilities"], other["probabilities"]), {"primary": primary})
-
-    def _add_stages(self, variant: str, bucket: str, profile: dict) -> None:
-        """A forward's stage times into the stats window, as the classifier records them in
-        metrics: staged forwards only (a fused forward's stages cover several)."""
-        if profile["staged"]:
-            self.window.add_forward(variant, bucket, profile["stages_ms"])
+        self.recorder.forward(shadow, len(ids), other["profile"])
+        self.recorder.shadow(primary, other["label"] == served["label"],
+                             kl_divergence(served["probabilities"], other["probabilities"]))
 
     async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool | str,
-                        client_key: str | None, arrived_at: float) -> dict:
-        """Route validated ``ids`` (``check_ids``) to ``variant`` or by the A/B policy and
-        answer; ``profile``: False, True or ``"staged"`` (the forward times every stage
-        apart); ``arrived_at``: Unix seconds the request reached the gateway."""
-        primary, shadow = choose_variant(self.config, variant, client_key, self.rng)
+                        request: Request) -> dict:
+        """Route validated ``ids`` (``check_ids``) to ``variant`` or by the A/B policy, record
+        the outcome and answer; ``profile``: False, True or ``"staged"`` (the forward times
+        every stage apart). Raises ApiError as ``_call``."""
+        arrived_at = request.scope[ARRIVED]
+        primary, shadow = choose_variant(self.config, variant,
+                                         request.headers.get(self.config.sticky_header),
+                                         self.rng)
+        request.scope[ROUTED] = True
         try:
             result = await self._call(primary, ids, profile == "staged")
         except ApiError as e:
             if e.rejected:  # overload refusal: not an error, not in requests_total
-                self.metrics.rejections.inc(1, {"variant": primary, "role": "primary"})
+                self.recorder.rejection(primary, "primary")
             else:
-                self.record_request(primary, e.status)
-            e.counted = True
+                self.recorder.request(primary, e.status)
             raise
-        self.record_request(primary, 200, len(ids), time.time() - arrived_at)
-        self._add_stages(primary, n_bucket(len(ids)), result["profile"])
+        self.recorder.request(primary, 200, len(ids), time.time() - arrived_at)
+        self.recorder.forward(primary, len(ids), result["profile"])
         if shadow is not None:
             task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
             self._shadow_tasks.add(task)
@@ -489,10 +482,8 @@ class Gateway:
               response_model_exclude_none=True)
     async def classify(self, body: ClassifyRequest, request: Request) -> dict:
         """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
-        ids = to_ids(body, self.config.max_n)  # ApiError: counted by its handler
-        return await self._classify(ids, body.variant, body.profile,
-                                    request.headers.get(self.config.sticky_header),
-                                    request.scope[ARRIVED])
+        ids = to_ids(body, self.config.max_n, self.vocab)
+        return await self._classify(ids, body.variant, body.profile, request)
 
     @app.post(BINARY_PATH, response_model=ClassifyResponse, responses=ERRORS,
               response_model_exclude_none=True, openapi_extra={"requestBody": {
@@ -513,11 +504,9 @@ class Gateway:
         """Classify one sequence sent as binary token ids (``application/octet-stream``): the
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
-        ids = binary_ids(await request.body(), dtype, self.config.max_n)
+        ids = binary_ids(await request.body(), dtype, self.config.max_n, self.vocab)
         mode = {"true": True, "false": False, "staged": "staged"}[profile]
-        return await self._classify(ids, variant, mode,
-                                    request.headers.get(self.config.sticky_header),
-                                    request.scope[ARRIVED])
+        return await self._classify(ids, variant, mode, request)
 
     @app.post("/v1/classify/batch", response_model=BatchResponse, responses=ERRORS,
               response_model_exclude_none=True)
@@ -530,19 +519,19 @@ class Gateway:
         ids = []
         for i, item in enumerate(body.items):
             try:
-                ids.append(to_ids(item, self.config.max_n))
+                ids.append(to_ids(item, self.config.max_n, self.vocab))
             except ApiError as e:
                 raise ApiError(e.status, f"items[{i}]: {e.message}") from None
-        key = request.headers.get(self.config.sticky_header)
-        arrived = request.scope[ARRIVED]
+        # One call per item: @serve.batch packs them with whatever else the classifier has
+        # queued, and each item is recorded as a request of its own.
         results = await asyncio.gather(
-            *(self._classify(x, item.variant, item.profile, key, arrived)
+            *(self._classify(x, item.variant, item.profile, request)
               for item, x in zip(body.items, ids, strict=True)),
             return_exceptions=True)
         for i, r in enumerate(results):
             if isinstance(r, ApiError):
                 raise ApiError(r.status, f"items[{i}]: {r.message}", r.headers,
-                               rejected=r.rejected, counted=True)
+                               rejected=r.rejected)
             if isinstance(r, BaseException):
                 raise r
         return {"results": results}
@@ -626,7 +615,7 @@ class Gateway:
         this gateway replica's own records."""
         cfg = self.config
         if cfg.prometheus_url is None:  # copy on the event loop, summarise off it
-            body = await asyncio.to_thread(summarize, self.window.snapshot(window_s))
+            body = await asyncio.to_thread(summarize, self.recorder.window.snapshot(window_s))
         else:
             try:
                 body = await asyncio.to_thread(prometheus_summary, str(cfg.prometheus_url),

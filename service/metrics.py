@@ -6,7 +6,8 @@ _bucket/_count/_sum``). Serve adds the ``deployment``, ``replica`` and ``applica
 Label values come from small fixed sets: ``variant`` ∈ {mita, dense}, ``stage`` ∈ the
 profiler's stage names, ``n_bucket`` ∈ ``N_BUCKETS``, ``status`` ∈ HTTP status codes.
 
-Create a ``ServiceMetrics`` inside each replica (metrics belong to the process that records).
+Only the gateway records them (``service.recorder.Recorder`` holds the one ``ServiceMetrics``
+of a gateway replica): classifier replicas export none, so one scrape target has them all.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.
 
 
 class ServiceMetrics:
-    """The service's metrics. Gateway records requests, durations and shadow comparisons;
-    classifier replicas record stages, tokens, FLOPs and peak memory."""
+    """The service's metrics, recorded by the gateway's ``Recorder``: requests, durations and
+    shadow comparisons, and — from the profile each classifier answer carries — stages,
+    forwards, tokens, FLOPs and peak memory."""
 
     def __init__(self):
         self.stage_duration = Histogram(

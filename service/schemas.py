@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -17,8 +17,13 @@ from pydantic import (
     model_validator,
 )
 
+from mita.config import ATTENTIONS
+
 Variant = Literal["mita", "dense"]
-VARIANTS: tuple[str, ...] = ("mita", "dense")
+# The API's word for a model's ``attention`` (mita.config.ATTENTIONS): the same two names,
+# MiTA listed first in answers.
+VARIANTS: tuple[str, ...] = get_args(Variant)
+assert set(VARIANTS) == set(ATTENTIONS)
 
 
 class ClassifyRequest(BaseModel):

@@ -103,20 +103,27 @@ def test_numpy_and_list_inputs_agree(engines, batch):
     assert probs(as_int32).tolist() == probs(as_list).tolist()
 
 
-def test_recorder_gets_one_call_per_forward(engines, batch):
+def test_one_profile_per_forward_shared_by_its_requests(engines, batch):
+    """The gateway's recorder counts a forward's FLOPs as flops_total / batch_size per
+    request: the requests of one forward carry the same profile with batch_size = their
+    number, so the shares add up to each forward's FLOPs exactly once."""
     engine = engines[("dense", "float32")]
-    calls = []
-    results = engine.run(batch[:6], deterministic=False,
-                         record=lambda lengths, profile: calls.append((lengths, profile)))
+    results = engine.run(batch[:6], deterministic=False)
     groups = length_groups([len(x) for x in batch[:6]])
-    assert [lengths for lengths, _ in calls] == [[len(batch[i]) for i in g] for g in groups]
-    for (_, profile), g in zip(calls, groups, strict=True):
-        assert profile is results[g[0]]["profile"]
+    assert len(groups) < 6  # some forward serves several requests
+    for g in groups:
+        profile = results[g[0]]["profile"]
+        assert all(results[i]["profile"] is profile for i in g)
+        assert profile["batch_size"] == len(g)
+        assert profile["padded_n"] == max(len(batch[i]) for i in g)
         assert profile["total_ms"] > 0 and profile["stages_ms"]["attention"] > 0
         assert profile["started_at"] > 1.7e9  # Unix seconds
-    calls.clear()
-    engine.run(batch[:6], record=lambda lengths, profile: calls.append(lengths))
-    assert calls == [[len(x)] for x in batch[:6]]
+    shares = sum(r["profile"]["flops_total"] / r["profile"]["batch_size"] for r in results)
+    forwards = sum(results[g[0]]["profile"]["flops_total"] for g in groups)
+    assert shares == pytest.approx(forwards, rel=1e-12)
+    solo = engine.run(batch[:6])
+    assert [r["profile"]["batch_size"] for r in solo] == [1] * 6
+    assert len({id(r["profile"]) for r in solo}) == 6
 
 
 def test_resolve_dtype_and_device():

@@ -17,8 +17,9 @@ from mita.data.listops import encode, generate_long
 from mita.hooks import MITA_STAGES
 from mita.model import load_checkpoint
 from service import launch
-from service.gateway import choose_variant, kl_divergence, sticky_unit
+from service.gateway import choose_variant, sticky_unit
 from service.metrics import DURATION_BUCKETS_S, n_bucket
+from service.recorder import kl_divergence
 from service.schemas import GatewayConfig
 
 from .conftest import CHECKPOINT, set_classifier, set_gateway, wait_for
@@ -304,11 +305,16 @@ def test_metrics_counts_match_requests(service):
     pool_before = stage_counts(service, "pool")
     refused_before = samples(service.metrics_text(), "ray_mita_serve_requests_total").get(
         (("status", "422"), ("variant", "none")), 0)
+    flops_before = samples(service.metrics_text(), "ray_mita_serve_flops_total")
     sent = {"mita": 4, "dense": 3}
+    flops = {"mita": 0.0, "dense": 0.0}
     for variant, count in sent.items():
         for text, _ in EXAMPLES[:count]:
-            assert service.post("/v1/classify", json={"text": text, "variant": variant}
-                                ).status_code == 200
+            r = service.post("/v1/classify", json={"text": text, "variant": variant,
+                                                   "profile": True})
+            assert r.status_code == 200
+            flops[variant] += r.json()["profile"]["flops_total"] / r.json()["profile"][
+                "batch_size"]
     for body, status, _ in BAD:
         assert service.post("/v1/classify", json=body).status_code == status
     expected = {v: before[v] + sent[v] for v in sent}
@@ -329,6 +335,14 @@ def test_metrics_counts_match_requests(service):
     assert refused
     tokens = samples(text, "ray_mita_serve_tokens_total")
     assert sum(tokens.values()) > 0
+    # FLOPs: each answer's share of its forward, as the responses reported them (the
+    # gateway's recorder adds the same floats; 1e-9 relative: summation order).
+    def flops_delta():
+        after = samples(service.metrics_text(), "ray_mita_serve_flops_total")
+        return {v: after.get((("variant", v),), 0.0) - flops_before.get((("variant", v),), 0.0)
+                for v in sent}
+    wait_for(lambda: flops_delta() == pytest.approx(flops, rel=1e-9) or None, 10)
+    assert flops_delta() == pytest.approx(flops, rel=1e-9)
 
 
 def test_policy_helpers():
