@@ -17,7 +17,7 @@ import torch
 
 from .argtypes import NONNEGATIVE_INT, POSITIVE_INT
 from .data.listops import ListOpsConfig, generate
-from .model import ATTENTIONS, checkpoint_metadata, load_checkpoint
+from .model import ATTENTIONS, checkpoint_metadata, load_checkpoint, tied_variant
 from .train import TEST_SEED, encoded, evaluate
 
 
@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     try:  # everything that can be checked before the test set is drawn
         data_cfg = ListOpsConfig(args.min_length, args.max_length)
-        models = {ck: {a: load_checkpoint(ck, attention=a) for a in ATTENTIONS}
-                  for ck in args.checkpoints}
+        models = {}
+        for ck in args.checkpoints:  # loaded (hashed, checked) once; the other variant tied
+            base = load_checkpoint(ck)
+            models[ck] = {a: base if a == base.config.attention else tied_variant(base, a)
+                          for a in ATTENTIONS}
         modes = {ck: checkpoint_metadata(ck).get("training", {}).get("mode", "?")
                  for ck in args.checkpoints}
         if args.json:

@@ -131,6 +131,16 @@ class EncoderClassifier(nn.Module):
             return self.head(self.norm(pooled.to(x.dtype))).float()
 
 
+def tied_variant(model: EncoderClassifier, attention: str) -> EncoderClassifier:
+    """A model of the other attention variant that shares every parameter tensor with
+    ``model`` (training one trains both)."""
+    other = EncoderClassifier(model.config.replace(attention=attention))
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        other.get_submodule(module_name).register_parameter(leaf, param)
+    return other.train(model.training)
+
+
 def build_model(cfg: ModelConfig) -> EncoderClassifier:
     return EncoderClassifier(cfg)
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
 from .attention import SHARED_SCALES
 from .data.listops import PAD_ID, ListOpsConfig, encode, generate
-from .model import ATTENTIONS, EncoderClassifier, ModelConfig, save_checkpoint
+from .model import ATTENTIONS, EncoderClassifier, ModelConfig, save_checkpoint, tied_variant
 
 TEST_SEED = 1_000_003  # never a training or validation seed: --seed must stay below it
 
@@ -47,16 +47,6 @@ def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> l
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
     rng.shuffle(batches)
     return batches
-
-
-def tied_variant(model: EncoderClassifier, attention: str) -> EncoderClassifier:
-    """A model of the other attention variant that shares every parameter tensor with
-    ``model`` (training one trains both)."""
-    other = EncoderClassifier(model.config.replace(attention=attention))
-    for name, param in model.named_parameters():
-        module_name, _, leaf = name.rpartition(".")
-        other.get_submodule(module_name).register_parameter(leaf, param)
-    return other.train(model.training)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mita.attention import clamp_topk
 from mita.cost import fig5_setting
 from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
@@ -67,10 +68,9 @@ class SweepConfig:
         neither fig5 nor MxK, a device torch cannot use here, model sizes ModelConfig
         refuses."""
         for n in self.ns:
-            for setting in self.settings if "mita" in self.variants else []:
-                m, k = landmarks_for(n, setting)
-                ModelConfig(num_landmarks=max(m, self.route_topk), topk=k,
-                            route_topk=self.route_topk)
+            for variant in self.variants:
+                for setting in self.settings if variant == "mita" else ["-"]:
+                    self.model_config(n, variant, setting)
         try:
             device = torch.device(self.device)
         except RuntimeError:
@@ -83,9 +83,16 @@ class SweepConfig:
             raise ValueError(f"device {self.device!r}: the sweep runs on cpu or cuda")
         if self.mita_backend == "triton" and device.type != "cuda":
             raise ValueError("mita_backend 'triton' needs a CUDA device")
-        ModelConfig(dim=self.dim, depth=self.depth, num_heads=self.num_heads,
-                    ffn_dim=self.ffn_dim, num_landmarks=self.route_topk,
-                    route_topk=self.route_topk)
+
+    def model_config(self, n: int, variant: str, setting: str) -> tuple[ModelConfig, int, int]:
+        """The model of one point and its (m, k) ((0, 0) for dense). Raises ValueError as
+        ``landmarks_for`` and ``ModelConfig``."""
+        m, k = landmarks_for(n, setting) if variant == "mita" else (0, 0)
+        cfg = ModelConfig(dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+                          ffn_dim=self.ffn_dim, attention=variant,
+                          num_landmarks=max(m, self.route_topk), topk=max(k, 1),
+                          route_topk=self.route_topk)
+        return cfg, m, k
 
 
 def _run_point(model: EncoderClassifier, ids: torch.Tensor, warmup: int, repeats: int,
@@ -119,11 +126,7 @@ def run_sweep(cfg: SweepConfig) -> list[dict]:
     jobs = [(n, v, st) for n in sorted(cfg.ns) for v in cfg.variants
             for st in (cfg.settings if v == "mita" else ["-"])]
     for n, variant, setting in tqdm(jobs, desc="sweep", unit="point"):
-        m, k = landmarks_for(n, setting) if variant == "mita" else (0, 0)
-        model_cfg = ModelConfig(dim=cfg.dim, depth=cfg.depth, num_heads=cfg.num_heads,
-                                ffn_dim=cfg.ffn_dim, attention=variant,
-                                num_landmarks=max(m, cfg.route_topk), topk=max(k, 1),
-                                route_topk=cfg.route_topk)
+        model_cfg, m, k = cfg.model_config(n, variant, setting)
         flops = model_stage_flops(model_cfg, cfg.batch, n)
         total_flops = sum(flops.values())
         row = {"n": n, "variant": variant, "setting": setting, "m": m, "k": k,
@@ -170,7 +173,7 @@ def speedups(rows: list[dict]) -> list[dict]:
         out.append({"n": r["n"], "setting": r["setting"], "m": r["m"], "k": r["k"], "s": r["s"],
                     "e2e_speedup": d["e2e_ms"] / r["e2e_ms"],
                     "attention_speedup": attention_ms(d) / attention_ms(r),
-                    "flop_limit": r["n"] / (2 * r["m"] + r["s"] * min(r["k"], r["n"]))})
+                    "flop_limit": r["n"] / (2 * r["m"] + r["s"] * clamp_topk(r["k"], r["n"]))})
     return out
 
 
