@@ -112,8 +112,8 @@ def _sort(rows: list[dict]) -> list[dict]:
 
 class StatsWindow:
     """The gateway's recent records. ``add_*`` are called by ``service.recorder.Recorder``
-    with the matching metric; ``summary(window_s)`` summarises the last ``window_s`` seconds (capped at
-    ``retention_s``). Times are wall-clock seconds (``time.time``)."""
+    with the matching metric; ``summary(window_s)`` summarises the last ``window_s`` seconds
+    (capped at ``retention_s``). Times are wall-clock seconds (``time.time``)."""
 
     def __init__(self, retention_s: float = 300.0, max_records: int = MAX_RECORDS):
         self.retention_s = retention_s
