@@ -8,7 +8,8 @@ runs them in order, each inside ``hook.stage(name)``:
 
 ``pool``            average-pool the *queries* into m landmark queries q̃ (eq. 5)
 ``landmark_scores`` s_ij = q̃_i·k_j/√d for every key (eq. 6)
-``topk``            the k best keys of each landmark form routed expert i (eq. 7)
+``topk``            the k best keys of each landmark form routed expert i (eq. 7;
+                    function ``topk_tokens``)
 ``shared_compress`` ṽ_i = Σ_j softmax(s_i)_j v_j over all N values; shared key = q̃_i (eq. 8)
 ``route``           each query picks its top-s landmarks by q·q̃_i, no gate (eq. 9)
 ``gather``          the k raw (key, value) pairs of every expert (eq. 10)
@@ -24,6 +25,7 @@ as flash attention).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,11 @@ SHARED_SCALES = ("paper", "official")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
+_KEYED_TOPK_ELEMENTS = 1 << 24  # float32 scores up to which top-k runs on 64-bit keys (no sync)
+_CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
+_CHUNK_ELEMENTS_CUDA = 1 << 26  # 256 MiB on a GPU: fewer, larger launches
+
+
 def check_setting(num_landmarks: int, topk: int, route_topk: int,
                   shared_scale: str = "paper") -> None:
     """The one check of a MiTA setting (§3.2): m, k, s ints ≥ 1, s ≤ m (a query picks s of
@@ -42,7 +49,11 @@ def check_setting(num_landmarks: int, topk: int, route_topk: int,
     ``mita_attention`` both call it. Raises ValueError naming the bad value."""
     for name, value in (("num_landmarks", num_landmarks), ("topk", topk),
                         ("route_topk", route_topk)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        try:  # Python, NumPy and torch integers; not floats or bools
+            ok = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
             raise ValueError(f"{name!r} must be an int ≥ 1, got {value!r}")
     if route_topk > num_landmarks:
         raise ValueError(f"'route_topk' s = {route_topk} exceeds 'num_landmarks' m = "
@@ -57,9 +68,6 @@ def clamp_topk(topk: int, n: int) -> int:
     cannot pick more keys than exist). Every path (attention, cost model, memory estimate)
     clamps through here."""
     return min(topk, n)
-_KEYED_TOPK_ELEMENTS = 1 << 24  # float32 scores up to which top-k runs on 64-bit keys (no sync)
-_CHUNK_ELEMENTS = 1 << 20  # float32 elements of one query chunk's N×m block (4 MiB)
-_CHUNK_ELEMENTS_CUDA = 1 << 26  # 256 MiB on a GPU: fewer, larger launches
 
 
 def _valid_tokens(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tensor:
@@ -256,7 +264,7 @@ def route(q: Tensor, landmarks: Tensor, route_topk: int,
 
     Args: ``q`` ``(B, H, N, d)``, ``landmarks`` ``(B, H, m, d)``, ``route_topk`` s ≤ m,
     ``landmark_valid`` ``(B, m)`` bool (empty landmarks are never picked unless fewer than s
-    are live; ``attention`` then masks the extra picks).
+    are valid; ``attention`` then masks the extra picks).
     Returns: ``experts`` ``(B, H, N, s)`` int64; ties → lowest index. The N×m affinities are
     computed in query chunks and not kept (at N = 1M, m = 512 they would take 2 GiB per head);
     ``attention`` recomputes the ones it needs as shared logits.

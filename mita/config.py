@@ -89,6 +89,7 @@ class ModelConfig:
         object.__setattr__(self, "landmark_grid", tuple(grid))  # JSON gives a list
 
     def replace(self, **changes) -> ModelConfig:
+        """A copy with ``changes``, validated again (ValueError)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -131,10 +131,12 @@ class EncoderClassifier(nn.Module):
             return self.head(self.norm(pooled.to(x.dtype))).float()
 
 
-def tied_variant(model: EncoderClassifier, attention: str) -> EncoderClassifier:
-    """A model of the other attention variant that shares every parameter tensor with
-    ``model`` (training one trains both)."""
-    other = EncoderClassifier(model.config.replace(attention=attention))
+def tied_variant(model: EncoderClassifier, attention: str, **changes) -> EncoderClassifier:
+    """A model with ``attention`` (``"dense"`` or ``"mita"``; ``changes``: other
+    ``ModelConfig`` fields, e.g. MiTA's m, k, s) that shares every parameter tensor with
+    ``model`` — training one trains both; the paper's swap without retraining. Raises
+    ValueError for a config ``ModelConfig`` refuses."""
+    other = EncoderClassifier(model.config.replace(attention=attention, **changes))
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         other.get_submodule(module_name).register_parameter(leaf, param)
@@ -193,13 +195,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
         if not p.is_file():
             raise FileNotFoundError(f"checkpoint file missing: {p}")
     meta = checkpoint_metadata(folder)
-    # Every field written out: a default would stand in for the fields that the weights'
-    # shapes do not pin down (attention, m, k, s, shared_scale, pad_id).
-    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"])
-                    - set(OPTIONAL_FIELDS))
-    if absent:
-        raise ValueError(f"{cfg_path}: config lacks field(s) {absent}")
-    cfg = ModelConfig.from_dict({**meta["config"], **overrides})
+    cfg = ModelConfig.from_dict(dataclasses.asdict(checkpoint_config(folder, meta)) | overrides)
     expected = meta.get("weights_sha256")
     actual = _sha256(weights_path)
     if expected != actual:
@@ -271,6 +267,21 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     if twice:
         raise ValueError(f"duplicate key(s) {twice}")
     return dict(pairs)
+
+
+def checkpoint_config(folder: str | Path, meta: dict | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint's config.json (``meta``: its parsed
+    ``checkpoint_metadata``, read here when None). Every field must be written out — a
+    default would stand in for what the weights' shapes do not pin down (attention, m, k, s,
+    shared_scale, pad_id) — except ``OPTIONAL_FIELDS``, which take the value that means what
+    older checkpoints did. Raises ValueError naming the absent, unknown or invalid fields;
+    FileNotFoundError without config.json."""
+    meta = checkpoint_metadata(folder) if meta is None else meta
+    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"])
+                    - set(OPTIONAL_FIELDS))
+    if absent:
+        raise ValueError(f"{Path(folder) / CONFIG_FILE}: config lacks field(s) {absent}")
+    return ModelConfig.from_dict(OPTIONAL_FIELDS | meta["config"])
 
 
 def checkpoint_metadata(folder: str | Path) -> dict:

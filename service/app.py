@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from mita.model import ModelConfig, checkpoint_metadata
+from mita.model import checkpoint_config
 
 from .classifier import Classifier
 from .engine import resolve_checkpoint
@@ -24,17 +24,28 @@ def build_app(args: dict) -> Application:
     classifier deployments load the same checkpoint in the same dtype.
 
     ``cuda_graphs`` (default true): replay unstaged forwards from CUDA graphs on CUDA.
-    Parsed strictly by ``schemas.AppArgs``.
+    ``mita_setting``: the MiTA classifier's m, k, s and shared scale, replacing the
+    checkpoint's (``schemas.MiTASetting``). Parsed strictly by ``schemas.AppArgs``.
 
     The gateway validates token ids against the checkpoint's vocabulary (its config.json).
 
-    Raises ValueError naming every refused arg, or for a malformed config.json, and
+    Raises ValueError naming every refused arg, for a malformed config.json or one with a
+    ``landmark_grid``, and
     FileNotFoundError for a checkpoint without one (at deploy time, not in a replica).
     """
     a = validated(AppArgs, args, "application args")
-    cfg = ModelConfig.from_dict(checkpoint_metadata(resolve_checkpoint(a.checkpoint))["config"])
+    cfg = checkpoint_config(resolve_checkpoint(a.checkpoint))
+    if cfg.landmark_grid is not None:  # pooling fixed to one H×W: not variable-length serving
+        raise ValueError(f"checkpoint {a.checkpoint}: its landmark_grid {list(cfg.landmark_grid)} "
+                         "(2-D pooling of one H×W token grid) fixes N; the service classifies "
+                         "sequences of any length and serves 1-D pooling checkpoints only")
+    setting = a.mita_setting.overrides()
+    try:
+        cfg.replace(attention="mita", **setting)
+    except ValueError as e:
+        raise ValueError(f"application args mita_setting: {e}") from None
     mita = Classifier.options(name="MiTAClassifier").bind(
-        a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs)
+        a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs, setting)
     dense = Classifier.options(name="DenseClassifier").bind(
         a.checkpoint, "dense", a.device, "auto", a.dtype, a.cuda_graphs)
     return Gateway.bind(mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id))

@@ -28,12 +28,14 @@ class Classifier:
     float32 on CPU). ``user_config``: ``max_batch_size``, ``batch_wait_timeout_s``,
     ``deterministic``, ``staged_profile_every`` (a fused MiTA backend runs every n-th forward
     with each stage timed apart; 0: only on request). Stage metrics come from staged forwards
-    only, so a stage name always means the same work."""
+    only, so a stage name always means the same work. ``setting``: ModelConfig overrides
+    (MiTA's m, k, s, shared scale) applied on loading."""
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
-                 mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True):
+                 mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True,
+                 setting: dict | None = None):
         self.engine = ClassifierEngine(checkpoint, attention, device, mita_backend, dtype,
-                                       cuda_graphs)
+                                       cuda_graphs, setting)
         # The replica id changes when Serve replaces the replica (crash, OOM kill): tests and
         # operators can see a restart.
         self.info_dict = self.engine.info | {
@@ -58,9 +60,10 @@ class Classifier:
 
     async def classify(self, ids: np.ndarray, staged: bool = False) -> dict:
         """Classify one validated id sequence; returns label, probabilities, n, model_id,
-        variant and the profile of the forward it was part of (``staged``: time every stage
-        of that forward apart)."""
-        return await self.forward_batch(ids, staged)
+        variant, this replica's id and the profile of the forward it was part of
+        (``staged``: time every stage of that forward apart)."""
+        result = await self.forward_batch(ids, staged)
+        return result | {"replica": self.info_dict["replica"]}  # peak memory is per replica
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def forward_batch(self, batch: list[np.ndarray], staged: list[bool]) -> list[dict]:

@@ -84,15 +84,21 @@ class ClassifierEngine:
             probabilities computed in float64.
         cuda_graphs: on CUDA, replay unstaged forwards from CUDA graphs per input shape
             (``service.graphs.GraphCache``: captured the 2nd time a shape is seen, N ≤ 16384).
-    Raises: ValueError (bad checkpoint, unknown attention/backend/dtype), FileNotFoundError.
+        setting: ``ModelConfig`` overrides applied on loading, e.g. MiTA's
+            ``{"num_landmarks": 32, "topk": 32, "route_topk": 2}`` (same weights).
+    Raises: ValueError (bad checkpoint, unknown attention/backend/dtype, a setting
+        ``ModelConfig`` refuses), FileNotFoundError.
     """
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
-                 mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True):
+                 mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True,
+                 setting: dict | None = None):
         folder = resolve_checkpoint(checkpoint)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_checkpoint(folder, device=self.device, attention=attention)
+        setting = dict(setting or {})
+        self.model = load_checkpoint(folder, device=self.device, attention=attention,
+                                     **setting)
         self.model.to(self.dtype)
         set_mita_backend(self.model, mita_backend)
         self.backend = mita_backend
@@ -115,7 +121,7 @@ class ClassifierEngine:
             "dtype": self.dtype_name,
             "mita_backend": mita_backend if attention == "mita" else None,
             "torch_threads": torch.get_num_threads(),
-            "config": meta["config"] | {"attention": attention},
+            "config": meta["config"] | setting | {"attention": attention},
             "training": meta.get("training", {}),
         }
 

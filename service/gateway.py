@@ -8,8 +8,8 @@ classifier deployment handle (``mita`` or ``dense``) → response; in shadow mod
 variant runs too and the two answers are compared. Every outcome goes through one
 ``service.recorder.Recorder`` into Prometheus and the ``StatsWindow`` that ``/v1/stats``
 summarises for the ``/dashboard`` page (or Prometheus does, when ``prometheus_url`` is
-configured). A classify request is counted once, by the ``check_body`` middleware, whichever
-layer answered it; routed requests are recorded where they were routed.
+configured). A classify request refused before routing is counted once, by the ``check_body``
+middleware, whichever layer refused it; a routed one is recorded by ``_classify``.
 """
 
 
@@ -238,7 +238,7 @@ app.router.route_class = StrictJSONRoute
 BINARY_PATH = "/v1/classify/binary"
 CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch", BINARY_PATH)
 ARRIVED = "mita_serve.arrived_at"  # ASGI scope key: Unix seconds the request reached the gateway
-ROUTED = "mita_serve.routed"  # ASGI scope key: set once a variant was chosen (and recorded)
+ROUTED = "mita_serve.routed"  # ASGI scope key: set once a variant is chosen; recorded by _classify
 # The query parameters each endpoint takes; on these paths any other is refused (422), so a
 # ?variant= sent to the JSON endpoint is not silently ignored. Other paths (the dashboard
 # page reads its own ?refresh_s=) are not checked.
@@ -411,6 +411,9 @@ class Gateway:
             timeout_s)
 
     async def _call(self, variant: str, ids: np.ndarray, staged: bool = False) -> dict:
+        """One call to ``variant``'s classifier; its forward is recorded whenever an answer
+        comes back. Raises ApiError: 503 (back-pressure: ``rejected``; replica died), 504
+        (no answer within ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
         response = self.handles[variant].classify.remote(ids, staged)
         try:
             result = await asyncio.wait_for(asyncio.ensure_future(response),
@@ -430,6 +433,7 @@ class Gateway:
         except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
             raise ApiError(500, f"the {variant} classifier failed: "
                                 f"{type(e).__name__}") from None
+        self.recorder.forward(variant, len(ids), result["profile"], result["replica"])
         if "error" in result:  # e.g. non-finite logits: never a 200 with NaN probabilities
             raise ApiError(500, f"the {variant} classifier failed: {result['error']}")
         return result
@@ -441,7 +445,6 @@ class Gateway:
             if e.rejected:
                 self.recorder.rejection(shadow, "shadow")
             return
-        self.recorder.forward(shadow, len(ids), other["profile"])
         self.recorder.shadow(primary, other["label"] == served["label"],
                              kl_divergence(served["probabilities"], other["probabilities"]))
 
@@ -464,7 +467,6 @@ class Gateway:
                 self.recorder.request(primary, e.status)
             raise
         self.recorder.request(primary, 200, len(ids), time.time() - arrived_at)
-        self.recorder.forward(primary, len(ids), result["profile"])
         if shadow is not None:
             task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
             self._shadow_tasks.add(task)

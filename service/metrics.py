@@ -79,16 +79,20 @@ class ServiceMetrics:
                         "when only the shadow call was refused (the primary answered).",
             tag_keys=("variant", "role"))
         self.tokens = Counter(
-            "mita_serve_tokens_total", description="Tokens classified.", tag_keys=("variant",))
+            "mita_serve_tokens_total",
+            description="Tokens of the forwards whose answers reached the gateway.",
+            tag_keys=("variant",))
         self.flops = Counter(
             "mita_serve_flops_total",
-            description="Analytic FLOPs of the forwards run (padded batch shape).",
+            description="Analytic FLOPs of the forwards whose answers reached the gateway: "
+                        "each request's share (forward FLOPs of the padded batch / requests "
+                        "in it).",
             tag_keys=("variant",))
         self.peak_memory = Gauge(
             "mita_serve_peak_memory_bytes",
-            description="Peak memory of the last forward (CUDA: measured max allocated; CPU: "
-                        "analytic activation estimate, see kind).",
-            tag_keys=("variant", "kind"))
+            description="Peak memory of a classifier replica's last forward (CUDA: measured "
+                        "max allocated; CPU: analytic activation estimate, see kind).",
+            tag_keys=("variant", "kind", "classifier_replica"))
         self.shadow_comparisons = Counter(
             "mita_serve_shadow_comparisons_total",
             description="Shadow-mode comparisons of primary and shadow variant; agree=true "

@@ -18,10 +18,12 @@ from .metrics import ServiceMetrics, n_bucket
 from .stats import StatsWindow
 
 GAUGE_REFRESH_S = 5.0
+PEAK_MEMORY_TTL_S = 60.0  # a replica's peak is dropped when it has not answered for this long
 
 
 def kl_divergence(p: list[float], q: list[float]) -> float:
-    """KL(p || q) in nats; probabilities clamped at 1e-12 so a zero in q stays finite."""
+    """KL(p || q) in nats; probabilities clamped at 1e-12 so a zero in q stays finite.
+    Raises ValueError when p and q differ in length."""
     return float(sum(pi * math.log(max(pi, 1e-12) / max(qi, 1e-12))
                      for pi, qi in zip(p, q, strict=True) if pi > 0))
 
@@ -34,23 +36,29 @@ class Recorder:
     - ``rejection``: a back-pressure refusal (503 + Retry-After) by a classifier's queue limit,
       as the primary call or the shadow call; not in ``requests_total``.
     - ``forward``: one request's share of the forward that served it (a primary or shadow
-      call): stage times (staged forwards only: a fused forward's stages cover several), the
-      forward's time, the request's tokens, the forward's FLOPs divided by the requests it
-      served, the forward's peak memory.
+      call whose answer reached the gateway, a 500 for non-finite logits included): stage
+      times (staged forwards only: a fused forward's stages cover several), the forward's
+      time, the request's tokens, the forward's FLOPs divided by the requests it served, and
+      the forward's peak memory, per classifier replica. A forward whose answer never came
+      (504 timeout, replica death) is not seen.
     - ``shadow``: a shadow comparison (label agreement, KL(primary ‖ shadow) in nats).
     """
 
     def __init__(self, window: StatsWindow | None = None):
         self.metrics = ServiceMetrics()
-        self.window = window or StatsWindow()
+        self.window = window if window is not None else StatsWindow()
         # Ray drops a gauge series that is not set for a while (~20 s): the last peak memory
-        # of each variant is set again every few seconds while the replica lives.
-        self._peak: dict[tuple[str, str], int] = {}
+        # of each classifier replica is set again every few seconds until that replica has
+        # not answered for PEAK_MEMORY_TTL_S. (variant, kind, replica) -> (bytes, monotonic s)
+        self._peak: dict[tuple[str, str, str], tuple[int, float]] = {}
+        self._lock = threading.Lock()
         threading.Thread(target=self._keep_gauges, daemon=True,
                          name="peak-memory-gauge").start()
 
     def request(self, variant: str, status: int, n: int | None = None,
                 latency_s: float | None = None) -> None:
+        """One classification request's answer: ``status`` (HTTP), ``n`` tokens and
+        ``latency_s`` seconds from arrival for an answered one (both None otherwise)."""
         self.metrics.requests.inc(1, {"variant": variant, "status": str(status)})
         if latency_s is not None:
             self.metrics.request_duration.observe(
@@ -58,9 +66,14 @@ class Recorder:
         self.window.add_request(variant, status, n, latency_s)
 
     def rejection(self, variant: str, role: str) -> None:
+        """A back-pressure refusal of ``variant``'s call; ``role``: primary or shadow."""
         self.metrics.rejections.inc(1, {"variant": variant, "role": role})
 
-    def forward(self, variant: str, n: int, profile: dict) -> None:
+    def forward(self, variant: str, n: int, profile: dict, replica: str = "") -> None:
+        """A request of ``n`` tokens served by a forward of ``variant`` on classifier
+        ``replica``; ``profile``: the forward's (``ClassifierEngine.run``: ``staged``,
+        ``stages_ms``, ``total_ms``, ``flops_total``, ``batch_size``,
+        ``peak_memory_bytes``/``_kind``). Raises KeyError for a profile without them."""
         m, bucket = self.metrics, n_bucket(n)
         tags = {"variant": variant, "n_bucket": bucket}
         if profile["staged"]:
@@ -71,17 +84,27 @@ class Recorder:
         m.tokens.inc(n, {"variant": variant})
         m.flops.inc(profile["flops_total"] / profile["batch_size"], {"variant": variant})
         if profile["peak_memory_bytes"] is not None:
-            self._peak[(variant, profile["peak_memory_kind"])] = profile["peak_memory_bytes"]
+            with self._lock:
+                self._peak[(variant, profile["peak_memory_kind"], replica)] = (
+                    profile["peak_memory_bytes"], time.monotonic())
             self._set_gauges()
 
     def shadow(self, primary: str, agree: bool, kl: float) -> None:
+        """A shadow comparison: labels ``agree``, ``kl`` = KL(primary ‖ shadow) in nats."""
         self.metrics.shadow_comparisons.inc(1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(kl, {"primary": primary})
         self.window.add_shadow(primary, agree)
 
     def _set_gauges(self) -> None:
-        for (variant, kind), value in list(self._peak.items()):
-            self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind})
+        now = time.monotonic()
+        with self._lock:
+            for key, (_, at) in list(self._peak.items()):
+                if now - at > PEAK_MEMORY_TTL_S:
+                    del self._peak[key]
+            peaks = list(self._peak.items())
+        for (variant, kind, replica), (value, _) in peaks:
+            self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind,
+                                                 "classifier_replica": replica})
 
     def _keep_gauges(self, period_s: float = GAUGE_REFRESH_S) -> None:
         while True:

@@ -17,13 +17,10 @@ from pydantic import (
     model_validator,
 )
 
-from mita.config import ATTENTIONS
-
 Variant = Literal["mita", "dense"]
-# The API's word for a model's ``attention`` (mita.config.ATTENTIONS): the same two names,
-# MiTA listed first in answers.
+# The API's word for a model's ``attention`` (mita.config.ATTENTIONS, the same two names;
+# tests/test_ids.py keeps them equal), MiTA listed first in answers.
 VARIANTS: tuple[str, ...] = get_args(Variant)
-assert set(VARIANTS) == set(ATTENTIONS)
 
 
 class ClassifyRequest(BaseModel):
@@ -106,6 +103,23 @@ MAX_REQUEST_TIMEOUT_S = 300.0
 STRICT_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class MiTASetting(BaseModel):
+    """MiTA's setting at serving time, replacing the checkpoint's (the paper's swap without
+    retraining, §4 Fig. 9; ``python -m profiler advise`` recommends one). Fields left out
+    keep the checkpoint's value; ``mita.config.ModelConfig`` checks the result at deploy."""
+
+    model_config = STRICT_CONFIG
+
+    num_landmarks: int | None = Field(None, ge=1, description="m: landmarks = routed experts")
+    topk: int | None = Field(None, ge=1, description="k: tokens per routed expert")
+    route_topk: int | None = Field(None, ge=1, description="s: routed experts per query")
+    shared_scale: Literal["paper", "official"] | None = None
+
+    def overrides(self) -> dict:
+        """The fields set, as ``ModelConfig`` field overrides."""
+        return self.model_dump(exclude_none=True)
+
+
 class AppArgs(BaseModel):
     """The application's ``args`` (``service.app.build_app``): what both classifier
     deployments load and how."""
@@ -120,6 +134,9 @@ class AppArgs(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = Field(True, description="replay unstaged forwards from CUDA graphs "
                                                 "per input shape (CUDA only)")
+    mita_setting: MiTASetting = Field(default_factory=MiTASetting,
+                                      description="the MiTA classifier's m, k, s, shared "
+                                                  "scale; default: the checkpoint's")
 
 
 class ClassifierConfig(BaseModel):

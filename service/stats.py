@@ -277,7 +277,8 @@ def _value(x: str) -> float | None:
 
 def prometheus_summary(base_url: str, window_s: float, timeout_s: float = 5.0) -> dict:
     """The ``StatsWindow.summary`` dict computed by Prometheus over the last ``window_s``
-    seconds (all gateway and classifier replicas). Blocking; raises PrometheusError."""
+    seconds (all gateway replicas: they record every metric). Blocking; raises
+    PrometheusError."""
     now = time.time()
     window = f"{max(1, round(window_s))}s"
     bin_s = bin_seconds(window_s)

@@ -16,8 +16,9 @@ from mita.model import (
     load_checkpoint,
     save_checkpoint,
     sinusoidal_positions,
+    tied_variant,
 )
-from mita.train import pad_batch, tied_variant
+from mita.train import pad_batch
 
 SMALL = ModelConfig(dim=32, depth=2, num_heads=2, ffn_dim=64, num_landmarks=4, topk=8)
 

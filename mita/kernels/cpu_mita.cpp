@@ -283,12 +283,12 @@ void route_shared_impl(const at::Tensor& q, const at::Tensor& lm,
       // Affinities q·q̃ (eq. 9); times c they are the shared logits of eq. 11.
       mm_nt<T>(n, m, d, Q + (bh * N + n0) * d, d, L + bh * m * d, d, T(0), A.data(), m);
       const bool* l = lm_valid + b * m;
-      bool all_live = true;
-      for (int64_t e = 0; e < m; ++e) all_live &= l[e];
+      bool all_valid = true;
+      for (int64_t e = 0; e < m; ++e) all_valid &= l[e];
       for (int64_t i = 0; i < n; ++i) {
         T* a = A.data() + i * m;
         const int64_t row = bh * N + n0 + i;
-        if (!all_live)
+        if (!all_valid)
           for (int64_t e = 0; e < m; ++e)
             if (!l[e]) a[e] = neg_inf;
         const T best_value = row_max(a, m);
@@ -349,7 +349,7 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& token_valid, const at::Tensor& experts, double scale_,
                  at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum) {
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
-  const int64_t m = expert_index.size(2), kk = expert_index.size(3), dv = v.size(3);
+  const int64_t m = expert_index.size(2), topk = expert_index.size(3), dv = v.size(3);
   const T scale = static_cast<T>(scale_);
   const int64_t* E = experts.data_ptr<int64_t>();
   const bool* qv = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
@@ -382,10 +382,10 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // Tiles differ in size (an expert's last tile is partial): hand them out dynamically.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<T> qbuf(kAttentionTile * d), kbuf(kk * d), vbuf(kk * dv),
-        logits(kAttentionTile * kk), obuf(kAttentionTile * dv), rmx(kAttentionTile),
+    std::vector<T> qbuf(kAttentionTile * d), kbuf(topk * d), vbuf(topk * dv),
+        logits(kAttentionTile * topk), obuf(kAttentionTile * dv), rmx(kAttentionTile),
         rsum(kAttentionTile);
-    std::vector<char> key_ok(kk);
+    std::vector<char> key_ok(topk);
     int64_t loaded = -1;  // (bh, expert) whose keys sit in kbuf/vbuf
     bool masked = false;  // some of them are padding, or the expert's landmark is empty
 #pragma omp for schedule(dynamic, 1)
@@ -394,9 +394,9 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t bh = tile.bh, b = bh / H, e = tile.expert, n = tile.len;
       const int64_t* rows = order.data() + bh * N + tile.start;
       if (loaded != bh * m + e) {  // stage gather (eq. 10), fused: expert e's k raw pairs
-        const int64_t* idx = I + (bh * m + e) * kk;
+        const int64_t* idx = I + (bh * m + e) * topk;
         masked = false;
-        for (int64_t j = 0; j < kk; ++j) {
+        for (int64_t j = 0; j < topk; ++j) {
           std::copy(K + (bh * N + idx[j]) * d, K + (bh * N + idx[j] + 1) * d, kbuf.data() + j * d);
           std::copy(Vp + (bh * N + idx[j]) * dv, Vp + (bh * N + idx[j] + 1) * dv,
                     vbuf.data() + j * dv);
@@ -409,21 +409,21 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const T* src = Q + (bh * N + rows[i]) * d;
         for (int64_t j = 0; j < d; ++j) qbuf[i * d + j] = src[j] * scale;
       }
-      mm_nt<T>(n, kk, d, qbuf.data(), d, kbuf.data(), d, T(0), logits.data(), kk);
+      mm_nt<T>(n, topk, d, qbuf.data(), d, kbuf.data(), d, T(0), logits.data(), topk);
       for (int64_t i = 0; i < n; ++i) {
-        T* row = logits.data() + i * kk;
+        T* row = logits.data() + i * topk;
         if (masked)
-          for (int64_t j = 0; j < kk; ++j)
+          for (int64_t j = 0; j < topk; ++j)
             if (!key_ok[j]) row[j] = neg_inf;
-        rmx[i] = row_max(row, kk);
+        rmx[i] = row_max(row, topk);
         if (rmx[i] == neg_inf) {  // every key of the expert is padding: no routed weight
-          std::fill(row, row + kk, T(0));
+          std::fill(row, row + topk, T(0));
           rsum[i] = T(0);
         } else {
-          rsum[i] = exp_sub_sum(row, kk, rmx[i]);
+          rsum[i] = exp_sub_sum(row, topk, rmx[i]);
         }
       }
-      mm_nn<T>(n, dv, kk, logits.data(), kk, vbuf.data(), dv, T(0), obuf.data(), dv);
+      mm_nn<T>(n, dv, topk, logits.data(), topk, vbuf.data(), dv, T(0), obuf.data(), dv);
       // eq. 12: one softmax over [shared ; routed] = the log-sum-exp merge of the two branches.
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = bh * N + rows[i];

@@ -342,7 +342,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
     _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
     out = plan.out
     if not plan.meta["SINGLE_SLOT"]:
-        # Slots with no live key have max -1e30 and weight 0; slot 0 holds the shared keys,
+        # Slots with no valid key have max -1e30 and weight 0; slot 0 holds the shared keys,
         # so every real query has a finite top.
         top = plan.part_m.amax(-1, keepdim=True)
         w = torch.exp(plan.part_m - top)

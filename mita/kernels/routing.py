@@ -318,7 +318,7 @@ def route_shared(q: Tensor, landmarks: Tensor, shared_values: Tensor, landmark_v
         landmarks: ``(B, H, m, d)`` unscaled landmark queries (cast to q's dtype).
         shared_values: ``(B, H, m, dv)`` from ``shared_compress`` (cast to q's dtype).
         landmark_valid: ``(B, m)`` bool; empty landmarks are never routed to and get no
-            shared weight (at least one per row is live).
+            shared weight (at least one per row is valid).
         shared_scale: c of the shared logit c·q·q̃_i (1/√d paper, 1/d official).
     Returns:
         ``experts`` ``(B, H, N, 1)`` int64 (argmax of q·q̃_i, lowest index on ties) and the
