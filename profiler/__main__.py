@@ -1,4 +1,5 @@
-"""``python -m profiler sweep …``: the offline cost sweep (see ``profiler.sweep``)."""
+"""``python -m profiler sweep …``: the offline cost sweep (``profiler.sweep``);
+``python -m profiler advise CHECKPOINT …``: the (m, k, s) advisor (``profiler.advise``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
 
+from . import advise
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
@@ -36,7 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--repeats", type=POSITIVE_INT, default=3)
     s.add_argument("--budget-s", type=POSITIVE_FLOAT, default=60.0, help="time budget per point")
     s.add_argument("--out", type=Path, default=Path("runs/sweep"))
+    _advise_parser(sub)
     a = p.parse_args(argv)
+    if a.command == "advise":
+        _advise(p, a)
+        return
     try:
         cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
                           dim=a.dim, num_heads=a.heads, ffn_dim=a.ffn_dim,
@@ -49,6 +55,76 @@ def main(argv: list[str] | None = None) -> None:
     rows = run_sweep(cfg)
     files = write_outputs(rows, cfg, a.out)
     print(markdown(rows))
+    print("wrote " + ", ".join(str(f) for f in files.values()))
+
+
+def _advise_parser(sub) -> None:
+    s = sub.add_parser("advise", help="which (m, k, s) pays off for my data and N",
+                       description=advise.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("checkpoint", help="checkpoint folder (relative to the project root "
+                                      "unless absolute)")
+    s.add_argument("--data", default="generated",
+                   help="'generated' (LRA-procedure ListOps, see --min/--max-length) or a "
+                        "file: LRA ListOps TSV (--format lra) or label<TAB>text (--format "
+                        "text, byte-level)")
+    s.add_argument("--format", dest="data_format", choices=["lra", "text"], default="lra")
+    s.add_argument("--size", type=POSITIVE_INT, default=1000,
+                   help="labelled sequences used (the first SIZE of a file)")
+    s.add_argument("--min-length", type=POSITIVE_INT, default=500)
+    s.add_argument("--max-length", type=POSITIVE_INT, default=2000)
+    s.add_argument("--seed", type=NONNEGATIVE_INT, default=1_000_003,
+                   help="generated data's seed (default: the test seed no training run uses)")
+    s.add_argument("--n", type=bounded(int, 1, 1_048_576), nargs="+",
+                   default=[1024, 4096, 16384], help="sequence lengths served (latency)")
+    s.add_argument("--grid", nargs="+", metavar="MxK[xS]",
+                   help="settings to try (default: Fig. 5's m = k ≈ √(N/4) for each N and "
+                        "m = k ∈ 8, 16, 32, 64; s = 1 and 2)")
+    s.add_argument("--shared-scales", nargs="+", choices=["paper", "official"],
+                   help="shared-branch scalings to try (default: the checkpoint's)")
+    q = s.add_mutually_exclusive_group()
+    q.add_argument("--min-agreement", type=bounded(float, 0.0, 1.0),
+                   help="predicted labels equal dense's on at least this fraction "
+                        "(default 0.99)")
+    q.add_argument("--max-accuracy-drop", type=bounded(float, 0.0, 100.0),
+                   help="accuracy at most this many points below dense's")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    s.add_argument("--repeats", type=POSITIVE_INT, default=5, help="timed forwards per N")
+    s.add_argument("--budget-min", type=POSITIVE_FLOAT, default=10.0,
+                   help="stop starting new work after this many minutes (resumable)")
+    s.add_argument("--out", type=Path, default=Path("runs/advise"))
+    s.add_argument("--fresh", action="store_true", help="discard a previous run in --out")
+
+
+def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    from mita.model import checkpoint_metadata
+    from service.engine import resolve_checkpoint
+
+    try:
+        meta = checkpoint_metadata(resolve_checkpoint(a.checkpoint))
+        scales = a.shared_scales or [meta["config"]["shared_scale"]]
+        grid = ([advise.parse_setting(g, sc) for sc in scales for g in a.grid] if a.grid
+                else advise.default_grid(a.n, scales))
+        constraint = (advise.Constraint("accuracy_drop", a.max_accuracy_drop)
+                      if a.max_accuracy_drop is not None else
+                      advise.Constraint("agreement", 0.99 if a.min_agreement is None
+                                        else a.min_agreement))
+        if a.data != "generated" and not Path(a.data).is_file():
+            raise ValueError(f"--data {a.data}: no such file")
+        cfg = advise.AdviseConfig(
+            checkpoint=a.checkpoint, ns=a.n, grid=grid, constraint=constraint, data=a.data,
+            data_format=a.data_format, size=a.size, min_length=a.min_length,
+            max_length=a.max_length, seed=a.seed, device=a.device, dtype=a.dtype,
+            mita_backend=a.mita_backend, repeats=a.repeats, budget_s=60 * a.budget_min,
+            out=a.out)
+        a.out.mkdir(parents=True, exist_ok=True)
+        rep = advise.run_advise(cfg, fresh=a.fresh)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    files = advise.write_outputs(rep, a.out)
+    print(advise.markdown(rep))
     print("wrote " + ", ".join(str(f) for f in files.values()))
 
 

@@ -8,12 +8,33 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from mita.model import checkpoint_config
+from mita.model import ModelConfig, checkpoint_config
 
 from .classifier import Classifier
 from .engine import resolve_checkpoint
 from .gateway import Gateway, Vocabulary
 from .schemas import AppArgs, validated
+
+
+def served_config(args: dict) -> tuple[AppArgs, ModelConfig]:
+    """The parsed application args and the ``ModelConfig`` the MiTA classifier will serve:
+    the checkpoint's, with ``mita_setting`` applied. Used by ``build_app`` and by
+    ``python -m service --check`` (``launch.verify_checkpoints``), so both refuse the same.
+    Raises ValueError for refused args, a malformed config.json, a ``landmark_grid``
+    checkpoint (2-D pooling fixes N = H·W; the service serves any length) or a setting
+    ``ModelConfig`` refuses; FileNotFoundError for a checkpoint without config.json."""
+    a = validated(AppArgs, args, "application args")
+    cfg = checkpoint_config(resolve_checkpoint(a.checkpoint))
+    if cfg.landmark_grid is not None:
+        raise ValueError(f"checkpoint {a.checkpoint}: its landmark_grid "
+                         f"{list(cfg.landmark_grid)} (2-D pooling of one H×W token grid) fixes "
+                         "N; the service classifies sequences of any length and serves 1-D "
+                         "pooling checkpoints only")
+    try:
+        cfg = cfg.replace(attention="mita", **a.mita_setting.overrides())
+    except ValueError as e:
+        raise ValueError(f"application args mita_setting: {e}") from None
+    return a, cfg
 
 
 def build_app(args: dict) -> Application:
@@ -29,21 +50,10 @@ def build_app(args: dict) -> Application:
 
     The gateway validates token ids against the checkpoint's vocabulary (its config.json).
 
-    Raises ValueError naming every refused arg, for a malformed config.json or one with a
-    ``landmark_grid``, and
-    FileNotFoundError for a checkpoint without one (at deploy time, not in a replica).
+    Raises as ``served_config`` (at deploy time, not in a replica).
     """
-    a = validated(AppArgs, args, "application args")
-    cfg = checkpoint_config(resolve_checkpoint(a.checkpoint))
-    if cfg.landmark_grid is not None:  # pooling fixed to one H×W: not variable-length serving
-        raise ValueError(f"checkpoint {a.checkpoint}: its landmark_grid {list(cfg.landmark_grid)} "
-                         "(2-D pooling of one H×W token grid) fixes N; the service classifies "
-                         "sequences of any length and serves 1-D pooling checkpoints only")
+    a, cfg = served_config(args)
     setting = a.mita_setting.overrides()
-    try:
-        cfg.replace(attention="mita", **setting)
-    except ValueError as e:
-        raise ValueError(f"application args mita_setting: {e}") from None
     mita = Classifier.options(name="MiTAClassifier").bind(
         a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs, setting)
     dense = Classifier.options(name="DenseClassifier").bind(

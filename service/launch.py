@@ -267,15 +267,16 @@ def local_gpu_count() -> int:
 def verify_checkpoints(config: ServeDeploySchema) -> None:
     """Load every application's ``checkpoint`` argument on the CPU, as the replicas will:
     safetensors only, ``config.json``'s weights SHA-256 checked. Raises ValueError/OSError
-    naming the problem (e.g. a hash mismatch) so the service refuses to start."""
+    naming the problem (e.g. a hash mismatch, a ``mita_setting`` the model refuses:
+    ``app.served_config``) so the service refuses to start."""
     from mita.model import load_checkpoint
 
+    from .app import served_config
     from .engine import resolve_checkpoint
 
     for app in config.applications:
-        checkpoint = (app.args or {}).get("checkpoint")
-        if checkpoint is None:
-            continue
+        a, _ = served_config(app.args or {})
+        checkpoint = a.checkpoint
         model = load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
         max_n = gateway_config(app).max_n
         if model.config.max_len < max_n:

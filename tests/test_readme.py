@@ -80,6 +80,8 @@ README_COMMANDS = {
     "python -m profiler sweep --mita-backend torch|cpu|triton": (
         "run", "the sweep again with --mita-backend torch (default auto: cpu here; triton "
                "needs CUDA)"),
+    ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
+    "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
     "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
     "PYTHONPATH=. .venv/bin/python benchmarks/gpu_serving.py --smoke": (
         "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
@@ -315,6 +317,8 @@ def test_readme_walkthrough(tmp_path):
     sh(shrink(sweep, tmp_path) + f" --mita-backend torch --out {tmp_path}/runs/sweep-torch", env)
     ran.add("python -m profiler sweep --mita-backend torch|cpu|triton")
     assert (tmp_path / "runs" / "sweep-torch" / "sweep.md").is_file()
+    out = run(next(c for c in cmds if "-m profiler advise" in c), 300).stdout
+    assert "Recommendation" in out and (tmp_path / "runs" / "advise" / "frontier.png").is_file()
     out = run(next(c for c in cmds if "request_overhead" in c), 300).stdout
     assert "binary" in out, out
     assert ran >= set(cmds), set(cmds) - ran

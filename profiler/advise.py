@@ -1,0 +1,519 @@
+"""(m, k, s) advisor: does MiTA pay off for this checkpoint, these data and these N, and with
+which setting?
+
+For every setting of a grid — m landmarks (= routed experts), k tokens per expert, s experts
+per query, and the shared-branch scaling — the checkpoint's MiTA variant is compared with its
+dense variant on the same inputs, through the serving code (``service.engine.ClassifierEngine``,
+one unpadded forward per sequence, as the service's ``deterministic`` mode):
+
+- quality on the user's labelled sequences: label accuracy, agreement of the predicted labels
+  with dense, mean KL(dense ‖ MiTA) of the class probabilities (nats), and retention =
+  MiTA accuracy / dense accuracy (the paper's Fig. 9 measure for a swap without retraining);
+- cost at each N served: forward latency (p50 of repeats, after one warm-up) with the
+  per-stage breakdown the forward reports, and peak memory (CUDA: measured; CPU: the analytic
+  activation estimate). The input of length N is the user's own sequences concatenated and
+  cut to N tokens.
+
+The recommendation at each N is the fastest setting that meets the quality constraint
+(agreement with dense ≥ a fraction, or accuracy at most some points below dense), with its
+speed-up over dense; one setting for the whole N range comes with a serve-config snippet
+(``args.mita_setting``: the service swaps m, k, s at load time, same weights).
+
+Work is done in units (dense quality, dense latency at each N, then per setting: quality,
+latency at each N), each appended to ``advise.jsonl`` as it finishes: a run stopped by its time
+budget (or Ctrl-C) resumes where it stopped when started again with the same inputs.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from mita.cost import fig5_setting
+from mita.data.listops import ListOpsConfig, encode, generate
+from mita.data.tsv import read_lra_listops, read_text_tsv
+from mita.hooks import stage_sorted
+from mita.model import checkpoint_metadata
+
+FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
+KL_FLOOR = 1e-12  # probabilities clamped here, so a zero in MiTA's keeps KL finite
+RUN_FILE = "advise.jsonl"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One MiTA setting: m, k, s and the shared-branch scaling (``mita.config.ModelConfig``
+    names in ``overrides``)."""
+
+    m: int
+    k: int
+    s: int = 1
+    shared_scale: str = "paper"
+
+    @property
+    def name(self) -> str:
+        return f"m{self.m} k{self.k} s{self.s} {self.shared_scale}"
+
+    def overrides(self) -> dict:
+        return {"num_landmarks": self.m, "topk": self.k, "route_topk": self.s,
+                "shared_scale": self.shared_scale}
+
+
+def parse_setting(text: str, shared_scale: str = "paper") -> Setting:
+    """``"MxK"`` or ``"MxKxS"`` (e.g. ``32x32x2``) → ``Setting``. Raises ValueError."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?", text)
+    if not match:
+        raise ValueError(f"setting {text!r} is not MxK or MxKxS (e.g. 32x32 or 32x32x2)")
+    m, k, s = int(match[1]), int(match[2]), int(match[3] or 1)
+    if min(m, k, s) < 1 or s > m:
+        raise ValueError(f"setting {text!r}: m, k, s must be ≥ 1 and s ≤ m")
+    return Setting(m, k, s, shared_scale)
+
+
+def default_grid(ns: list[int], shared_scales: list[str]) -> list[Setting]:
+    """The paper's Fig. 5 setting of each N (m = k ≈ √(N/4), so m·k ≈ N/4) and the fixed
+    m = k ∈ {8, 16, 32, 64}, each with s = 1 and s = 2, for each shared scaling."""
+    sides = sorted({fig5_setting(n)[0] for n in ns} | set(FIXED_SIDES))
+    return [Setting(side, side, s, scale) for scale in shared_scales for side in sides
+            for s in (1, 2) if s <= side]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``kind``: ``"agreement"`` (predicted labels equal dense's on at least ``value``, a
+    fraction) or ``"accuracy_drop"`` (accuracy at most ``value`` points below dense's)."""
+
+    kind: str
+    value: float
+
+    def met(self, row: dict, dense: dict) -> bool:
+        if self.kind == "agreement":
+            return row["agreement"] >= self.value
+        return 100 * (dense["accuracy"] - row["accuracy"]) <= self.value
+
+    def describe(self) -> str:
+        if self.kind == "agreement":
+            return f"agreement with dense ≥ {100 * self.value:.1f} %"
+        return f"accuracy drop ≤ {self.value:g} points"
+
+
+def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dict:
+    """Quality of ``probs`` against the dense ``reference`` (both ``(n, classes)`` float64
+    probabilities) and the true ``labels`` ``(n,)``: accuracy, agreement of the argmax labels,
+    mean KL(reference ‖ probs) in nats (probabilities clamped at ``KL_FLOOR``), and
+    ``drop_se_points``: the standard error of dense's accuracy minus this one, in points, for
+    paired outcomes on the same sequences (√(b + c − (b − c)²/n) / n, b and c the sequences
+    only one of the two gets right). Identical inputs give agreement 1.0, KL exactly 0 and
+    SE 0."""
+    pred, ref = probs.argmax(1), reference.argmax(1)
+    p = np.clip(reference, KL_FLOOR, None)
+    q = np.clip(probs, KL_FLOOR, None)
+    kl = np.where(reference > 0, reference * (np.log(p) - np.log(q)), 0.0).sum(1)
+    right, ref_right = pred == labels, ref == labels
+    b, c, n = int((ref_right & ~right).sum()), int((right & ~ref_right).sum()), len(labels)
+    return {"accuracy": float(right.mean()), "agreement": float((pred == ref).mean()),
+            "kl": float(kl.mean()),
+            "drop_se_points": 100 * math.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n}
+
+
+@dataclass
+class AdviseConfig:
+    """Inputs of one advisor run (``python -m profiler advise --help``)."""
+
+    checkpoint: str
+    ns: list[int]
+    grid: list[Setting]
+    constraint: Constraint
+    data: str = "generated"  # "generated", or a file path
+    data_format: str = "lra"  # for a file: "lra" (LRA ListOps TSV) or "text" (label<TAB>text)
+    size: int = 1000
+    min_length: int = 500  # generated data: LRA's test distribution, 500 < length < 2000
+    max_length: int = 2000
+    seed: int = 1_000_003
+    device: str = "cpu"
+    dtype: str = "auto"
+    mita_backend: str = "auto"
+    repeats: int = 5
+    budget_s: float = 600.0
+    out: Path = field(default_factory=lambda: Path("runs/advise"))
+
+    def key(self) -> dict:
+        """What makes two runs' units interchangeable (``advise.jsonl``'s header)."""
+        meta = checkpoint_metadata(_resolve(self.checkpoint))
+        data_id = (self.data if self.data == "generated" else
+                   hashlib.sha256(Path(self.data).read_bytes()).hexdigest())
+        return {"weights_sha256": meta["weights_sha256"], "data": data_id,
+                "format": self.data_format, "size": self.size,
+                "lengths": [self.min_length, self.max_length], "seed": self.seed,
+                "device": self.device, "dtype": self.dtype, "mita_backend": self.mita_backend,
+                "repeats": self.repeats, "torch": torch.__version__}
+
+
+def _resolve(checkpoint: str) -> Path:
+    from service.engine import resolve_checkpoint
+
+    return resolve_checkpoint(checkpoint)
+
+
+def load_data(cfg: AdviseConfig, num_classes: int) -> list[tuple[list[int], int]]:
+    """The labelled sequences: ``size`` generated ListOps expressions (LRA's procedure,
+    ``min_length < length < max_length``) or the first ``size`` rows of the file. Raises
+    ValueError for an unreadable file or an empty result."""
+    if cfg.data == "generated":
+        rows = [(encode(t), y) for t, y in generate(
+            cfg.size, cfg.seed, ListOpsConfig(cfg.min_length, cfg.max_length))]
+    elif cfg.data_format == "lra":
+        rows = read_lra_listops(cfg.data)[:cfg.size]
+    else:
+        rows = read_text_tsv(cfg.data, num_classes)[:cfg.size]
+    if not rows:
+        raise ValueError(f"no labelled sequences in {cfg.data}")
+    return rows
+
+
+def sequence_of_length(data: list[tuple[list[int], int]], n: int) -> np.ndarray:
+    """The data's sequences concatenated (repeated as needed) and cut to exactly n tokens:
+    real content at any N."""
+    ids: list[int] = []
+    while len(ids) < n:
+        for seq, _ in data:
+            ids.extend(seq)
+            if len(ids) >= n:
+                break
+    return np.asarray(ids[:n], dtype=np.int64)
+
+
+class _Run:
+    """The finished units of a run (``advise.jsonl``), appended as each one finishes."""
+
+    def __init__(self, path: Path, key: dict, fresh: bool):
+        self.path, self.done = path, {}
+        if path.exists() and not fresh:
+            lines = path.read_text().splitlines()
+            header = json.loads(lines[0]) if lines else {}
+            if header.get("key") != key:
+                raise ValueError(f"{path} holds a run with other inputs ({_diff(header, key)}); "
+                                 "pass --fresh to start over or choose another --out")
+            for line in lines[1:]:
+                unit = json.loads(line)
+                self.done[tuple(unit["unit"])] = unit
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"key": key}) + "\n")
+        self.resumed = len(self.done)
+
+    def add(self, unit: tuple, result: dict) -> dict:
+        record = {"unit": list(unit), **result}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.done[unit] = record
+        return record
+
+
+def _diff(header: dict, key: dict) -> str:
+    old = header.get("key") or {}
+    changed = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+    return "differs in " + ", ".join(changed) if changed else "no header"
+
+
+def _engine(cfg: AdviseConfig, attention: str, setting: Setting | None):
+    from service.engine import ClassifierEngine
+
+    return ClassifierEngine(cfg.checkpoint, attention, cfg.device, cfg.mita_backend, cfg.dtype,
+                            cuda_graphs=False,
+                            setting=setting.overrides() if setting is not None else None)
+
+
+def _probabilities(engine, data) -> np.ndarray:
+    return np.array([r["probabilities"] for r in engine.run([seq for seq, _ in data])])
+
+
+def _latency(engine, ids: np.ndarray, repeats: int) -> dict:
+    engine.run([ids])  # warm-up: kernel build, allocator, caches
+    profiles = [engine.run([ids])[0]["profile"] for _ in range(repeats)]
+    stages = stage_sorted({s for p in profiles for s in p["stages_ms"]})
+    return {"p50_ms": float(np.median([p["total_ms"] for p in profiles])),
+            "stages_ms": {s: float(np.median([p["stages_ms"].get(s, 0.0) for p in profiles]))
+                          for s in stages},
+            "peak_memory_bytes": profiles[-1]["peak_memory_bytes"],
+            "peak_memory_kind": profiles[-1]["peak_memory_kind"]}
+
+
+def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
+    """Run (or resume) the grid within ``cfg.budget_s`` seconds of work and return the report
+    dict (``rows``, ``recommendations``, ``overall``, ``skipped``, ``config``). Units already in
+    ``cfg.out/advise.jsonl`` from a run with the same inputs are not run again. Raises
+    ValueError for bad data, a checkpoint that will not load or a foreign ``advise.jsonl``."""
+    meta = checkpoint_metadata(_resolve(cfg.checkpoint))
+    data = load_data(cfg, meta["config"]["num_classes"])
+    labels = np.array([y for _, y in data])
+    run = _Run(cfg.out / RUN_FILE, cfg.key(), fresh)
+    units = [("quality", "dense")] + [("latency", "dense", n) for n in cfg.ns]
+    for setting in cfg.grid:
+        units += [("quality", setting.name)] + [("latency", setting.name, n) for n in cfg.ns]
+    by_name = {s.name: s for s in cfg.grid}
+    start, skipped = time.monotonic(), []
+    engines: dict[str, object] = {}
+    dense_probs = None
+    bar = tqdm(units, desc="advise", unit="unit")
+    for unit in bar:
+        if unit in run.done:
+            continue
+        if time.monotonic() - start > cfg.budget_s:
+            skipped.append(unit)
+            continue
+        name = unit[1]
+        bar.set_postfix_str(f"{name} {unit[0]}" + (f" N={unit[2]}" if len(unit) > 2 else ""))
+        if name not in engines:  # one engine at a time: load, use, drop
+            engines.clear()
+            engines[name] = _engine(cfg, "dense" if name == "dense" else "mita",
+                                    by_name.get(name))
+        engine = engines[name]
+        if unit[0] == "quality":
+            probs = _probabilities(engine, data)
+            if name == "dense":
+                dense_probs = probs
+                np.save(cfg.out / "dense_probabilities.npy", probs)
+            elif dense_probs is None:
+                dense_probs = np.load(cfg.out / "dense_probabilities.npy")
+            run.add(unit, compare(dense_probs, probs, labels))
+        else:
+            run.add(unit, _latency(engine, sequence_of_length(data, unit[2]), cfg.repeats))
+    bar.close()
+    if skipped:
+        tqdm.write(f"time budget of {cfg.budget_s:.0f} s spent: {len(skipped)} of {len(units)} "
+                   f"units not run; run the same command again to resume")
+    return report(cfg, run.done, skipped)
+
+
+def report(cfg: AdviseConfig, done: dict, skipped: list) -> dict:
+    """Rows per setting (quality and per-N latency, speed-up over dense), the recommendation at
+    each N and for the whole range, from the finished units."""
+    dense = done.get(("quality", "dense"))
+    rows = []
+    for name, setting in [("dense", None)] + [(s.name, s) for s in cfg.grid]:
+        q = done.get(("quality", name))
+        row = {"setting": name, **(asdict(setting) if setting else {"m": None, "k": None,
+                                                                    "s": None,
+                                                                    "shared_scale": None})}
+        if q is not None:
+            row |= {k: q[k] for k in ("accuracy", "agreement", "kl", "drop_se_points")}
+            if dense is not None:
+                row["retention"] = (q["accuracy"] / dense["accuracy"] if dense["accuracy"]
+                                    else None)
+                row["accuracy_drop_points"] = 100 * (dense["accuracy"] - q["accuracy"])
+        row["latency"] = {}
+        for n in cfg.ns:
+            lat = done.get(("latency", name, n))
+            base = done.get(("latency", "dense", n))
+            if lat is not None:
+                row["latency"][n] = {k: lat[k] for k in ("p50_ms", "stages_ms",
+                                                         "peak_memory_bytes",
+                                                         "peak_memory_kind")}
+                if base is not None:
+                    row["latency"][n]["speedup"] = base["p50_ms"] / lat["p50_ms"]
+        rows.append(row)
+    recs = [_recommend(cfg, rows, n) for n in cfg.ns]
+    return {"config": _config_dict(cfg), "constraint": cfg.constraint.describe(), "rows": rows,
+            "recommendations": recs, "overall": _overall(cfg, rows),
+            "skipped": [list(u) for u in skipped]}
+
+
+def _eligible(cfg: AdviseConfig, rows: list[dict]) -> tuple[dict | None, list[dict]]:
+    dense = rows[0] if "accuracy" in rows[0] else None
+    if dense is None:
+        return None, []
+    return dense, [r for r in rows[1:] if "accuracy" in r and cfg.constraint.met(r, dense)]
+
+
+def _recommend(cfg: AdviseConfig, rows: list[dict], n: int) -> dict:
+    dense, ok = _eligible(cfg, rows)
+    timed = [r for r in ok if n in r["latency"] and "speedup" in r["latency"][n]]
+    if not timed:
+        measured = [r for r in rows[1:] if "agreement" in r]
+        best = max(measured, key=lambda r: r["agreement"], default=None)
+        why = (f"best agreement {100 * best['agreement']:.1f} %, accuracy drop "
+               f"{best['accuracy_drop_points']:.1f} points ({best['setting']})"
+               if best and dense else "no setting finished")
+        if ok and not timed:
+            why = f"{len(ok)} setting(s) meet it but none was timed at N = {n} within the budget"
+        return {"n": n, "setting": None,
+                "answer": f"no setting meets {cfg.constraint.describe()} at N = {n} ({why})"}
+    best = min(timed, key=lambda r: r["latency"][n]["p50_ms"])
+    lat = best["latency"][n]
+    return {"n": n, "setting": best["setting"], "p50_ms": lat["p50_ms"],
+            "dense_p50_ms": lat["p50_ms"] * lat["speedup"], "speedup": lat["speedup"],
+            "accuracy": best["accuracy"], "agreement": best["agreement"], "kl": best["kl"],
+            "accuracy_drop_points": best["accuracy_drop_points"],
+            "retention": best["retention"],
+            "answer": (f"N = {n}: {best['setting']} — {lat['speedup']:.2f}× dense's speed "
+                       f"({lat['p50_ms']:.1f} ms vs {lat['p50_ms'] * lat['speedup']:.1f} ms), "
+                       f"agreement {100 * best['agreement']:.1f} %, accuracy "
+                       f"{100 * best['accuracy']:.1f} % (dense {100 * dense['accuracy']:.1f} %, "
+                       f"retention {100 * best['retention']:.1f} %)")}
+
+
+def _overall(cfg: AdviseConfig, rows: list[dict]) -> dict:
+    """One setting for every N: among those meeting the constraint and timed at every N, the
+    lowest geometric mean of MiTA/dense time over the N values."""
+    dense, ok = _eligible(cfg, rows)
+    full = [r for r in ok if all(n in r["latency"] and "speedup" in r["latency"][n]
+                                 for n in cfg.ns)]
+    if not full:
+        return {"setting": None, "answer": f"no setting meets {cfg.constraint.describe()} at "
+                                           f"every N in {cfg.ns}"}
+    best = min(full, key=lambda r: sum(-math.log(r["latency"][n]["speedup"]) for n in cfg.ns))
+    snippet = serve_snippet(best, cfg)
+    return {"setting": best["setting"], "snippet": snippet,
+            "speedups": {n: best["latency"][n]["speedup"] for n in cfg.ns},
+            "answer": f"for N in {cfg.ns}: {best['setting']}"}
+
+
+def serve_snippet(row: dict, cfg: AdviseConfig) -> str:
+    """The serve-config lines (``applications[0].args``) that serve ``row``'s setting."""
+    return ("# deploy/serve_config.yaml: applications[0].args\n"
+            f"args:\n  checkpoint: {cfg.checkpoint}\n  mita_setting:\n"
+            f"    num_landmarks: {row['m']}\n    topk: {row['k']}\n"
+            f"    route_topk: {row['s']}\n    shared_scale: {row['shared_scale']}\n")
+
+
+def _config_dict(cfg: AdviseConfig) -> dict:
+    d = asdict(cfg)
+    d["out"] = str(cfg.out)
+    d["grid"] = [s.name for s in cfg.grid]
+    d["constraint"] = cfg.constraint.describe()
+    return d
+
+
+def markdown(rep: dict) -> str:
+    """The report as Markdown: the table, the recommendations and the snippet."""
+    cfg = rep["config"]
+    ns = cfg["ns"]
+    head = ("| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
+            "KL(dense‖MiTA) | retention | "
+            + " | ".join(f"p50 ms N={n} (× dense)" for n in ns) + " |")
+    lines = [f"Advisor: checkpoint {cfg['checkpoint']}, data {cfg['data']} "
+             f"({cfg['size']} sequences"
+             + (f", {cfg['min_length']} < length < {cfg['max_length']}"
+                if cfg["data"] == "generated" else "") + f"), {cfg['device']}, dtype "
+             f"{cfg['dtype']}, backend {cfg['mita_backend']}, batch 1, p50 of {cfg['repeats']}, "
+             f"torch {torch.__version__}. Constraint: {rep['constraint']}. Drop = dense's "
+             "accuracy minus the setting's, with its paired standard error: a constraint "
+             "tighter than ~2 SE is within noise.", "",
+             head, "|" + "---|" * (10 + len(ns))]
+    for r in rep["rows"]:
+        drop = (f"{r['accuracy_drop_points']:+.1f} ± {r['drop_se_points']:.1f}"
+                if r.get("accuracy_drop_points") is not None and r["setting"] != "dense"
+                else "-")
+        q = ([f"{100 * r['accuracy']:.1f} %", drop, f"{100 * r['agreement']:.1f} %",
+              f"{r['kl']:.4f}", f"{100 * r['retention']:.1f} %" if r.get("retention")
+              is not None else "-"] if "accuracy" in r else ["-"] * 5)
+        lat = []
+        for n in ns:
+            x = r["latency"].get(n) or r["latency"].get(str(n))
+            lat.append("-" if x is None else f"{x['p50_ms']:.1f}" + (
+                f" ({x['speedup']:.2f}×)" if "speedup" in x and r["setting"] != "dense" else ""))
+        lines.append("| " + " | ".join([r["setting"], *(str(r[c]) if r[c] is not None else "-"
+                                                        for c in ("m", "k", "s",
+                                                                  "shared_scale")),
+                                        *q, *lat]) + " |")
+    lines += ["", "Recommendation (fastest setting meeting the constraint):", ""]
+    lines += [f"- {x['answer']}" for x in rep["recommendations"]]
+    lines += [f"- {rep['overall']['answer']}"]
+    if rep["overall"].get("snippet"):
+        lines += ["", "```yaml", rep["overall"]["snippet"].rstrip(), "```"]
+    if rep["skipped"]:
+        lines += ["", f"Not run (time budget): {len(rep['skipped'])} units; run again to "
+                      "resume."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_frontier(rep: dict, path: Path) -> Path:
+    """Latency against agreement per N (one subplot each, log latency): every setting, dense
+    at 100 %, the Pareto frontier (dense included: no other point is both faster and more
+    agreeing) as a step line, the constraint's threshold when it is on agreement, the recommendation
+    circled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ns = rep["config"]["ns"]
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.8), squeeze=False)
+    recs = {x["n"]: x for x in rep["recommendations"]}
+    for ax, n in zip(axes[0], ns, strict=True):
+        pts = [(r["latency"][n]["p50_ms"], 100 * r["agreement"], r["setting"])
+               for r in rep["rows"][1:] if "agreement" in r and n in r["latency"]]
+        dense = rep["rows"][0]["latency"].get(n)
+        for x, y, name in pts:
+            ax.plot(x, y, "o", color="#1f77b4", ms=5)
+            ax.annotate(name.replace(" paper", "").replace(" official", " off."), (x, y),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        frontier, best_y = [], -1.0
+        candidates = pts + ([(dense["p50_ms"], 100.0, "dense")] if dense is not None else [])
+        for x, y, _ in sorted(candidates, key=lambda p: (p[0], -p[1])):
+            if y > best_y:
+                frontier.append((x, y))
+                best_y = y
+        if frontier:
+            ax.step([p[0] for p in frontier], [p[1] for p in frontier], where="post",
+                    color="#2ca02c", label="Pareto frontier")
+        if dense is not None:
+            ax.plot(dense["p50_ms"], 100.0, "*", color="#d62728", ms=12, label="dense")
+        if rep["config"]["constraint"].startswith("agreement"):
+            ax.axhline(float(rep["config"]["constraint"].split("≥")[1].split("%")[0]),
+                       color="grey", ls="--", lw=1, label="constraint")
+        rec = recs.get(n)
+        if rec and rec.get("setting"):
+            ax.plot(rec["p50_ms"], 100 * rec["agreement"], "o", ms=13, mfc="none",
+                    color="#ff7f0e", label="recommended")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"N = {n}")
+        ax.set_xlabel("forward p50 ms (log)")
+        ax.set_ylabel("agreement with dense (%)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
+    """``advise.md``, ``advise.json``, ``advise.csv``, ``frontier.png`` and, when a setting
+    qualifies for every N, ``serve_snippet.yaml``, into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"md": out / "advise.md", "json": out / "advise.json", "csv": out / "advise.csv"}
+    files["md"].write_text(markdown(rep))
+    files["json"].write_text(json.dumps(rep, indent=2) + "\n")
+    ns = rep["config"]["ns"]
+    with open(files["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement", "kl",
+                    "retention", "n", "p50_ms", "speedup", "peak_memory_bytes"])
+        for r in rep["rows"]:
+            for n in ns:
+                lat = r["latency"].get(n, {})
+                w.writerow([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"],
+                            r.get("accuracy"), r.get("agreement"), r.get("kl"),
+                            r.get("retention"), n, lat.get("p50_ms"), lat.get("speedup"),
+                            lat.get("peak_memory_bytes")])
+    files["png"] = plot_frontier(rep, out / "frontier.png")
+    if rep["overall"].get("snippet"):
+        files["yaml"] = out / "serve_snippet.yaml"
+        files["yaml"].write_text(rep["overall"]["snippet"])
+    return files

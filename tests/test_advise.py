@@ -1,0 +1,150 @@
+"""The (m, k, s) advisor on the shipped checkpoint and generated ListOps: its quality numbers,
+its recommendation, and that the recommended setting, served through the serve config's
+``mita_setting``, gives the advised numbers again."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from mita.model import EncoderClassifier, ModelConfig, save_checkpoint
+from profiler import advise
+from service.app import build_app
+from service.engine import ClassifierEngine
+from service.schemas import AppArgs
+
+from .conftest import CHECKPOINT
+
+SMALL = dict(checkpoint=CHECKPOINT, ns=[256], size=24, min_length=100, max_length=300,
+             repeats=1)
+
+
+def test_compare_on_a_hand_example_and_on_itself():
+    """Real values: argmax ties go to the first class (as ``np.argmax``); KL(ref ‖ probs) =
+    ½ ln(0.5/0.25) + ½ ln(0.5/0.75) = ½ ln(4/3) for row 0, 0 for row 1 (mean: half that)."""
+    ref = np.array([[0.5, 0.5], [0.9, 0.1]])
+    probs = np.array([[0.25, 0.75], [0.9, 0.1]])
+    got = advise.compare(ref, probs, np.array([1, 0]))
+    assert got["accuracy"] == 1.0 and got["agreement"] == 0.5
+    assert got["kl"] == pytest.approx(0.5 * 0.5 * math.log(4 / 3), rel=1e-12)
+    # Paired SE of the accuracy difference: only row 0 differs (dense wrong, this right),
+    # b = 0, c = 1, n = 2: 100·√(1 − 1/2)/2 points.
+    assert got["drop_se_points"] == pytest.approx(100 * math.sqrt(0.5) / 2, rel=1e-12)
+    # MiTA compared with itself, on the served model's real probabilities.
+    cfg = advise.AdviseConfig(grid=[], constraint=advise.Constraint("agreement", 0.99), **SMALL)
+    data = advise.load_data(cfg, 10)
+    engine = ClassifierEngine(CHECKPOINT, "mita", "cpu", cuda_graphs=False)
+    p = np.array([r["probabilities"] for r in engine.run([s for s, _ in data])])
+    again = np.array([r["probabilities"] for r in engine.run([s for s, _ in data])])
+    same = advise.compare(p, again, np.array([y for _, y in data]))
+    assert same["agreement"] == 1.0 and same["kl"] == 0.0 and same["drop_se_points"] == 0.0
+    assert same["accuracy"] == np.mean(p.argmax(1) == [y for _, y in data])
+
+
+def test_sequence_of_length_is_the_data_cut_to_n():
+    data = [([1, 2, 3], 0), ([4, 5], 1)]
+    assert advise.sequence_of_length(data, 7).tolist() == [1, 2, 3, 4, 5, 1, 2]
+    assert advise.sequence_of_length(data, 2).tolist() == [1, 2]
+
+
+def test_default_grid_and_setting_parsing():
+    grid = advise.default_grid([1024, 4096, 16384], ["paper"])
+    # Fig. 5: m = k = 16, 32, 64 for these N, with the fixed 8…64: four sides, s = 1 and 2.
+    assert [(s.m, s.k, s.s) for s in grid] == [(8, 8, 1), (8, 8, 2), (16, 16, 1), (16, 16, 2),
+                                              (32, 32, 1), (32, 32, 2), (64, 64, 1),
+                                              (64, 64, 2)]
+    assert advise.parse_setting("32x16x2", "official") == advise.Setting(32, 16, 2, "official")
+    for bad in ("32", "4x4x5", "0x4", "axb"):
+        with pytest.raises(ValueError, match="setting"):
+            advise.parse_setting(bad)
+
+
+@pytest.mark.slow
+def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_path):
+    """A two-setting grid; then the snippet is parsed as the serve config's application args
+    (``schemas.AppArgs``) and served by the classifier engine the deployment runs: the same
+    accuracy, agreement and KL (one unpadded forward per sequence on both sides: exact)."""
+    out = tmp_path / "advise"
+    cfg = advise.AdviseConfig(grid=[advise.parse_setting("4x4"), advise.parse_setting("16x16")],
+                              constraint=advise.Constraint("accuracy_drop", 100.0), out=out,
+                              **SMALL)
+    rep = advise.run_advise(cfg)
+    assert rep["skipped"] == []
+    rows = {r["setting"]: r for r in rep["rows"]}
+    rec = rep["recommendations"][0]
+    assert rec["setting"] == min(list(rows)[1:], key=lambda s: rows[s]["latency"][256]["p50_ms"])
+    assert rep["overall"]["setting"] == rec["setting"]
+    row = rows[rec["setting"]]
+    assert rec["speedup"] == rows["dense"]["latency"][256]["p50_ms"] / row["latency"][256][
+        "p50_ms"]
+    assert row["retention"] == row["accuracy"] / rows["dense"]["accuracy"]
+
+    args = AppArgs.model_validate(yaml.safe_load(rep["overall"]["snippet"])["args"])
+    data = advise.load_data(cfg, 10)
+    labels = np.array([y for _, y in data])
+    served = ClassifierEngine(args.checkpoint, "mita", "cpu", cuda_graphs=False,
+                              setting=args.mita_setting.overrides())
+    assert served.info["config"]["num_landmarks"] == row["m"]
+    dense = ClassifierEngine(args.checkpoint, "dense", "cpu", cuda_graphs=False)
+    got = advise.compare(*(np.array([r["probabilities"] for r in e.run([s for s, _ in data])])
+                           for e in (dense, served)), labels)
+    keys = ("accuracy", "agreement", "kl", "drop_se_points")
+    assert {k: got[k] for k in keys} == {k: row[k] for k in keys}
+
+    files = advise.write_outputs(rep, out)
+    assert yaml.safe_load(files["yaml"].read_text())["args"]["mita_setting"]["topk"] == row["k"]
+    assert json.loads(files["json"].read_text())["overall"]["setting"] == rec["setting"]
+    assert files["png"].stat().st_size > 10_000
+
+    # Resumable: a bigger grid with the same inputs runs only the new setting's two units.
+    lines = (out / advise.RUN_FILE).read_text().splitlines()
+    assert len(lines) == 1 + 2 + 2 * 2  # header, dense and two settings (quality + N = 256)
+    cfg.grid.append(advise.parse_setting("8x8x2"))
+    rep2 = advise.run_advise(cfg)
+    assert len((out / advise.RUN_FILE).read_text().splitlines()) == len(lines) + 2
+    assert [r["accuracy"] for r in rep2["rows"][:3]] == [r["accuracy"] for r in rep["rows"]]
+    # Other inputs in the same folder: refused, naming what differs.
+    cfg.size = 12
+    with pytest.raises(ValueError, match=r"other inputs \(differs in size\)"):
+        advise.run_advise(cfg)
+
+
+@pytest.mark.slow
+def test_no_setting_meets_and_the_budget_stops_cleanly(tmp_path):
+    cfg = advise.AdviseConfig(grid=[advise.parse_setting("1x1")],
+                              constraint=advise.Constraint("agreement", 1.0),
+                              out=tmp_path / "a", **SMALL)
+    rep = advise.run_advise(cfg)
+    row = rep["rows"][1]
+    assert row["agreement"] < 1.0  # one landmark, one key: not dense's answers
+    assert rep["recommendations"][0]["setting"] is None
+    assert rep["recommendations"][0]["answer"].startswith(
+        "no setting meets agreement with dense ≥ 100.0 % at N = 256 (best agreement "
+        f"{100 * row['agreement']:.1f} %")
+    assert rep["overall"] == {"setting": None, "answer": "no setting meets agreement with "
+                                                         "dense ≥ 100.0 % at every N in [256]"}
+    assert "yaml" not in advise.write_outputs(rep, tmp_path / "a")
+    # A budget already spent: nothing runs, every unit is listed as skipped, no crash.
+    cfg.budget_s, cfg.out = 0.0, tmp_path / "b"
+    rep = advise.run_advise(cfg)
+    assert len(rep["skipped"]) == 4 and rep["recommendations"][0]["setting"] is None
+    assert "Not run (time budget): 4 units" in advise.markdown(rep)
+
+
+def test_serve_config_mita_setting_is_checked_at_deploy(tmp_path):
+    with pytest.raises(ValueError, match=r"mita_setting: config: 'route_topk' s = 3 exceeds "
+                                         r"'num_landmarks' m = 2"):
+        build_app({"mita_setting": {"num_landmarks": 2, "route_topk": 3}})
+    with pytest.raises(ValueError, match="mita_setting"):
+        build_app({"mita_setting": {"m": 2}})
+    app = build_app({"mita_setting": {"num_landmarks": 32, "topk": 8}})
+    assert app is not None
+    # A 2-D landmark grid fixes N = H·W: refused at deploy, not by every request of another N.
+    grid = ModelConfig(num_landmarks=4, topk=4, landmark_grid=(4, 6))
+    save_checkpoint(EncoderClassifier(grid), tmp_path / "grid")
+    with pytest.raises(ValueError, match=r"landmark_grid \[4, 6\] .* fixes N"):
+        build_app({"checkpoint": str(tmp_path / "grid")})
