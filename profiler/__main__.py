@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--repeats", type=POSITIVE_INT, default=3)
     s.add_argument("--budget-s", type=POSITIVE_FLOAT, default=60.0, help="time budget per point")
     s.add_argument("--out", type=Path, default=Path("runs/sweep"))
-    _advise_parser(sub)
+    advise_parser = _advise_parser(sub)
     a = p.parse_args(argv)
     if a.command == "advise":
-        _advise(p, a)
+        _advise(advise_parser, a)
         return
     try:
         cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
@@ -58,17 +58,22 @@ def main(argv: list[str] | None = None) -> None:
     print("wrote " + ", ".join(str(f) for f in files.values()))
 
 
-def _advise_parser(sub) -> None:
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default."""
+
+
+def _advise_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("advise", help="which (m, k, s) pays off for my data and N",
-                       description=advise.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=advise.__doc__, formatter_class=_HelpFormatter)
     s.add_argument("checkpoint", help="checkpoint folder (relative to the project root "
                                       "unless absolute)")
     s.add_argument("--data", default="generated",
                    help="'generated' (LRA-procedure ListOps, see --min/--max-length) or a "
                         "file: LRA ListOps TSV (--format lra) or label<TAB>text (--format "
                         "text, byte-level)")
-    s.add_argument("--format", dest="data_format", choices=["lra", "text"], default="lra")
+    s.add_argument("--format", dest="data_format", choices=["lra", "text"], default="lra",
+                   help="a --data file's format")
     s.add_argument("--size", type=POSITIVE_INT, default=1000,
                    help="labelled sequences used (the first SIZE of a file)")
     s.add_argument("--min-length", type=POSITIVE_INT, default=500)
@@ -88,14 +93,34 @@ def _advise_parser(sub) -> None:
                         "(default 0.99)")
     q.add_argument("--max-accuracy-drop", type=bounded(float, 0.0, 100.0),
                    help="accuracy at most this many points below dense's")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
-    s.add_argument("--repeats", type=POSITIVE_INT, default=5, help="timed forwards per N")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA (as the service)")
+    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="as the service's mita_backend")
+    s.add_argument("--repeats", type=POSITIVE_INT, default=5,
+                   help="timed forwards per setting and N (dense interleaved)")
     s.add_argument("--budget-min", type=POSITIVE_FLOAT, default=10.0,
                    help="stop starting new work after this many minutes (resumable)")
     s.add_argument("--out", type=Path, default=Path("runs/advise"))
     s.add_argument("--fresh", action="store_true", help="discard a previous run in --out")
+    return s
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:N)"
+                         ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: the advisor runs on cpu or cuda")
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"--device {device!r}: this torch ({torch.__version__}) sees "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -105,24 +130,34 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     try:
         meta = checkpoint_metadata(resolve_checkpoint(a.checkpoint))
         scales = a.shared_scales or [meta["config"]["shared_scale"]]
+        ns = sorted(set(a.n))
         grid = ([advise.parse_setting(g, sc) for sc in scales for g in a.grid] if a.grid
-                else advise.default_grid(a.n, scales))
+                else advise.default_grid(ns, scales))
+        grid = list(dict.fromkeys(grid))  # a setting given twice runs once
         constraint = (advise.Constraint("accuracy_drop", a.max_accuracy_drop)
                       if a.max_accuracy_drop is not None else
                       advise.Constraint("agreement", 0.99 if a.min_agreement is None
                                         else a.min_agreement))
         if a.data != "generated" and not Path(a.data).is_file():
-            raise ValueError(f"--data {a.data}: no such file")
+            raise ValueError(f"--data {a.data}: " + ("a folder, not a file"
+                                                     if Path(a.data).is_dir() else "no such file"))
+        _check_device(a.device)
         cfg = advise.AdviseConfig(
-            checkpoint=a.checkpoint, ns=a.n, grid=grid, constraint=constraint, data=a.data,
+            checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
             data_format=a.data_format, size=a.size, min_length=a.min_length,
             max_length=a.max_length, seed=a.seed, device=a.device, dtype=a.dtype,
             mita_backend=a.mita_backend, repeats=a.repeats, budget_s=60 * a.budget_min,
             out=a.out)
-        a.out.mkdir(parents=True, exist_ok=True)
+        try:
+            a.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {a.out}: {e.strerror}") from None
         rep = advise.run_advise(cfg, fresh=a.fresh)
     except (OSError, ValueError) as e:
         p.error(str(e))
+    except KeyboardInterrupt:
+        raise SystemExit(f"\ninterrupted: the finished units are in {a.out / advise.RUN_FILE}; "
+                         "run the same command again to resume") from None
     files = advise.write_outputs(rep, a.out)
     print(advise.markdown(rep))
     print("wrote " + ", ".join(str(f) for f in files.values()))

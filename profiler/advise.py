@@ -11,13 +11,15 @@ one unpadded forward per sequence, as the service's ``deterministic`` mode):
   MiTA accuracy / dense accuracy (the paper's Fig. 9 measure for a swap without retraining);
 - cost at each N served: forward latency (p50 of repeats, after one warm-up) with the
   per-stage breakdown the forward reports, and peak memory (CUDA: measured; CPU: the analytic
-  activation estimate). The input of length N is the user's own sequences concatenated and
-  cut to N tokens.
+  activation estimate); the speed-up over dense is the ratio of p50s with dense's forwards
+  interleaved with the setting's, in one process (machines are noisy). The input of length N
+  is the user's own sequences concatenated and cut to N tokens.
 
-The recommendation at each N is the fastest setting that meets the quality constraint
-(agreement with dense ≥ a fraction, or accuracy at most some points below dense), with its
-speed-up over dense; one setting for the whole N range comes with a serve-config snippet
-(``args.mita_setting``: the service swaps m, k, s at load time, same weights).
+The recommendation at each N is the setting with the largest speed-up over dense among those
+that meet the quality constraint (agreement with dense ≥ a fraction, or accuracy at most some
+points below dense) and beat dense — or "dense is faster" / "no setting meets …"; one setting
+for the whole N range comes with a serve-config snippet (``args.mita_setting``: the service
+swaps m, k, s at load time, same weights).
 
 Work is done in units (dense quality, dense latency at each N, then per setting: quality,
 latency at each N), each appended to ``advise.jsonl`` as it finishes: a run stopped by its time
@@ -48,6 +50,16 @@ from mita.model import checkpoint_metadata
 FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
 KL_FLOOR = 1e-12  # probabilities clamped here, so a zero in MiTA's keeps KL finite
 RUN_FILE = "advise.jsonl"
+DENSE_PROBS = "dense_probabilities.npy"
+NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
+
+
+def _load_dense_probs(path: Path) -> np.ndarray:
+    try:
+        return np.load(path)
+    except OSError:
+        raise ValueError(f"{path} is missing: the run in {path.parent} cannot resume; pass "
+                         "--fresh") from None
 
 
 @dataclass(frozen=True)
@@ -152,9 +164,11 @@ class AdviseConfig:
         meta = checkpoint_metadata(_resolve(self.checkpoint))
         data_id = (self.data if self.data == "generated" else
                    hashlib.sha256(Path(self.data).read_bytes()).hexdigest())
+        generated = self.data == "generated"
         return {"weights_sha256": meta["weights_sha256"], "data": data_id,
-                "format": self.data_format, "size": self.size,
-                "lengths": [self.min_length, self.max_length], "seed": self.seed,
+                "format": None if generated else self.data_format, "size": self.size,
+                "lengths": [self.min_length, self.max_length] if generated else None,
+                "seed": self.seed if generated else None,
                 "device": self.device, "dtype": self.dtype, "mita_backend": self.mita_backend,
                 "repeats": self.repeats, "torch": torch.__version__}
 
@@ -165,19 +179,38 @@ def _resolve(checkpoint: str) -> Path:
     return resolve_checkpoint(checkpoint)
 
 
-def load_data(cfg: AdviseConfig, num_classes: int) -> list[tuple[list[int], int]]:
+def load_data(cfg: AdviseConfig, num_classes: int, vocab_size: int | None = None,
+              pad_id: int = 0) -> list[tuple[list[int], int]]:
     """The labelled sequences: ``size`` generated ListOps expressions (LRA's procedure,
-    ``min_length < length < max_length``) or the first ``size`` rows of the file. Raises
-    ValueError for an unreadable file or an empty result."""
+    ``min_length < length < max_length``) or the first ``size`` rows of the file. With
+    ``vocab_size``, every token id must be a real id of the checkpoint (``0 … vocab_size - 1``
+    but ``pad_id``). Raises ValueError for an unreadable file, an empty result, a label
+    outside ``num_classes`` or an id outside the vocabulary (naming the row)."""
     if cfg.data == "generated":
         rows = [(encode(t), y) for t, y in generate(
             cfg.size, cfg.seed, ListOpsConfig(cfg.min_length, cfg.max_length))]
-    elif cfg.data_format == "lra":
-        rows = read_lra_listops(cfg.data)[:cfg.size]
     else:
-        rows = read_text_tsv(cfg.data, num_classes)[:cfg.size]
+        try:
+            rows = (read_lra_listops(cfg.data) if cfg.data_format == "lra"
+                    else read_text_tsv(cfg.data, num_classes))[:cfg.size]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{cfg.data}: not UTF-8 text ({e.reason} at byte {e.start})"
+                             ) from None
     if not rows:
         raise ValueError(f"no labelled sequences in {cfg.data}")
+    for i, (seq, label) in enumerate(rows):
+        if not 0 <= label < num_classes:
+            raise ValueError(f"{cfg.data}: row {i + 1} has label {label}; the checkpoint has "
+                             f"{num_classes} classes")
+        if vocab_size is not None:
+            bad = [t for t in seq if not 0 <= t < vocab_size or t == pad_id]
+            if bad:
+                raise ValueError(f"{cfg.data}: row {i + 1} has token id {bad[0]}, not in the "
+                                 f"checkpoint's vocabulary (ids 0…{vocab_size - 1} but the "
+                                 f"padding id {pad_id}); does --format {cfg.data_format} suit "
+                                 "this checkpoint?")
+        if not seq:
+            raise ValueError(f"{cfg.data}: row {i + 1} is an empty sequence")
     return rows
 
 
@@ -199,13 +232,18 @@ class _Run:
     def __init__(self, path: Path, key: dict, fresh: bool):
         self.path, self.done = path, {}
         if path.exists() and not fresh:
-            lines = path.read_text().splitlines()
-            header = json.loads(lines[0]) if lines else {}
+            try:
+                lines = path.read_text().splitlines()
+                header = json.loads(lines[0]) if lines else {}
+                if not isinstance(header, dict):
+                    raise ValueError("its first line is not a header")
+                units = [json.loads(line) for line in lines[1:] if line.strip()]
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} is damaged ({e}); pass --fresh to start over") from None
             if header.get("key") != key:
                 raise ValueError(f"{path} holds a run with other inputs ({_diff(header, key)}); "
                                  "pass --fresh to start over or choose another --out")
-            for line in lines[1:]:
-                unit = json.loads(line)
+            for unit in units:
                 self.done[tuple(unit["unit"])] = unit
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,15 +276,27 @@ def _probabilities(engine, data) -> np.ndarray:
     return np.array([r["probabilities"] for r in engine.run([seq for seq, _ in data])])
 
 
-def _latency(engine, ids: np.ndarray, repeats: int) -> dict:
-    engine.run([ids])  # warm-up: kernel build, allocator, caches
-    profiles = [engine.run([ids])[0]["profile"] for _ in range(repeats)]
+def _latency(engine, ids: np.ndarray, repeats: int, dense=None) -> dict:
+    """p50 (and min, max) of ``repeats`` timed forwards after one warm-up, stages and peak
+    memory; with ``dense``, dense forwards interleaved with these ones (``dense_p50_ms``), so
+    the speed-up is a ratio measured side by side."""
+    for e in (engine, dense) if dense is not None else (engine,):
+        e.run([ids])  # warm-up: kernel build, allocator, caches
+    profiles, dense_ms = [], []
+    for _ in range(repeats):
+        profiles.append(engine.run([ids])[0]["profile"])
+        if dense is not None:
+            dense_ms.append(dense.run([ids])[0]["profile"]["total_ms"])
     stages = stage_sorted({s for p in profiles for s in p["stages_ms"]})
-    return {"p50_ms": float(np.median([p["total_ms"] for p in profiles])),
-            "stages_ms": {s: float(np.median([p["stages_ms"].get(s, 0.0) for p in profiles]))
-                          for s in stages},
-            "peak_memory_bytes": profiles[-1]["peak_memory_bytes"],
-            "peak_memory_kind": profiles[-1]["peak_memory_kind"]}
+    total = [p["total_ms"] for p in profiles]
+    out = {"p50_ms": float(np.median(total)), "min_ms": min(total), "max_ms": max(total),
+           "stages_ms": {s: float(np.median([p["stages_ms"].get(s, 0.0) for p in profiles]))
+                         for s in stages},
+           "peak_memory_bytes": profiles[-1]["peak_memory_bytes"],
+           "peak_memory_kind": profiles[-1]["peak_memory_kind"]}
+    if dense is not None:
+        out["dense_p50_ms"] = float(np.median(dense_ms))
+    return out
 
 
 def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
@@ -255,7 +305,8 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     ``cfg.out/advise.jsonl`` from a run with the same inputs are not run again. Raises
     ValueError for bad data, a checkpoint that will not load or a foreign ``advise.jsonl``."""
     meta = checkpoint_metadata(_resolve(cfg.checkpoint))
-    data = load_data(cfg, meta["config"]["num_classes"])
+    model_cfg = meta["config"]
+    data = load_data(cfg, model_cfg["num_classes"], model_cfg["vocab_size"], model_cfg["pad_id"])
     labels = np.array([y for _, y in data])
     run = _Run(cfg.out / RUN_FILE, cfg.key(), fresh)
     units = [("quality", "dense")] + [("latency", "dense", n) for n in cfg.ns]
@@ -264,7 +315,10 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     by_name = {s.name: s for s in cfg.grid}
     start, skipped = time.monotonic(), []
     engines: dict[str, object] = {}
+    dense_engine = None  # kept loaded: every setting's latency is timed beside it
     dense_probs = None
+    if run.resumed:
+        tqdm.write(f"resuming: {run.resumed} of {len(units)} units from {run.path}")
     bar = tqdm(units, desc="advise", unit="unit")
     for unit in bar:
         if unit in run.done:
@@ -274,31 +328,36 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
             continue
         name = unit[1]
         bar.set_postfix_str(f"{name} {unit[0]}" + (f" N={unit[2]}" if len(unit) > 2 else ""))
-        if name not in engines:  # one engine at a time: load, use, drop
+        if dense_engine is None:
+            dense_engine = _engine(cfg, "dense", None)
+        if name not in engines:  # one MiTA engine at a time: load, use, drop
             engines.clear()
-            engines[name] = _engine(cfg, "dense" if name == "dense" else "mita",
-                                    by_name.get(name))
+            engines[name] = (dense_engine if name == "dense" else
+                             _engine(cfg, "mita", by_name[name]))
         engine = engines[name]
         if unit[0] == "quality":
             probs = _probabilities(engine, data)
             if name == "dense":
                 dense_probs = probs
-                np.save(cfg.out / "dense_probabilities.npy", probs)
+                np.save(cfg.out / DENSE_PROBS, probs)
             elif dense_probs is None:
-                dense_probs = np.load(cfg.out / "dense_probabilities.npy")
+                dense_probs = _load_dense_probs(cfg.out / DENSE_PROBS)
             run.add(unit, compare(dense_probs, probs, labels))
         else:
-            run.add(unit, _latency(engine, sequence_of_length(data, unit[2]), cfg.repeats))
+            ids = sequence_of_length(data, unit[2])
+            run.add(unit, _latency(engine, ids, cfg.repeats,
+                                   None if name == "dense" else dense_engine))
     bar.close()
     if skipped:
-        tqdm.write(f"time budget of {cfg.budget_s:.0f} s spent: {len(skipped)} of {len(units)} "
+        tqdm.write(f"time budget of {cfg.budget_s:g} s spent: {len(skipped)} of {len(units)} "
                    f"units not run; run the same command again to resume")
-    return report(cfg, run.done, skipped)
+    return report(cfg, run.done, skipped, len(data))
 
 
-def report(cfg: AdviseConfig, done: dict, skipped: list) -> dict:
-    """Rows per setting (quality and per-N latency, speed-up over dense), the recommendation at
-    each N and for the whole range, from the finished units."""
+def report(cfg: AdviseConfig, done: dict, skipped: list, n_data: int | None = None) -> dict:
+    """Rows per setting (quality and per-N latency, speed-up over dense measured side by side),
+    the recommendation at each N and for the whole range, from the finished units;
+    ``n_data``: the sequences actually used (a file may hold fewer than ``size``)."""
     dense = done.get(("quality", "dense"))
     rows = []
     for name, setting in [("dense", None)] + [(s.name, s) for s in cfg.grid]:
@@ -315,16 +374,20 @@ def report(cfg: AdviseConfig, done: dict, skipped: list) -> dict:
         row["latency"] = {}
         for n in cfg.ns:
             lat = done.get(("latency", name, n))
-            base = done.get(("latency", "dense", n))
             if lat is not None:
-                row["latency"][n] = {k: lat[k] for k in ("p50_ms", "stages_ms",
-                                                         "peak_memory_bytes",
+                row["latency"][n] = {k: lat[k] for k in ("p50_ms", "min_ms", "max_ms",
+                                                         "stages_ms", "peak_memory_bytes",
                                                          "peak_memory_kind")}
-                if base is not None:
-                    row["latency"][n]["speedup"] = base["p50_ms"] / lat["p50_ms"]
+                if "dense_p50_ms" in lat:  # dense timed beside this setting, same process
+                    row["latency"][n]["dense_p50_ms"] = lat["dense_p50_ms"]
+                    row["latency"][n]["speedup"] = lat["dense_p50_ms"] / lat["p50_ms"]
         rows.append(row)
     recs = [_recommend(cfg, rows, n) for n in cfg.ns]
-    return {"config": _config_dict(cfg), "constraint": cfg.constraint.describe(), "rows": rows,
+    noisy = sorted({(r["setting"], n) for r in rows for n, x in r["latency"].items()
+                    if x["max_ms"] > NOISY * x["min_ms"]})
+    config = _config_dict(cfg) | {"sequences": n_data if n_data is not None else cfg.size}
+    return {"config": config, "constraint": cfg.constraint.describe(), "rows": rows,
+            "noisy": [list(x) for x in noisy],
             "recommendations": recs, "overall": _overall(cfg, rows),
             "skipped": [list(u) for u in skipped]}
 
@@ -339,6 +402,14 @@ def _eligible(cfg: AdviseConfig, rows: list[dict]) -> tuple[dict | None, list[di
 def _recommend(cfg: AdviseConfig, rows: list[dict], n: int) -> dict:
     dense, ok = _eligible(cfg, rows)
     timed = [r for r in ok if n in r["latency"] and "speedup" in r["latency"][n]]
+    faster = [r for r in timed if r["latency"][n]["speedup"] > 1]
+    if timed and not faster:
+        best = max(timed, key=lambda r: r["latency"][n]["speedup"])
+        return {"n": n, "setting": None,
+                "answer": f"N = {n}: dense is faster — MiTA does not pay off here (the fastest "
+                          f"setting meeting {cfg.constraint.describe()}, {best['setting']}, "
+                          f"runs at {best['latency'][n]['speedup']:.2f}× dense's speed)"}
+    timed = faster
     if not timed:
         measured = [r for r in rows[1:] if "agreement" in r]
         best = max(measured, key=lambda r: r["agreement"], default=None)
@@ -349,29 +420,30 @@ def _recommend(cfg: AdviseConfig, rows: list[dict], n: int) -> dict:
             why = f"{len(ok)} setting(s) meet it but none was timed at N = {n} within the budget"
         return {"n": n, "setting": None,
                 "answer": f"no setting meets {cfg.constraint.describe()} at N = {n} ({why})"}
-    best = min(timed, key=lambda r: r["latency"][n]["p50_ms"])
+    best = max(timed, key=lambda r: r["latency"][n]["speedup"])
     lat = best["latency"][n]
+    retention = ("-" if best["retention"] is None else f"{100 * best['retention']:.1f} %")
     return {"n": n, "setting": best["setting"], "p50_ms": lat["p50_ms"],
-            "dense_p50_ms": lat["p50_ms"] * lat["speedup"], "speedup": lat["speedup"],
+            "dense_p50_ms": lat["dense_p50_ms"], "speedup": lat["speedup"],
             "accuracy": best["accuracy"], "agreement": best["agreement"], "kl": best["kl"],
             "accuracy_drop_points": best["accuracy_drop_points"],
             "retention": best["retention"],
             "answer": (f"N = {n}: {best['setting']} — {lat['speedup']:.2f}× dense's speed "
-                       f"({lat['p50_ms']:.1f} ms vs {lat['p50_ms'] * lat['speedup']:.1f} ms), "
-                       f"agreement {100 * best['agreement']:.1f} %, accuracy "
+                       f"({lat['p50_ms']:.1f} ms vs {lat['dense_p50_ms']:.1f} ms, timed side "
+                       f"by side), agreement {100 * best['agreement']:.1f} %, accuracy "
                        f"{100 * best['accuracy']:.1f} % (dense {100 * dense['accuracy']:.1f} %, "
-                       f"retention {100 * best['retention']:.1f} %)")}
+                       f"retention {retention})")}
 
 
 def _overall(cfg: AdviseConfig, rows: list[dict]) -> dict:
     """One setting for every N: among those meeting the constraint and timed at every N, the
     lowest geometric mean of MiTA/dense time over the N values."""
     dense, ok = _eligible(cfg, rows)
-    full = [r for r in ok if all(n in r["latency"] and "speedup" in r["latency"][n]
+    full = [r for r in ok if all(n in r["latency"] and r["latency"][n].get("speedup", 0) > 1
                                  for n in cfg.ns)]
     if not full:
-        return {"setting": None, "answer": f"no setting meets {cfg.constraint.describe()} at "
-                                           f"every N in {cfg.ns}"}
+        return {"setting": None, "answer": f"no setting meets {cfg.constraint.describe()} and "
+                                           f"beats dense at every N in {cfg.ns}"}
     best = min(full, key=lambda r: sum(-math.log(r["latency"][n]["speedup"]) for n in cfg.ns))
     snippet = serve_snippet(best, cfg)
     return {"setting": best["setting"], "snippet": snippet,
@@ -403,13 +475,14 @@ def markdown(rep: dict) -> str:
             "KL(dense‖MiTA) | retention | "
             + " | ".join(f"p50 ms N={n} (× dense)" for n in ns) + " |")
     lines = [f"Advisor: checkpoint {cfg['checkpoint']}, data {cfg['data']} "
-             f"({cfg['size']} sequences"
+             f"({cfg['sequences']} sequences"
              + (f", {cfg['min_length']} < length < {cfg['max_length']}"
                 if cfg["data"] == "generated" else "") + f"), {cfg['device']}, dtype "
              f"{cfg['dtype']}, backend {cfg['mita_backend']}, batch 1, p50 of {cfg['repeats']}, "
              f"torch {torch.__version__}. Constraint: {rep['constraint']}. Drop = dense's "
              "accuracy minus the setting's, with its paired standard error: a constraint "
-             "tighter than ~2 SE is within noise.", "",
+             "tighter than ~2 SE is within noise. × = dense's p50 over the setting's, both "
+             "timed side by side (interleaved forwards).", "",
              head, "|" + "---|" * (10 + len(ns))]
     for r in rep["rows"]:
         drop = (f"{r['accuracy_drop_points']:+.1f} ± {r['drop_se_points']:.1f}"
@@ -432,6 +505,11 @@ def markdown(rep: dict) -> str:
     lines += [f"- {rep['overall']['answer']}"]
     if rep["overall"].get("snippet"):
         lines += ["", "```yaml", rep["overall"]["snippet"].rstrip(), "```"]
+    if rep.get("noisy"):
+        shown = ", ".join(f"{s} at N = {n}" for s, n in rep["noisy"][:6])
+        lines += ["", f"Noisy timings (slowest forward > {NOISY}× the fastest): {shown}"
+                      + (" …" if len(rep["noisy"]) > 6 else "") + ". The machine was busy or "
+                      "its clock unsteady: rerun with more --repeats on an idle machine."]
     if rep["skipped"]:
         lines += ["", f"Not run (time budget): {len(rep['skipped'])} units; run again to "
                       "resume."]
@@ -495,7 +573,8 @@ def plot_frontier(rep: dict, path: Path) -> Path:
 
 def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
     """``advise.md``, ``advise.json``, ``advise.csv``, ``frontier.png`` and, when a setting
-    qualifies for every N, ``serve_snippet.yaml``, into ``out``."""
+    qualifies for every N, ``serve_snippet.yaml`` (else an old one is removed), into
+    ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"md": out / "advise.md", "json": out / "advise.json", "csv": out / "advise.csv"}
     files["md"].write_text(markdown(rep))
@@ -504,16 +583,21 @@ def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
     with open(files["csv"], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement", "kl",
-                    "retention", "n", "p50_ms", "speedup", "peak_memory_bytes"])
+                    "retention", "n", "p50_ms", "min_ms", "max_ms", "dense_p50_ms", "speedup",
+                    "peak_memory_bytes"])
         for r in rep["rows"]:
             for n in ns:
                 lat = r["latency"].get(n, {})
                 w.writerow([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"],
                             r.get("accuracy"), r.get("agreement"), r.get("kl"),
-                            r.get("retention"), n, lat.get("p50_ms"), lat.get("speedup"),
+                            r.get("retention"), n, lat.get("p50_ms"), lat.get("min_ms"),
+                            lat.get("max_ms"), lat.get("dense_p50_ms"), lat.get("speedup"),
                             lat.get("peak_memory_bytes")])
     files["png"] = plot_frontier(rep, out / "frontier.png")
+    snippet = out / "serve_snippet.yaml"
     if rep["overall"].get("snippet"):
-        files["yaml"] = out / "serve_snippet.yaml"
-        files["yaml"].write_text(rep["overall"]["snippet"])
+        files["yaml"] = snippet
+        snippet.write_text(rep["overall"]["snippet"])
+    else:  # never leave an earlier run's recommendation to be deployed
+        snippet.unlink(missing_ok=True)
     return files

@@ -73,17 +73,16 @@ def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_
                               constraint=advise.Constraint("accuracy_drop", 100.0), out=out,
                               **SMALL)
     rep = advise.run_advise(cfg)
-    assert rep["skipped"] == []
+    assert rep["skipped"] == [] and rep["config"]["sequences"] == 24
     rows = {r["setting"]: r for r in rep["rows"]}
-    rec = rep["recommendations"][0]
-    assert rec["setting"] == min(list(rows)[1:], key=lambda s: rows[s]["latency"][256]["p50_ms"])
-    assert rep["overall"]["setting"] == rec["setting"]
-    row = rows[rec["setting"]]
-    assert rec["speedup"] == rows["dense"]["latency"][256]["p50_ms"] / row["latency"][256][
-        "p50_ms"]
+    row = rows["m16 k16 s1 paper"]
+    lat = row["latency"][256]
+    assert lat["speedup"] == lat["dense_p50_ms"] / lat["p50_ms"]  # timed side by side
+    assert lat["min_ms"] <= lat["p50_ms"] <= lat["max_ms"]
     assert row["retention"] == row["accuracy"] / rows["dense"]["accuracy"]
-
-    args = AppArgs.model_validate(yaml.safe_load(rep["overall"]["snippet"])["args"])
+    # Which setting wins depends on this machine's timings (tested on fixed numbers below);
+    # the quality of whichever is served does not.
+    args = AppArgs.model_validate(yaml.safe_load(advise.serve_snippet(row, cfg))["args"])
     data = advise.load_data(cfg, 10)
     labels = np.array([y for _, y in data])
     served = ClassifierEngine(args.checkpoint, "mita", "cpu", cuda_graphs=False,
@@ -96,9 +95,10 @@ def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_
     assert {k: got[k] for k in keys} == {k: row[k] for k in keys}
 
     files = advise.write_outputs(rep, out)
-    assert yaml.safe_load(files["yaml"].read_text())["args"]["mita_setting"]["topk"] == row["k"]
-    assert json.loads(files["json"].read_text())["overall"]["setting"] == rec["setting"]
+    assert json.loads(files["json"].read_text())["overall"]["setting"] == rep["overall"][
+        "setting"]
     assert files["png"].stat().st_size > 10_000
+    assert ("yaml" in files) == (rep["overall"]["setting"] is not None)
 
     # Resumable: a bigger grid with the same inputs runs only the new setting's two units.
     lines = (out / advise.RUN_FILE).read_text().splitlines()
@@ -111,6 +111,58 @@ def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_
     cfg.size = 12
     with pytest.raises(ValueError, match=r"other inputs \(differs in size\)"):
         advise.run_advise(cfg)
+
+
+def _units(dense_acc, settings):
+    """Finished units for ``report``: dense quality, and per setting (name → (accuracy,
+    agreement, {N: (setting ms, dense ms timed beside it)}))."""
+    done = {("quality", "dense"): {"accuracy": dense_acc, "agreement": 1.0, "kl": 0.0,
+                                   "drop_se_points": 0.0}}
+    for name, (acc, agree, lat) in settings.items():
+        done[("quality", name)] = {"accuracy": acc, "agreement": agree, "kl": 0.1,
+                                   "drop_se_points": 1.0}
+        for n, (ms, dense_ms) in lat.items():
+            done[("latency", name, n)] = {
+                "p50_ms": ms, "min_ms": ms, "max_ms": ms, "dense_p50_ms": dense_ms,
+                "stages_ms": {}, "peak_memory_bytes": None, "peak_memory_kind": "x"}
+            done[("latency", "dense", n)] = {
+                "p50_ms": dense_ms, "min_ms": dense_ms, "max_ms": 2 * dense_ms,
+                "stages_ms": {}, "peak_memory_bytes": None, "peak_memory_kind": "x"}
+    return done
+
+
+def test_recommendation_on_fixed_numbers():
+    """The largest side-by-side speed-up among settings meeting the constraint and beating
+    dense; 'dense is faster' when none beats it; retention '-' when dense gets nothing right;
+    one setting for all N only if it beats dense at every N."""
+    a, b, c = (advise.parse_setting(x) for x in ("8x8", "16x16", "32x32"))
+    cfg = advise.AdviseConfig(grid=[a, b, c], constraint=advise.Constraint("agreement", 0.8),
+                              **(SMALL | {"ns": [1024, 4096]}))
+    done = _units(0.5, {a.name: (0.40, 0.70, {1024: (1.0, 4.0), 4096: (2.0, 40.0)}),
+                        b.name: (0.50, 0.85, {1024: (3.0, 4.0), 4096: (5.0, 40.0)}),
+                        c.name: (0.55, 0.90, {1024: (5.0, 4.0), 4096: (4.0, 40.0)})})
+    rep = advise.report(cfg, done, [], 24)
+    r1024, r4096 = rep["recommendations"]
+    assert (r1024["setting"], r1024["speedup"]) == (b.name, 4.0 / 3.0)  # a fails agreement
+    assert (r4096["setting"], r4096["speedup"]) == (c.name, 10.0)
+    assert r4096["retention"] == 0.55 / 0.5 and r4096["accuracy_drop_points"] == pytest.approx(-5)
+    assert rep["overall"]["setting"] == b.name  # c is slower than dense at N = 1024
+    assert "\n    num_landmarks: 16\n    topk: 16\n" in rep["overall"]["snippet"]
+    assert rep["noisy"] == [["dense", 1024], ["dense", 4096]]  # max = 2 × min
+    # Nothing beats dense at N = 1024 once b is slower too.
+    done[("latency", b.name, 1024)]["p50_ms"] = 8.0
+    rep = advise.report(cfg, done, [], 24)
+    assert rep["recommendations"][0]["answer"] == (
+        "N = 1024: dense is faster — MiTA does not pay off here (the fastest setting meeting "
+        "agreement with dense ≥ 80.0 %, m32 k32 s1 paper, runs at 0.80× dense's speed)")
+    assert rep["overall"]["setting"] is None
+    # Dense right on no sequence: retention undefined, shown as '-', no crash.
+    rep = advise.report(cfg, _units(0.0, {c.name: (0.1, 0.9, {1024: (1.0, 4.0),
+                                                                4096: (1.0, 40.0)})}), [], 24)
+    assert rep["rows"][3]["retention"] is None
+    assert rep["recommendations"][0]["answer"].endswith("(dense 0.0 %, retention -)")
+    row = "| m32 k32 s1 paper | 32 | 32 | 1 | paper | 10.0 % | -10.0 ± 1.0 | 90.0 % | 0.1000 | - |"
+    assert row in advise.markdown(rep)
 
 
 @pytest.mark.slow
@@ -126,8 +178,11 @@ def test_no_setting_meets_and_the_budget_stops_cleanly(tmp_path):
         "no setting meets agreement with dense ≥ 100.0 % at N = 256 (best agreement "
         f"{100 * row['agreement']:.1f} %")
     assert rep["overall"] == {"setting": None, "answer": "no setting meets agreement with "
-                                                         "dense ≥ 100.0 % at every N in [256]"}
+                                                         "dense ≥ 100.0 % and beats dense at "
+                                                         "every N in [256]"}
+    (tmp_path / "a" / "serve_snippet.yaml").write_text("an earlier recommendation")
     assert "yaml" not in advise.write_outputs(rep, tmp_path / "a")
+    assert not (tmp_path / "a" / "serve_snippet.yaml").exists()  # never left to deploy
     # A budget already spent: nothing runs, every unit is listed as skipped, no crash.
     cfg.budget_s, cfg.out = 0.0, tmp_path / "b"
     rep = advise.run_advise(cfg)
@@ -148,3 +203,18 @@ def test_serve_config_mita_setting_is_checked_at_deploy(tmp_path):
     save_checkpoint(EncoderClassifier(grid), tmp_path / "grid")
     with pytest.raises(ValueError, match=r"landmark_grid \[4, 6\] .* fixes N"):
         build_app({"checkpoint": str(tmp_path / "grid")})
+
+
+def test_data_outside_the_checkpoints_vocabulary_is_refused(tmp_path):
+    """Byte-level text against the 16-id ListOps checkpoint: 'h' is byte 104 → id 105."""
+    path = tmp_path / "text.tsv"
+    path.write_text("1\thello\n0\tworld\n")
+    cfg = advise.AdviseConfig(grid=[], constraint=advise.Constraint("agreement", 0.99),
+                              **(SMALL | {"size": 2}), data=str(path), data_format="text")
+    with pytest.raises(ValueError, match=r"row 1 has token id 105, not in the checkpoint's "
+                                         r"vocabulary \(ids 0…15 but the padding id 0\); does "
+                                         r"--format text suit"):
+        advise.load_data(cfg, 10, 16, 0)
+    assert advise.load_data(cfg, 10)[0] == ([105, 102, 109, 109, 112], 1)
+    with pytest.raises(ValueError, match=r"text.tsv:1: label 1 outside \[0, 1\)"):
+        advise.load_data(cfg, 1)
