@@ -500,7 +500,8 @@ def markdown(rep: dict) -> str:
                                                         for c in ("m", "k", "s",
                                                                   "shared_scale")),
                                         *q, *lat]) + " |")
-    lines += ["", "Recommendation (fastest setting meeting the constraint):", ""]
+    lines += ["", "Recommendation (the largest speed-up over dense among the settings that meet "
+                  "the constraint):", ""]
     lines += [f"- {x['answer']}" for x in rep["recommendations"]]
     lines += [f"- {rep['overall']['answer']}"]
     if rep["overall"].get("snippet"):
