@@ -12,7 +12,8 @@ from mita.model import ModelConfig, checkpoint_config
 
 from .classifier import Classifier
 from .engine import resolve_checkpoint
-from .gateway import Gateway, Vocabulary
+from .gateway import Gateway
+from .inputs import Vocabulary
 from .schemas import AppArgs, validated
 
 

@@ -1,4 +1,5 @@
-"""Gateway deployment: the FastAPI ingress, input validation and the A/B policy.
+"""Gateway deployment: the FastAPI ingress, the A/B policy and the recording of outcomes
+(input parsing and id checks: ``service.inputs``).
 
 (No ``from __future__ import annotations`` here: FastAPI must see the real types of the
 endpoint parameters of the ingress class.)
@@ -19,7 +20,6 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
 from importlib.metadata import version
 from importlib.resources import files
 from typing import Annotated, Literal
@@ -28,17 +28,16 @@ import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from fastapi.routing import APIRoute
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mita.data.listops import encode
 from mita.hooks import STAGE_COLORS
 
 from . import replica_state
+from .inputs import ApiError, StrictJSONRoute, Vocabulary, binary_ids, to_ids
 from .recorder import Recorder, kl_divergence
 from .schemas import (
     VARIANTS,
@@ -55,70 +54,6 @@ from .schemas import (
 from .stats import PrometheusError, prometheus_summary, summarize
 
 CLASSIFIER_DEPLOYMENTS = {"mita": "MiTAClassifier", "dense": "DenseClassifier"}  # service.app
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """The checkpoint's token ids: ``0 … size - 1`` except ``pad_id`` (``service.app`` reads
-    them from the checkpoint's config.json)."""
-
-    size: int
-    pad_id: int = 0
-
-    @property
-    def dtype(self) -> type:
-        """The smallest integer type the ids travel to the classifiers in."""
-        return np.uint8 if self.size <= 256 else np.int32
-
-
-class ApiError(Exception):
-    """An answer other than 200. ``rejected``: refused by back-pressure (counted in
-    ``rejections_total``, not as an error)."""
-
-    def __init__(self, status: int, message: str, headers: dict | None = None,
-                 rejected: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
-        self.rejected = rejected
-
-
-def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:  # parsers disagree on which copy wins: refuse the ambiguity
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-class StrictJSONRequest(Request):
-    """``json()`` that refuses duplicate keys and too-deep nesting with a JSON decode error
-    (→ 400 "malformed JSON body") instead of taking the last copy or a RecursionError (500)."""
-
-    async def json(self):
-        if not hasattr(self, "_json"):
-            body = await self.body()
-            try:
-                self._json = json.loads(body, object_pairs_hook=_reject_duplicates)
-            except RecursionError:
-                raise json.JSONDecodeError("nesting too deep", body.decode(errors="replace"),
-                                           0) from None
-            except ValueError as e:
-                if isinstance(e, json.JSONDecodeError):
-                    raise
-                why = ("an integer with too many digits" if "int_max_str_digits" in str(e)
-                       else str(e))
-                raise json.JSONDecodeError(why, body.decode(errors="replace"), 0) from None
-        return self._json
-
-
-class StrictJSONRoute(APIRoute):
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def strict_handler(request: Request):
-            return await handler(StrictJSONRequest(request.scope, request.receive))
-        return strict_handler
 
 
 def sticky_unit(key: str) -> float:
@@ -145,70 +80,6 @@ def choose_variant(cfg: GatewayConfig, override: str | None, client_key: str | N
                 break
     shadow = next(v for v in VARIANTS if v != primary) if cfg.shadow else None
     return primary, shadow
-
-
-def _out_of_range(value, position: int, vocab: Vocabulary) -> ApiError:
-    shown = str(value)
-    shown = shown if len(shown) <= 30 else shown[:30] + "…"
-    if vocab.pad_id == 0:
-        allowed = f"[1, {vocab.size - 1}] (0 is padding)"
-    else:
-        allowed = f"[0, {vocab.size - 1}] except the padding id {vocab.pad_id}"
-    return ApiError(422, f"token id {shown} at position {position} is out of range {allowed}")
-
-
-def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") -> np.ndarray:
-    """Validate a 1-D integer array of token ids against the checkpoint's vocabulary (range,
-    then emptiness, then length) and return it in ``vocab.dtype`` (what travels to the
-    classifier). Raises ApiError(422) saying what is wrong (``hint`` appended to an
-    out-of-range message); nothing is allocated for the model before this passes."""
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab.size) | (ids == vocab.pad_id))
-    if bad.size:
-        error = _out_of_range(ids[bad[0]], int(bad[0]), vocab)
-        error.message += hint
-        raise error
-    if not ids.size:
-        raise ApiError(422, "empty sequence: no tokens to classify")
-    if ids.size > max_n:
-        raise ApiError(422, f"sequence length N = {ids.size} exceeds max_n = {max_n}")
-    return ids.astype(vocab.dtype, copy=False)
-
-
-def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary) -> np.ndarray:
-    """Validated token ids of a JSON request (``check_ids``); raises ApiError(422)."""
-    if req.text is not None:  # the body-size limit bounds the tokenising work
-        try:
-            ids = encode(req.text)
-        except ValueError as e:
-            raise ApiError(422, str(e)) from None
-    else:
-        ids = req.ids
-    try:
-        arr = np.array(ids, dtype=np.int64)
-    except OverflowError:  # an integer beyond int64 is out of range too: name the first
-        bad = next(i for i, x in enumerate(ids) if not -(2**63) <= x < 2**63)
-        raise _out_of_range(ids[bad], bad, vocab) from None
-    return check_ids(arr, max_n, vocab)
-
-
-BINARY_DTYPES = {"uint8": np.dtype("<u1"), "int32": np.dtype("<i4")}
-
-
-def binary_ids(body: bytes, dtype: str, max_n: int, vocab: Vocabulary) -> np.ndarray:
-    """Token ids from an ``application/octet-stream`` body: little-endian ``uint8`` (one byte
-    per token) or ``int32`` (four). Raises ApiError: 400 for an empty body or a length that is
-    not a whole number of ids, 422 as ``check_ids``."""
-    width = BINARY_DTYPES[dtype].itemsize
-    if not body:
-        raise ApiError(400, "empty request body: send the token ids as bytes "
-                            f"({dtype}, little-endian)")
-    if len(body) % width:
-        raise ApiError(400, f"a body of {len(body)} bytes is not a whole number of {dtype} ids "
-                            f"({width} bytes each)")
-    other = "int32" if dtype == "uint8" else "uint8"
-    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n, vocab,
-                     f"; the body was read as {dtype} little-endian (?dtype={dtype}): "
-                     f"{other} ids need ?dtype={other}")
 
 
 class ServiceAPI(FastAPI):

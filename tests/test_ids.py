@@ -1,4 +1,4 @@
-"""The gateway's token-id check against a checkpoint's vocabulary, without Ray."""
+"""The gateway's token-id check against a checkpoint's vocabulary (service.inputs), without Ray."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mita.config import ATTENTIONS
-from service.gateway import ApiError, Vocabulary, binary_ids, check_ids
+from service.inputs import ApiError, Vocabulary, binary_ids, check_ids
 from service.schemas import VARIANTS
 
 
