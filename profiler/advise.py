@@ -50,6 +50,7 @@ from mita.model import checkpoint_metadata
 FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
 KL_FLOOR = 1e-12  # probabilities clamped here, so a zero in MiTA's keeps KL finite
 RUN_FILE = "advise.jsonl"
+UNIT_FORMAT = 2  # in the run key: units written by another version are not mixed in
 DENSE_PROBS = "dense_probabilities.npy"
 NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
 
@@ -165,7 +166,8 @@ class AdviseConfig:
         data_id = (self.data if self.data == "generated" else
                    hashlib.sha256(Path(self.data).read_bytes()).hexdigest())
         generated = self.data == "generated"
-        return {"weights_sha256": meta["weights_sha256"], "data": data_id,
+        return {"unit_format": UNIT_FORMAT, "weights_sha256": meta["weights_sha256"],
+                "data": data_id,
                 "format": None if generated else self.data_format, "size": self.size,
                 "lengths": [self.min_length, self.max_length] if generated else None,
                 "seed": self.seed if generated else None,
