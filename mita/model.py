@@ -195,7 +195,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
         if not p.is_file():
             raise FileNotFoundError(f"checkpoint file missing: {p}")
     meta = checkpoint_metadata(folder)
-    cfg = ModelConfig.from_dict(dataclasses.asdict(checkpoint_config(folder, meta)) | overrides)
+    cfg = checkpoint_config(folder, meta, **overrides)
     expected = meta.get("weights_sha256")
     actual = _sha256(weights_path)
     if expected != actual:
@@ -269,19 +269,20 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return dict(pairs)
 
 
-def checkpoint_config(folder: str | Path, meta: dict | None = None) -> ModelConfig:
-    """The ``ModelConfig`` of a checkpoint's config.json (``meta``: its parsed
-    ``checkpoint_metadata``, read here when None). Every field must be written out — a
-    default would stand in for what the weights' shapes do not pin down (attention, m, k, s,
-    shared_scale, pad_id) — except ``OPTIONAL_FIELDS``, which take the value that means what
-    older checkpoints did. Raises ValueError naming the absent, unknown or invalid fields;
-    FileNotFoundError without config.json."""
+def checkpoint_config(folder: str | Path, meta: dict | None = None,
+                      **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint's config.json with ``overrides`` replacing fields
+    (``meta``: its parsed ``checkpoint_metadata``, read here when None). Every field must be
+    written out — a default would stand in for what the weights' shapes do not pin down
+    (attention, m, k, s, shared_scale, pad_id) — except ``OPTIONAL_FIELDS``, which take the
+    value that means what older checkpoints did. Raises ValueError naming the absent,
+    unknown or invalid fields; FileNotFoundError without config.json."""
     meta = checkpoint_metadata(folder) if meta is None else meta
     absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"])
                     - set(OPTIONAL_FIELDS))
     if absent:
         raise ValueError(f"{Path(folder) / CONFIG_FILE}: config lacks field(s) {absent}")
-    return ModelConfig.from_dict(OPTIONAL_FIELDS | meta["config"])
+    return ModelConfig.from_dict(OPTIONAL_FIELDS | meta["config"] | overrides)
 
 
 def checkpoint_metadata(folder: str | Path) -> dict:

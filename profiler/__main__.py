@@ -9,6 +9,7 @@ from pathlib import Path
 from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
 
 from . import advise
+from .cost import usable_device
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
@@ -107,22 +108,6 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-def _check_device(device: str) -> None:
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:N)"
-                         ) from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r}: the advisor runs on cpu or cuda")
-    if dev.type == "cuda" and (not torch.cuda.is_available()
-                               or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(f"--device {device!r}: this torch ({torch.__version__}) sees "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
-
-
 def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     from mita.model import checkpoint_metadata
     from service.engine import resolve_checkpoint
@@ -141,7 +126,7 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if a.data != "generated" and not Path(a.data).is_file():
             raise ValueError(f"--data {a.data}: " + ("a folder, not a file"
                                                      if Path(a.data).is_dir() else "no such file"))
-        _check_device(a.device)
+        usable_device(a.device, "the advisor")
         cfg = advise.AdviseConfig(
             checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
             data_format=a.data_format, size=a.size, min_length=a.min_length,

@@ -17,6 +17,24 @@ from mita.model import EncoderClassifier, ModelConfig
 from .timer import ForwardProfile, StageTimer
 
 
+def usable_device(device: str, tool: str) -> torch.device:
+    """``device`` (``cpu``, ``cuda`` or ``cuda:N``) as a torch device that ``tool`` (the sweep,
+    the advisor) can run on here. Raises ValueError naming the device: not a torch device, not
+    cpu or cuda, or a CUDA device this torch does not see."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)"
+                         ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: {tool} runs on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (dev.index or 0) >= count:
+        raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees {count} "
+                         "CUDA device(s)")
+    return dev
+
+
 def model_stage_flops(cfg: ModelConfig, batch: int, n: int) -> dict[str, int]:
     """Analytic FLOPs per stage for a ``(batch, n)`` forward of a model with config ``cfg``.
 

@@ -27,7 +27,7 @@ from mita.cost import fig5_setting
 from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 
-from .cost import model_stage_flops, profile_forward
+from .cost import model_stage_flops, profile_forward, usable_device
 from .plots import stage_lines
 
 
@@ -71,16 +71,7 @@ class SweepConfig:
             for variant in self.variants:
                 for setting in self.settings if variant == "mita" else ["-"]:
                     self.model_config(n, variant, setting)
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"device {self.device!r} is not a torch device (cpu, cuda, "
-                             "cuda:N)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: this torch ({torch.__version__}) "
-                             "sees no CUDA device")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: the sweep runs on cpu or cuda")
+        device = usable_device(self.device, "the sweep")
         if self.mita_backend == "triton" and device.type != "cuda":
             raise ValueError("mita_backend 'triton' needs a CUDA device")
 

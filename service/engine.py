@@ -16,6 +16,7 @@ buckets), each group padded with the model's key padding mask and run as one for
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -96,9 +97,8 @@ class ClassifierEngine:
         folder = resolve_checkpoint(checkpoint)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        setting = dict(setting or {})
         self.model = load_checkpoint(folder, device=self.device, attention=attention,
-                                     **setting)
+                                     **(setting or {}))
         self.model.to(self.dtype)
         set_mita_backend(self.model, mita_backend)
         self.backend = mita_backend
@@ -121,7 +121,7 @@ class ClassifierEngine:
             "dtype": self.dtype_name,
             "mita_backend": mita_backend if attention == "mita" else None,
             "torch_threads": torch.get_num_threads(),
-            "config": meta["config"] | setting | {"attention": attention},
+            "config": dataclasses.asdict(self.model.config),  # what is served, setting included
             "training": meta.get("training", {}),
         }
 

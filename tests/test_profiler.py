@@ -13,7 +13,7 @@ import torch
 from mita.hooks import MITA_STAGES
 from mita.kernels import cpu
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
-from profiler.cost import model_stage_flops, profile_forward
+from profiler.cost import model_stage_flops, profile_forward, usable_device
 from profiler.sweep import SweepConfig, landmarks_for, run_sweep, write_outputs
 from profiler.timer import StageTimer
 
@@ -163,3 +163,15 @@ def test_small_sweep_writes_parseable_files(tmp_path):
     for key in ("png0", "png1", "png2"):
         img = matplotlib.image.imread(files[key])
         assert img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_usable_device_is_one_check_for_the_sweep_and_the_advisor():
+    assert usable_device("cpu", "the sweep") == torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=rf"device 'cuda:{count}': this torch .* sees {count} "
+                                         r"CUDA device\(s\)"):
+        usable_device(f"cuda:{count}", "the advisor")
+    with pytest.raises(ValueError, match="device 'meta': the advisor runs on cpu or cuda"):
+        usable_device("meta", "the advisor")
+    with pytest.raises(ValueError, match=r"device 'gpu' is not a torch device \(cpu, cuda"):
+        usable_device("gpu", "the sweep")
