@@ -55,6 +55,12 @@ def main(argv: list[str] | None = None) -> None:
                    default=launch.DEFAULT_DASHBOARD_PORT,
                    help="the Ray dashboard's port (the serve CLI's default address is "
                         "http://localhost:8265; otherwise pass it with -a)")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None,
+                   help="deploy on this running Ray cluster (its GCS address, HEAD_IP:6379, or "
+                        "'auto' on one of its nodes; default: $RAY_ADDRESS) instead of starting "
+                        "Ray here; Ctrl-C then drains and deletes only this application. "
+                        "--metrics-*, --node-ip and --dashboard-* are the cluster's own and "
+                        "are not used")
     p.add_argument("--check", action="store_true",
                    help="check the config file and its checkpoints, print the verdict and "
                         "exit (use it before `serve deploy FILE`, which does not)")
@@ -64,20 +70,24 @@ def main(argv: list[str] | None = None) -> None:
     try:  # refuse before starting Ray: a bad config, checkpoint or busy port would only
         # fail inside a replica or after Ray's start-up timeout
         config = launch.load_config(path)
-        launch.check_devices(config)
+        if a.address is None:  # on a cluster the nodes' devices count, not this machine's
+            launch.check_devices(config)
+        elif not a.check:
+            launch.check_cluster_reachable(a.address)
         launch.verify_checkpoints(config)
         if a.check:
             print(f"mita-serve: {path}: OK (the file, its user_configs and checkpoints)")
             return
-        launch.check_ports_free(config, a.metrics_port, a.node_ip, dashboard)
-        launch.use_token_auth()
-        needed = launch.gpus_needed(launch.replica_gpus(config))
-        if needed > launch.local_gpu_count():
-            print(f"mita-serve: warning: the config's minimum replicas need {needed} GPU(s), "
-                  f"this machine has {launch.local_gpu_count()}; replicas that do not fit "
-                  "stay pending (see the num_gpus note in deploy/serve_config.gpu.yaml)",
-                  flush=True)
-        launch.prebuild_cpu_kernels(config)  # once here, not in each replica
+        if a.address is None:
+            launch.check_ports_free(config, a.metrics_port, a.node_ip, dashboard)
+            launch.use_token_auth()
+            needed = launch.gpus_needed(launch.replica_gpus(config))
+            if needed > launch.local_gpu_count():
+                print(f"mita-serve: warning: the config's minimum replicas need {needed} "
+                      f"GPU(s), this machine has {launch.local_gpu_count()}; replicas that do "
+                      "not fit stay pending (see the num_gpus note in "
+                      "deploy/serve_config.gpu.yaml)", flush=True)
+            launch.prebuild_cpu_kernels(config)  # once here, not in each replica
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         if a.check:
             raise SystemExit(f"mita-serve: {e}") from None
@@ -97,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, on_signal)
     try:
         url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
-                           dashboard_host=a.dashboard_host, dashboard_port=a.dashboard_port)
+                           dashboard_host=a.dashboard_host, dashboard_port=a.dashboard_port,
+                           address=a.address)
     except Exception as e:  # e.g. an application failed to deploy, or start-up timed out
         launch.stop()
         raise SystemExit(f"mita-serve: could not start: {type(e).__name__}: {e}") from None
@@ -109,10 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
-    print(f"Prometheus metrics: http://{netloc(a.node_ip, a.metrics_port)}/metrics (file-SD list "
-          f"{launch.prometheus_sd_file(a.metrics_port)}; deploy/prometheus/prometheus.yml "
-          f"reads port {launch.DEFAULT_METRICS_PORT}'s)")
-    if dashboard is not None:
+    metrics_port, metrics_ip = launch.gateway_exporter(config.applications[0].name)
+    print(f"Prometheus metrics: http://{netloc(metrics_ip, metrics_port)}/metrics (the Gateway's "
+          f"node; file-SD list {launch.prometheus_sd_file(metrics_port)}; "
+          f"deploy/prometheus/prometheus.yml reads port {launch.DEFAULT_METRICS_PORT}'s)")
+    if a.address is not None:
+        print(f"On the Ray cluster at {a.address}: Ctrl-C deletes this application only",
+              flush=True)
+    elif dashboard is not None:
         address = f"http://{netloc(a.dashboard_host, a.dashboard_port)}"
         print(f"Ray dashboard: {address}  (Ray's serve CLI, with Ray's token authentication: "
               f"RAY_AUTH_MODE=token serve status -a {address}; live changes: "

@@ -41,7 +41,9 @@ class Classifier:
         self.info_dict = self.engine.info | {
             "replica": serve.get_replica_context().replica_id.unique_id,
             # The GPUs Ray assigned this replica (CUDA_VISIBLE_DEVICES); [] without num_gpus.
-            "gpu_ids": ray.get_runtime_context().get_accelerator_ids().get("GPU", [])}
+            "gpu_ids": ray.get_runtime_context().get_accelerator_ids().get("GPU", []),
+            # On a cluster: which node this replica was placed on (hex id, as `ray list nodes`).
+            "node_id": ray.get_runtime_context().get_node_id()}
         self.deterministic = True
 
     def reconfigure(self, config: dict) -> None:

@@ -25,6 +25,7 @@ from importlib.resources import files
 from typing import Annotated, Literal
 
 import numpy as np
+import ray
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -54,6 +55,9 @@ from .schemas import (
 from .stats import PrometheusError, prometheus_summary, summarize
 
 CLASSIFIER_DEPLOYMENTS = {"mita": "MiTAClassifier", "dense": "DenseClassifier"}  # service.app
+# How often the gateway asks Serve's controller which classifiers have a running replica, and
+# so how long a request waits, at most, after its classifier's last replica is gone.
+REPLICA_WATCH_S = 1.0
 
 
 def sticky_unit(key: str) -> float:
@@ -252,6 +256,14 @@ STATIC_HEADERS = {
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 411, 413, 415, 422, 500, 503, 504)}
 
 
+def drop(response, answer: asyncio.Future) -> None:
+    """Cancel a classifier call nobody will wait for: the request in Serve (``response``) and
+    the task awaiting it (``answer``), whose error would otherwise be logged as never
+    retrieved."""
+    response.cancel()
+    answer.cancel()
+
+
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
@@ -268,6 +280,10 @@ class Gateway:
         self._shadow_tasks: set[asyncio.Task] = set()
         self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
         self._variant_info_at = -math.inf
+        # RUNNING replicas per variant as Serve's controller last reported them (_watch);
+        # absent until the first answer, so nothing is refused on a guess.
+        self._running: dict[str, int] = {}
+        self._watch_task: asyncio.Task | None = None
 
     def reconfigure(self, config: dict) -> None:
         self.config = validated(GatewayConfig, config, "deployment 'Gateway' user_config")
@@ -281,26 +297,64 @@ class Gateway:
             *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
             timeout_s)
 
+    async def _watch(self) -> None:
+        """Keep ``_running`` current: Serve's controller is asked every
+        ``REPLICA_WATCH_S`` how many replicas of each classifier run. A request's handle call
+        would otherwise wait, without a replica, until one is back or ``request_timeout_s``
+        passes (a lost node's replicas take as long as the node)."""
+        app_name = serve.get_replica_context().app_name
+        while True:
+            try:
+                status = await asyncio.wait_for(asyncio.to_thread(serve.status), 10.0)
+                deployments = status.applications[app_name].deployments
+                self._running = {v: deployments[name].replica_states.get("RUNNING", 0)
+                                 for v, name in CLASSIFIER_DEPLOYMENTS.items()}
+            except Exception:  # controller busy or restarting: no answer is not "none run"
+                self._running = {}
+            await asyncio.sleep(REPLICA_WATCH_S)
+
+    def _no_replica(self, variant: str) -> ApiError:
+        return ApiError(503, f"no {variant} classifier replica is running (Serve is starting "
+                             "one: it failed, or its node was lost); retry later",
+                        {"Retry-After": str(self.config.retry_after_s)})
+
     async def _call(self, variant: str, ids: np.ndarray, staged: bool = False) -> dict:
         """One call to ``variant``'s classifier; its forward is recorded whenever an answer
-        comes back. Raises ApiError: 503 (back-pressure: ``rejected``; replica died), 504
-        (no answer within ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
+        comes back. Raises ApiError: 503 (back-pressure: ``rejected``; the replica died; no
+        replica of ``variant`` runs, before or while the request waits), 504 (no answer
+        within ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.create_task(self._watch())
+        if self._running.get(variant) == 0:
+            raise self._no_replica(variant)
         response = self.handles[variant].classify.remote(ids, staged)
+        answer = asyncio.ensure_future(response)
+        deadline = time.monotonic() + self.config.request_timeout_s
         try:
-            result = await asyncio.wait_for(asyncio.ensure_future(response),
-                                            self.config.request_timeout_s)
+            while not answer.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    drop(response, answer)
+                    raise ApiError(504, f"the {variant} classifier did not answer within "
+                                        f"{self.config.request_timeout_s} s")
+                await asyncio.wait({answer}, timeout=min(left, REPLICA_WATCH_S))
+                if not answer.done() and self._running.get(variant) == 0:
+                    drop(response, answer)
+                    raise self._no_replica(variant)
+            result = answer.result()
+        except asyncio.CancelledError:  # the client went away: so does the request
+            drop(response, answer)
+            raise
         except BackPressureError:
             raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
                            {"Retry-After": str(self.config.retry_after_s)},
                            rejected=True) from None
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise ApiError(504, f"the {variant} classifier did not answer within "
-                                f"{self.config.request_timeout_s} s") from None
         except RayActorError as e:  # the replica died mid-request; Serve replaces it
             raise ApiError(503, f"the {variant} classifier replica failed while handling "
                                 f"the request ({type(e).__name__}); retry later",
                            {"Retry-After": str(self.config.retry_after_s)}) from None
+        except ApiError:
+            raise
         except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
             raise ApiError(500, f"the {variant} classifier failed: "
                                 f"{type(e).__name__}") from None
@@ -428,6 +482,11 @@ class Gateway:
     def inflight(self) -> int:
         """Classify requests inside this gateway replica now."""
         return replica_state.inflight
+
+    def node_id(self) -> str:
+        """The Ray node this gateway replica runs on (hex id): its metrics exporter has the
+        service's metrics (``launch.gateway_exporter``)."""
+        return ray.get_runtime_context().get_node_id()
 
     @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD
     @app.get("/healthz")

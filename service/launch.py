@@ -14,6 +14,7 @@ import ipaddress
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,9 @@ PROMETHEUS_SD_DIR = Path("/tmp/mita-serve/prometheus")
 DEFAULT_METRICS_PORT = 9100
 DEFAULT_DASHBOARD_PORT = 8265  # Ray's; the `serve` CLI's default address
 _written_sd_files: list[Path] = []
+# Applications deployed on a cluster this process joined (start(address=...)): stop()
+# deletes these and leaves the cluster's Serve running.
+_joined_apps: list[str] = []
 
 
 def prometheus_sd_file(metrics_port: int) -> Path:
@@ -132,7 +136,7 @@ def gateway_config(app) -> GatewayConfig:
 def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
           metrics_interval_ms: int = 10000, timeout_s: float = 300.0,
           node_ip: str = "127.0.0.1", dashboard_host: str | None = None,
-          dashboard_port: int = DEFAULT_DASHBOARD_PORT) -> str:
+          dashboard_port: int = DEFAULT_DASHBOARD_PORT, address: str | None = None) -> str:
     """Start Ray and Serve's HTTP proxy, deploy ``config`` and wait until it runs. Returns the
     base URL.
 
@@ -143,30 +147,83 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     ``dashboard_host`` is given, on ``dashboard_port`` ("127.0.0.1": this machine only, what
     ``python -m service`` passes by default).
 
-    Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes.
+    ``address`` (a running cluster's GCS address, ``ip:port``, or ``auto``): join that cluster
+    as a driver instead of starting Ray; the node settings above are the cluster's own and are
+    ignored, and ``stop()`` then deletes only this config's applications. Either way the
+    Prometheus file-SD list (``prometheus_sd_file``) names the metrics exporter of the node the
+    Gateway runs on, where every ``mita_serve`` metric is recorded (``gateway_exporter``).
+
+    Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes;
+    ConnectionError if no cluster answers at ``address``.
     """
     # Serve waits 5 s for a new HTTP proxy by default; a loaded 2-core machine needs longer,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    if not ray.is_initialized():
+    if address is not None:
+        if not ray.is_initialized():
+            host = address.rsplit(":", 1)[0].strip("[]")
+            if host in ("localhost", "127.0.0.1", "::1"):
+                loopback_only()  # else Ray dials the machine's routable address instead
+            ray.init(address=address, namespace="serve")
+        _joined_apps.extend(a.name for a in config.applications)
+    elif not ray.is_initialized():
         use_token_auth()
         if ipaddress.ip_address(node_ip).is_loopback:
-            # On Linux Ray swaps a loopback node address for the machine's routable one
-            # (services.resolve_ip_for_localhost) unless it runs in its single-machine mode;
-            # that mode keeps Ray's servers, and the metrics exporter, on loopback.
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-            ray_constants.ENABLE_RAY_CLUSTER = False
+            loopback_only()
         ray.init(namespace="serve", include_dashboard=dashboard_host is not None,
                  dashboard_host=dashboard_host or "127.0.0.1", dashboard_port=dashboard_port,
                  _node_ip_address=node_ip,
                  _metrics_export_port=metrics_port,
                  _system_config={"metrics_report_interval_ms": metrics_interval_ms})
-        write_prometheus_sd(metrics_port, host=node_ip)
     serve_api.serve_start(http_options=config.http_options.model_dump(),
                           proxy_location=config.proxy_location)
     deploy(config, timeout_s)
+    for app in config.applications:
+        if app.import_path.replace(":", ".") == "service.app.build_app":
+            write_prometheus_sd(*gateway_exporter(app.name))
     http = config.http_options
     return f"http://{http.host}:{http.port}"
+
+
+def check_cluster_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse (OSError) a cluster address nothing listens on: ``ray.init`` would retry it for
+    minutes. ``address`` is ``HOST:PORT``, the head node's GCS address; ``auto`` is left to
+    Ray, which fails at once when it finds no cluster."""
+    if address == "auto":
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise OSError(f"--address {address!r}: expected HOST:PORT (the head node's GCS "
+                      "address, e.g. 10.0.0.5:6379) or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise OSError(f"no Ray cluster answers at {address} ({e.strerror or e}); is it the "
+                      "head node's address and GCS port (`ray start --head --port`, default "
+                      "6379)?") from None
+
+
+def loopback_only() -> None:
+    """Keep this process's Ray on loopback addresses. On Linux Ray swaps a loopback address
+    (of a node it starts, or of a cluster it joins) for the machine's routable one
+    (``services.resolve_ip_for_localhost``) unless it runs in its single-machine mode; that
+    mode keeps Ray's servers, and the metrics exporter, on loopback."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def gateway_exporter(app_name: str) -> tuple[int, str]:
+    """``(port, ip)`` of Ray's metrics exporter on the node that runs application
+    ``app_name``'s Gateway replica (asked of the replica, then looked up in ``ray.nodes()``).
+    The gateway records all of the service's metrics, from the profiles the classifiers send
+    back, so on a cluster this one exporter has them whichever node ran the forwards.
+    Raises RuntimeError when Ray lists no such node."""
+    gateway = serve.get_deployment_handle("Gateway", app_name=app_name)
+    node_id = gateway.node_id.remote().result(timeout_s=30)
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
+    if node is None:
+        raise RuntimeError(f"the Gateway's node {node_id} is not among Ray's live nodes")
+    return int(node["MetricsExportPort"]), node["NodeManagerAddress"]
 
 
 def use_token_auth() -> None:
@@ -194,8 +251,6 @@ def check_ports_free(config: ServeDeploySchema, metrics_port: int,
     Ray dashboard's ``(host, port)`` when it runs.
     Raises OSError naming the port and the flag or config field that sets it, or the address
     when it is not this machine's."""
-    import socket
-
     http = config.http_options
     ports = [(http.host, http.port, "http_options.host", "http_options.port in the config"),
              (node_ip, metrics_port, "--node-ip", "--metrics-port")]
@@ -327,12 +382,13 @@ def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:
 
 
 def write_prometheus_sd(metrics_port: int, host: str = "127.0.0.1") -> Path:
-    """Write this instance's file-SD list (``prometheus_sd_file``): one target, this node's
-    metrics export port. ``stop()`` removes it. Returns the path."""
+    """Write this instance's file-SD list (``prometheus_sd_file``): one target, the metrics
+    exporter at ``host:metrics_port`` (``start`` passes the Gateway's node's). ``stop()``
+    removes it. Returns the path."""
     path = prometheus_sd_file(metrics_port)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([{"labels": {"job": "ray"},
-                                 "targets": [f"{host}:{metrics_port}"]}]) + "\n")
+    target = f"[{host}]:{metrics_port}" if ":" in host else f"{host}:{metrics_port}"
+    path.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [target]}]) + "\n")
     _written_sd_files.append(path)
     return path
 
@@ -387,8 +443,15 @@ def drain(config: ServeDeploySchema, timeout_s: float | None = None) -> int:
 
 
 def stop() -> None:
-    """Shut Serve and Ray down and remove this instance's Prometheus file-SD list."""
-    serve.shutdown()
+    """Shut Serve and Ray down and remove this instance's Prometheus file-SD list. On a
+    cluster joined with ``start(address=...)``: delete this config's applications only and
+    disconnect, leaving the cluster and its Serve instance running."""
+    if _joined_apps:
+        for name in _joined_apps:
+            serve.delete(name)
+        _joined_apps.clear()
+    else:
+        serve.shutdown()
     ray.shutdown()
     while _written_sd_files:
         _written_sd_files.pop().unlink(missing_ok=True)

@@ -509,3 +509,34 @@ def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp
     launch.verify_checkpoints(launch.load_config(launch.CPU_CONFIG, {
         "args": {"checkpoint": str(short)},
         "deployments": {"Gateway": {"user_config": {"max_n": 1024}}}}))
+
+
+def test_cluster_config_is_the_cpu_config_with_placement_resources():
+    """deploy/serve_config.cluster.yaml differs from the CPU config only by the custom
+    resources that put the Gateway on the head and the classifiers on workers (the README's
+    `ray start --resources` lines name the same)."""
+    cluster = yaml.safe_load((DEPLOY / "serve_config.cluster.yaml").read_text())
+    cpu = yaml.safe_load(launch.CPU_CONFIG.read_text())
+    resources = {}
+    for dep in cluster["applications"][0]["deployments"]:
+        resources[dep["name"]] = dep["ray_actor_options"].pop("resources")
+    assert cluster == cpu
+    assert resources == {"Gateway": {"mita_gateway": 0.01},
+                         "MiTAClassifier": {"mita_classifier": 1},
+                         "DenseClassifier": {"mita_classifier": 1}}
+    launch.load_config(DEPLOY / "serve_config.cluster.yaml")  # the strict checks pass
+    readme = (ROOT / "README.md").read_text()
+    assert "--resources '{\"mita_gateway\": 1}'" in readme
+    assert "--resources '{\"mita_classifier\": 4}'" in readme
+
+
+@pytest.mark.parametrize("address,message", [
+    ("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1 (Connection refused)"),
+    ("head-node", "expected HOST:PORT"),
+    ("10.0.0.5:port", "expected HOST:PORT"),
+])
+def test_unreachable_cluster_address_refused_at_once(address, message):
+    # ray.init would retry a dead address for minutes
+    with pytest.raises(OSError, match=re.escape(message)):
+        launch.check_cluster_reachable(address, timeout_s=2)
+    launch.check_cluster_reachable("auto")  # Ray's own lookup, which fails fast by itself

@@ -89,6 +89,17 @@ README_COMMANDS = {
         "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
     ".venv/bin/python benchmarks/request_overhead.py": (
         "run", "shrink: --n 512 --requests 1"),
+    "ray start --head --port 6379 --metrics-export-port 9100 "
+    "--resources '{\"mita_gateway\": 1}'": (
+        "test", "tests/test_cluster.py starts such a head with ray.cluster_utils.Cluster "
+                "(same resources, loopback, random ports)"),
+    "ray start --address HEAD_IP:6379 --resources '{\"mita_classifier\": 4}'": (
+        "test", "tests/test_cluster.py starts a worker node the same way"),
+    ".venv/bin/python -m service --address HEAD_IP:6379 --config "
+    "deploy/serve_config.cluster.yaml": (
+        "test", "tests/test_cluster.py (tests/two_node_cluster.py runs it, with test ports "
+                "and short autoscaling delays)"),
+    "python -m service --address HEAD_IP:6379": ("test", "tests/test_cluster.py"),
     "serve deploy deploy/serve_config.gpu.yaml --address http://<head>:8265": (
         "no", "needs a Ray cluster with GPU workers"),
     "docker build -f deploy/kuberay/Dockerfile -t mita-serve:0.1.0-gpu .": (

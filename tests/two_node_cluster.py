@@ -1,0 +1,306 @@
+"""The service on a real two-node Ray cluster on this machine (all addresses loopback).
+
+Run by ``tests/test_cluster.py`` in its own process (``python tests/two_node_cluster.py
+--out DIR``); it writes ``DIR/cluster_report.json`` and prints one ``RESULT`` line.
+
+1. A head node (custom resource ``mita_gateway``) and a worker node (``mita_classifier``),
+   started with Ray's own ``ray.cluster_utils.Cluster``; the head runs Ray's dashboard (Ray's
+   state API, as ``ray start --head`` does).
+2. ``python -m service --address HEAD --config deploy/serve_config.cluster.yaml`` (the
+   README's command, with test ports and short autoscaling delays) joins the cluster.
+3. Real ListOps sequences to both variants, answered as the serving engine answers them in
+   this process; every replica's node from Ray's state API; the stage metrics read from the
+   exporter in the service's Prometheus file-SD list, and from the worker's exporter.
+4. Autoscaling: a closed loop on the MiTA classifier past ``target_ongoing_requests``;
+   Serve's own status is polled for the replica counts (up to 2, back to 1).
+5. Node loss: the worker is killed (SIGKILL, no drain) during a closed-loop load, restarted
+   after ``--outage-s``, and the load goes on until the end of its duration.
+6. Teardown: SIGTERM to the service (drain, delete the application), then every node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loadtest.engine import LoadConfig, run_load  # noqa: E402
+from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
+from service import launch  # noqa: E402
+
+APP = "mita-serve"
+WORKER = {"num_cpus": 2, "resources": {"mita_classifier": 4}}
+T0 = time.monotonic()
+
+
+def log(*what) -> None:
+    print(f"[{time.monotonic() - T0:6.1f} s]", *what, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_config(path: Path, http_port: int) -> None:
+    """The shipped cluster config with this run's HTTP port and autoscaling that reacts in
+    seconds (the shipped delays are Serve's defaults: 30 s up, 600 s down)."""
+    raw = yaml.safe_load((ROOT / "deploy" / "serve_config.cluster.yaml").read_text())
+    raw["http_options"]["port"] = http_port
+    for dep in raw["applications"][0]["deployments"]:
+        if "autoscaling_config" in dep:
+            dep["autoscaling_config"].update(metrics_interval_s=0.5, look_back_period_s=2.0,
+                                             upscale_delay_s=1.0, downscale_delay_s=3.0)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def replica_nodes() -> dict[str, list[str]]:
+    """Node id of every live replica, per deployment, from Ray's state API."""
+    from ray.util.state import list_actors
+
+    out: dict[str, list[str]] = {}
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        prefix = f"ServeReplica:{APP}:"
+        if actor.class_name.startswith(prefix):
+            out.setdefault(actor.class_name.removeprefix(prefix), []).append(actor.node_id)
+    return {name: sorted(nodes) for name, nodes in out.items()}
+
+
+def replica_states(name: str) -> dict[str, int]:
+    from ray import serve
+
+    return dict(serve.status().applications[APP].deployments[name].replica_states)
+
+
+def metric_sums(url: str) -> dict[str, float]:
+    """``ray_mita_serve_*`` sample values at ``url``, summed by name and selected labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in fam.samples:
+            if not s.name.startswith("ray_mita_serve_"):
+                continue
+            key = s.name + "".join(f"|{k}={s.labels[k]}" for k in ("variant", "stage", "status")
+                                   if k in s.labels)
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def start_load(cfg: LoadConfig) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run():
+        box["t0"] = time.monotonic()
+        box["samples"] = asyncio.run(run_load(cfg))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--outage-s", type=float, default=6.0)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    launch.loopback_only()
+    head_metrics, worker_metrics, http_port = free_port(), free_port(), free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": "127.0.0.1", "num_cpus": 1, "resources": {"mita_gateway": 1},
+        "metrics_export_port": head_metrics, "include_dashboard": True,
+        "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),
+        "_system_config": {"metrics_report_interval_ms": 500}})
+    worker = cluster.add_node(node_ip_address="127.0.0.1", metrics_export_port=worker_metrics,
+                              **WORKER)
+    report["gcs_address"] = cluster.address
+    report["nodes"] = {"head": cluster.head_node.node_id, "worker": worker.node_id}
+    log("cluster up", cluster.address, report["nodes"])
+    service = None
+    try:
+        config = a.out / "serve_config.yaml"
+        cluster_config(config, http_port)
+        service_log = open(a.out / "service.log", "w")
+        service = subprocess.Popen(
+            [sys.executable, "-m", "service", "--address", cluster.address,
+             "--config", str(config)], cwd=ROOT, stdout=service_log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 150
+        while "mita-serve is up" not in (a.out / "service.log").read_text():
+            if service.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("python -m service --address did not come up: "
+                                   + (a.out / "service.log").read_text()[-3000:])
+            time.sleep(0.5)
+        report["service_up_s"] = round(time.monotonic() - T0, 1)
+        log("service up")
+        ray.init(address=cluster.address, namespace="serve", logging_level="warning")
+        url = f"http://127.0.0.1:{http_port}"
+        client = httpx.Client(base_url=url, timeout=60)
+
+        # -- answers and placement ---------------------------------------------------------
+        from service.engine import ClassifierEngine
+
+        examples = generate(6, seed=21_001, cfg=ListOpsConfig(100, 400))
+        answers = {}
+        for variant in ("mita", "dense"):
+            engine = ClassifierEngine("checkpoints/listops-default", variant, "cpu")
+            got, want = [], []
+            for text, _ in examples:
+                r = client.post("/v1/classify", json={"text": text, "variant": variant,
+                                                      "profile": "staged"})
+                r.raise_for_status()
+                got.append(r.json())
+                want.append(engine.run([np.asarray(encode(text))], True, [True])[0])
+            answers[variant] = {
+                "labels": [g["label"] for g in got], "labels_here": [w["label"] for w in want],
+                "max_abs_diff": max(float(np.max(np.abs(np.subtract(g["probabilities"],
+                                                                    w["probabilities"]))))
+                                    for g, w in zip(got, want, strict=True)),
+                "tokens": sum(g["n"] for g in got)}
+        report["answers"] = answers
+        report["placement"] = replica_nodes()
+        report["models_node_id"] = {v: info["node_id"] for v, info in
+                                    client.get("/v1/models").json()["variants"].items()}
+        log("answers", answers, "placement", report["placement"])
+
+        # -- metrics: the file-SD list's exporter, and the worker's ------------------------
+        sd = json.loads(launch.prometheus_sd_file(head_metrics).read_text())
+        report["sd_targets"] = [t for group in sd for t in group["targets"]]
+        target = f"http://{report['sd_targets'][0]}/metrics"
+        want_count = float(len(examples))
+
+        def exported():
+            m = metric_sums(target)
+            return all(m.get(f"ray_mita_serve_stage_duration_seconds_count|variant={v}"
+                             f"|stage=attention", 0) >= want_count for v in ("mita", "dense"))
+        deadline = time.monotonic() + 30
+        while not exported() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        scraped = metric_sums(target)
+        report["scraped"] = {k: v for k, v in scraped.items() if k.split("|")[0] in (
+            "ray_mita_serve_stage_duration_seconds_count", "ray_mita_serve_tokens_total",
+            "ray_mita_serve_requests_total")}
+        report["worker_exporter_mita_serve_series"] = len(
+            metric_sums(f"http://127.0.0.1:{worker_metrics}/metrics"))
+        log("metrics", report["sd_targets"], report["worker_exporter_mita_serve_series"])
+
+        # -- autoscaling ---------------------------------------------------------------------
+        load = LoadConfig(url=url, ns=[2048], variants=["mita"], warmup=0, concurrency=24,
+                          requests=1_000_000, duration_s=30, timeout_s=60, seed=3)
+        thread, box = start_load(load)
+        counts = []
+        while thread.is_alive():
+            counts.append((round(time.monotonic() - T0, 1), replica_states("MiTAClassifier")))
+            if counts[-1][1].get("RUNNING", 0) == 2 and "scaled_up_nodes" not in report:
+                report["scaled_up_nodes"] = replica_nodes().get("MiTAClassifier")
+            time.sleep(1.0)
+        thread.join()
+        up_at = next((t for t, c in counts if c.get("RUNNING", 0) == 2), None)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            counts.append((round(time.monotonic() - T0, 1), replica_states("MiTAClassifier")))
+            if counts[-1][1] == {"RUNNING": 1}:
+                break
+            time.sleep(1.0)
+        statuses = [s.status for s in box["samples"]]
+        report["autoscaling"] = {
+            "load": {"n": 2048, "concurrency": 24, "duration_s": 30, "sent": len(statuses),
+                     "ok": statuses.count(200)},
+            "load_started_s": round(box["t0"] - T0, 1), "load_ended_s": counts[-1][0],
+            "two_running_at_s": up_at, "status": counts,
+            "max_running": max(c.get("RUNNING", 0) for _, c in counts),
+            "final": counts[-1][1]}
+        log("autoscaling", report["autoscaling"]["max_running"], counts[-1])
+
+        # -- node loss -----------------------------------------------------------------------
+        load = LoadConfig(url=url, ns=[256], variants=["ab"], warmup=0, concurrency=4,
+                          requests=1_000_000, duration_s=30 + a.outage_s, timeout_s=150,
+                          seed=4)
+        thread, box = start_load(load)
+        time.sleep(4)
+        killed_at = time.monotonic()
+        cluster.remove_node(worker, allow_graceful=False)
+        log("worker killed")
+        during = []
+        while time.monotonic() - killed_at < a.outage_s:
+            t = time.monotonic()
+            r = client.post("/v1/classify", json={"ids": [12, 3, 5, 15], "variant": "mita"})
+            during.append({"at_s": round(t - killed_at, 2), "status": r.status_code,
+                           "latency_s": round(time.monotonic() - t, 2),
+                           "retry_after": r.headers.get("retry-after"),
+                           "body": r.json()})
+            time.sleep(0.5)
+        restarted_at = time.monotonic()
+        worker = cluster.add_node(node_ip_address="127.0.0.1",
+                                  metrics_export_port=free_port(), **WORKER)
+        log("worker restarted")
+        thread.join()
+        t0 = box["t0"]
+        samples = box["samples"]
+        statuses = [s.status for s in samples]
+        ends = sorted((t0 + s.start_s + s.latency_s, s.status) for s in samples)
+        first_ok = next((t for t, st in ends if st == 200 and t > restarted_at), None)
+        last_failed = max((t for t, st in ends if st != 200), default=None)
+        failed = [s for s in samples if s.status != 200]
+        report["node_loss"] = {
+            "load": {"n": 256, "variants": "ab", "concurrency": 4,
+                     "duration_s": load.duration_s},
+            "sent": len(samples), "ok": statuses.count(200), "failed": len(failed),
+            "failed_by_status": {str(st): statuses.count(st) for st in set(statuses)
+                                 if st != 200},
+            "errors": sorted({s.error for s in failed}),
+            "max_latency_s": round(max(s.latency_s for s in samples), 2),
+            "outage_s": round(restarted_at - killed_at, 1),
+            # first answer again, and the end of the last failure (both variants back)
+            "first_ok_after_restart_s": None if first_ok is None
+            else round(first_ok - restarted_at, 1),
+            "last_failure_after_restart_s": None if last_failed is None
+            else round(last_failed - restarted_at, 1),
+            "ok_after_last_failure": sum(1 for t, st in ends
+                                         if last_failed is not None and t > last_failed),
+            "last_status": samples[-1].status if samples else None,
+            "probes_during_outage": during,
+            "answers_after": {v: client.post("/v1/classify", json={
+                "ids": [12, 3, 5, 15], "variant": v}).status_code for v in ("mita", "dense")},
+            "placement_after": replica_nodes(), "new_worker": worker.node_id}
+        log("node loss", {k: v for k, v in report["node_loss"].items()
+                          if k != "probes_during_outage"})
+    finally:
+        if service is not None:
+            service.send_signal(signal.SIGTERM)
+            try:
+                report["service_exit"] = service.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(service.pid, signal.SIGKILL)
+                report["service_exit"] = "killed after 90 s"
+        ray.shutdown()
+        cluster.shutdown()
+        report["total_s"] = round(time.monotonic() - T0, 1)
+        (a.out / "cluster_report.json").write_text(json.dumps(report, indent=1))
+        print("RESULT " + json.dumps({"report": str(a.out / "cluster_report.json")}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
