@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         config = launch.load_config(path)
         if a.address is None:  # on a cluster the nodes' devices count, not this machine's
             launch.check_devices(config)
-        elif not a.check:
+        else:
             launch.check_cluster_reachable(a.address)
         launch.verify_checkpoints(config)
         if a.check:

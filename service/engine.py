@@ -168,7 +168,9 @@ class ClassifierEngine:
             ids = torch.full((len(group), n_max), pad, dtype=torch.long)
             mask = torch.ones(len(group), n_max, dtype=torch.bool)
             for row, i in enumerate(group):
-                ids[row, : lengths[i]] = torch.as_tensor(np.asarray(batch[i]))
+                # through numpy: ids arriving over Ray are read-only arrays, which torch
+                # warns about on as_tensor
+                ids.numpy()[row, : lengths[i]] = batch[i]
                 mask[row, : lengths[i]] = False
             # No padding in the group: no mask (dense SDPA can then take its flash path).
             mask = mask.to(self.device) if bool(mask.any()) else None

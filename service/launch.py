@@ -39,8 +39,9 @@ PROMETHEUS_SD_DIR = Path("/tmp/mita-serve/prometheus")
 DEFAULT_METRICS_PORT = 9100
 DEFAULT_DASHBOARD_PORT = 8265  # Ray's; the `serve` CLI's default address
 _written_sd_files: list[Path] = []
-# Applications deployed on a cluster this process joined (start(address=...)): stop()
-# deletes these and leaves the cluster's Serve running.
+# On a cluster this process joined (start(address=...)), stop() deletes the applications
+# this process deployed and leaves the cluster's Serve running.
+_joined = False
 _joined_apps: list[str] = []
 
 
@@ -159,12 +160,25 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     # Serve waits 5 s for a new HTTP proxy by default; a loaded 2-core machine needs longer,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    global _joined
     if address is not None:
+        _joined = True  # from here on stop() never shuts down the cluster's Serve
         if not ray.is_initialized():
             host = address.rsplit(":", 1)[0].strip("[]")
             if host in ("localhost", "127.0.0.1", "::1"):
                 loopback_only()  # else Ray dials the machine's routable address instead
-            ray.init(address=address, namespace="serve")
+            try:
+                ray.init(address=address, namespace="serve")
+            except ConnectionError as e:
+                if os.environ.get("RAY_AUTH_MODE") != "token":
+                    raise ConnectionError(
+                        f"{e} If the cluster uses Ray's token authentication (`ray start "
+                        "--head` turns it on in Ray 2.60), export RAY_AUTH_MODE=token with the "
+                        "cluster's token (~/.ray/auth_token or RAY_AUTH_TOKEN).") from None
+                raise
+        check_not_running(config)
+        for line in missing_resources(config):
+            print(f"mita-serve: warning: {line}", flush=True)
         _joined_apps.extend(a.name for a in config.applications)
     elif not ray.is_initialized():
         use_token_auth()
@@ -195,12 +209,57 @@ def check_cluster_reachable(address: str, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit() or not host:
         raise OSError(f"--address {address!r}: expected HOST:PORT (the head node's GCS "
                       "address, e.g. 10.0.0.5:6379) or auto")
+    hint = ("is it the head node's address and GCS port (`ray start --head --port`, "
+            "default 6379)?")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as c:
+            # Ray's GCS is a gRPC server: it answers the HTTP/2 client preface with a SETTINGS
+            # frame (type 4 in the 9-byte frame header). Another server (the metrics port, the
+            # dashboard) would leave ray.init retrying for minutes.
+            c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            header = b""
+            while len(header) < 9:
+                chunk = c.recv(9 - len(header))
+                if not chunk:
+                    break
+                header += chunk
     except OSError as e:
-        raise OSError(f"no Ray cluster answers at {address} ({e.strerror or e}); is it the "
-                      "head node's address and GCS port (`ray start --head --port`, default "
-                      "6379)?") from None
+        raise OSError(f"no Ray cluster answers at {address} ({e.strerror or e}); {hint}"
+                      ) from None
+    if len(header) < 9 or header[3] != 4:
+        raise OSError(f"the server at {address} is not a Ray cluster's GCS (it does not speak "
+                      f"gRPC); {hint}")
+
+
+def check_not_running(config: ServeDeploySchema) -> None:
+    """Refuse (ValueError) to deploy over an application of the same name already on the
+    joined cluster: two ``python -m service`` would share one application, and the first to
+    stop would delete it under the other."""
+    running = serve.status().applications
+    taken = [a.name for a in config.applications if a.name in running]
+    if taken:
+        raise ValueError(f"application(s) {', '.join(map(repr, taken))} already run on this "
+                         "cluster (another python -m service, or serve deploy): stop that one "
+                         "(`serve delete NAME`) or give the application another name and "
+                         "route_prefix in the config")
+
+
+def missing_resources(config: ServeDeploySchema) -> list[str]:
+    """One line per custom resource a deployment asks for (``ray_actor_options.resources``)
+    that no node of the joined cluster offers now: its replicas stay pending until a node
+    with it joins (an autoscaling cluster may add one)."""
+    have = ray.cluster_resources()
+    lines = []
+    for app in config.applications:
+        for dep in app.deployments:
+            options = dep.model_dump(exclude_unset=True).get("ray_actor_options") or {}
+            for name, amount in (options.get("resources") or {}).items():
+                if have.get(name, 0) < amount:
+                    lines.append(f"no node of the cluster offers resource {name!r} "
+                                 f"({dep.name} asks {amount:g} per replica): its replicas "
+                                 f"stay pending until a node started with `ray start "
+                                 f"--resources '{{\"{name}\": N}}'` joins")
+    return lines
 
 
 def loopback_only() -> None:
@@ -446,10 +505,16 @@ def stop() -> None:
     """Shut Serve and Ray down and remove this instance's Prometheus file-SD list. On a
     cluster joined with ``start(address=...)``: delete this config's applications only and
     disconnect, leaving the cluster and its Serve instance running."""
-    if _joined_apps:
-        for name in _joined_apps:
-            serve.delete(name)
+    global _joined
+    if _joined:
+        try:
+            for name in _joined_apps:
+                serve.delete(name)
+        except Exception as e:  # e.g. the cluster went away: still disconnect
+            print(f"mita-serve: could not delete {', '.join(_joined_apps)} on the cluster: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         _joined_apps.clear()
+        _joined = False
     else:
         serve.shutdown()
     ray.shutdown()

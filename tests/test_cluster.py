@@ -134,3 +134,13 @@ def test_node_loss_gives_503s_then_recovers(report):
     assert loss["placement_after"]["MiTAClassifier"] == [new]
     assert loss["placement_after"]["DenseClassifier"] == [new]
     assert loss["placement_after"]["Gateway"] == [report["nodes"]["head"]]
+
+
+def test_a_second_instance_is_refused_and_deletes_nothing(report):
+    second = report["second_instance"]
+    assert second["returncode"] == 1
+    assert second["message"] == [
+        "mita-serve: could not start: ValueError: application(s) 'mita-serve' already run on "
+        "this cluster (another python -m service, or serve deploy): stop that one (`serve "
+        "delete NAME`) or give the application another name and route_prefix in the config"]
+    assert second["first_still_answers"] == 200

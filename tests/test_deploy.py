@@ -540,3 +540,19 @@ def test_unreachable_cluster_address_refused_at_once(address, message):
     with pytest.raises(OSError, match=re.escape(message)):
         launch.check_cluster_reachable(address, timeout_s=2)
     launch.check_cluster_reachable("auto")  # Ray's own lookup, which fails fast by itself
+
+
+def test_a_server_that_is_not_rays_gcs_is_refused():
+    """An HTTP server (e.g. the metrics port given by mistake) accepts the connection, so a
+    plain connect passed and ray.init then retried for minutes: the probe wants gRPC."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(OSError, match="is not a Ray cluster's GCS"):
+            launch.check_cluster_reachable(f"127.0.0.1:{server.server_address[1]}", 2)
+    finally:
+        server.shutdown()

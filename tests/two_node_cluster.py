@@ -11,11 +11,13 @@ Run by ``tests/test_cluster.py`` in its own process (``python tests/two_node_clu
 3. Real ListOps sequences to both variants, answered as the serving engine answers them in
    this process; every replica's node from Ray's state API; the stage metrics read from the
    exporter in the service's Prometheus file-SD list, and from the worker's exporter.
-4. Autoscaling: a closed loop on the MiTA classifier past ``target_ongoing_requests``;
-   Serve's own status is polled for the replica counts (up to 2, back to 1).
-5. Node loss: the worker is killed (SIGKILL, no drain) during a closed-loop load, restarted
-   after ``--outage-s``, and the load goes on until the end of its duration.
-6. Teardown: SIGTERM to the service (drain, delete the application), then every node.
+4. A second ``python -m service --address`` for the same application is refused and leaves
+   the first one serving.
+5. Autoscaling: a closed loop on the MiTA classifier past ``target_ongoing_requests`` until
+   Serve's own status shows 2 running replicas, then none; the status is polled until 1.
+6. Node loss: the worker is killed (SIGKILL, no drain) during a closed-loop load, restarted
+   after ``--outage-s``; the load goes on until both classifiers answer again, and 5 s more.
+7. Teardown: SIGTERM to the service (drain, delete the application), then every node.
 """
 
 from __future__ import annotations
@@ -103,15 +105,30 @@ def metric_sums(url: str) -> dict[str, float]:
     return out
 
 
-def start_load(cfg: LoadConfig) -> tuple[threading.Thread, dict]:
-    box: dict = {}
+class Load:
+    """Closed-loop load from the project's load tester, in back-to-back phases of
+    ``phase_s`` until ``stop()``, so a phase ends when the scenario has seen what it waits
+    for (a slower machine takes longer, not a different path). ``samples``: (start time on
+    ``time.monotonic``, Sample)."""
 
-    def run():
-        box["t0"] = time.monotonic()
-        box["samples"] = asyncio.run(run_load(cfg))
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
+    def __init__(self, url: str, n: int, variant: str, concurrency: int, phase_s: float = 8):
+        self.cfg = LoadConfig(url=url, ns=[n], variants=[variant], warmup=0,
+                              concurrency=concurrency, requests=1_000_000, duration_s=phase_s,
+                              timeout_s=150)
+        self.samples: list = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()  # the phase's own clock starts a few ms later
+            self.samples += [(t0 + s.start_s, s) for s in asyncio.run(run_load(self.cfg))]
+
+    def stop(self) -> list:
+        self._stop.set()
+        self.thread.join()
+        return self.samples
 
 
 def main() -> None:
@@ -205,39 +222,49 @@ def main() -> None:
             metric_sums(f"http://127.0.0.1:{worker_metrics}/metrics"))
         log("metrics", report["sd_targets"], report["worker_exporter_mita_serve_series"])
 
+        # -- a second instance on the same cluster is refused, and deletes nothing ----------
+        t = time.monotonic()
+        second = subprocess.run(
+            [sys.executable, "-m", "service", "--address", cluster.address, "--config",
+             str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        report["second_instance"] = {
+            "returncode": second.returncode, "seconds": round(time.monotonic() - t, 1),
+            "message": [line for line in second.stderr.splitlines()
+                        if line.startswith("mita-serve:")],
+            "first_still_answers": client.post("/v1/classify", json={
+                "ids": [12, 3, 5, 15], "variant": "mita"}).status_code}
+        log("second instance", report["second_instance"])
+
         # -- autoscaling ---------------------------------------------------------------------
-        load = LoadConfig(url=url, ns=[2048], variants=["mita"], warmup=0, concurrency=24,
-                          requests=1_000_000, duration_s=30, timeout_s=60, seed=3)
-        thread, box = start_load(load)
+        load = Load(url, n=2048, variant="mita", concurrency=24)
+        load_started = time.monotonic()
         counts = []
-        while thread.is_alive():
+        while time.monotonic() - load_started < 120:
             counts.append((round(time.monotonic() - T0, 1), replica_states("MiTAClassifier")))
-            if counts[-1][1].get("RUNNING", 0) == 2 and "scaled_up_nodes" not in report:
+            if counts[-1][1].get("RUNNING", 0) == 2:
                 report["scaled_up_nodes"] = replica_nodes().get("MiTAClassifier")
+                break
             time.sleep(1.0)
-        thread.join()
-        up_at = next((t for t, c in counts if c.get("RUNNING", 0) == 2), None)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        up_at = counts[-1][0] if counts[-1][1].get("RUNNING", 0) == 2 else None
+        time.sleep(3)  # two replicas serving the load
+        statuses = [s.status for _, s in load.stop()]
+        load_ended = round(time.monotonic() - T0, 1)
+        while time.monotonic() - T0 - load_ended < 60:
             counts.append((round(time.monotonic() - T0, 1), replica_states("MiTAClassifier")))
             if counts[-1][1] == {"RUNNING": 1}:
                 break
             time.sleep(1.0)
-        statuses = [s.status for s in box["samples"]]
         report["autoscaling"] = {
-            "load": {"n": 2048, "concurrency": 24, "duration_s": 30, "sent": len(statuses),
+            "load": {"n": 2048, "concurrency": 24, "sent": len(statuses),
                      "ok": statuses.count(200)},
-            "load_started_s": round(box["t0"] - T0, 1), "load_ended_s": counts[-1][0],
+            "load_started_s": round(load_started - T0, 1), "load_ended_s": load_ended,
             "two_running_at_s": up_at, "status": counts,
             "max_running": max(c.get("RUNNING", 0) for _, c in counts),
             "final": counts[-1][1]}
         log("autoscaling", report["autoscaling"]["max_running"], counts[-1])
 
         # -- node loss -----------------------------------------------------------------------
-        load = LoadConfig(url=url, ns=[256], variants=["ab"], warmup=0, concurrency=4,
-                          requests=1_000_000, duration_s=30 + a.outage_s, timeout_s=150,
-                          seed=4)
-        thread, box = start_load(load)
+        load = Load(url, n=256, variant="ab", concurrency=4)
         time.sleep(4)
         killed_at = time.monotonic()
         cluster.remove_node(worker, allow_graceful=False)
@@ -255,22 +282,26 @@ def main() -> None:
         worker = cluster.add_node(node_ip_address="127.0.0.1",
                                   metrics_export_port=free_port(), **WORKER)
         log("worker restarted")
-        thread.join()
-        t0 = box["t0"]
-        samples = box["samples"]
-        statuses = [s.status for s in samples]
-        ends = sorted((t0 + s.start_s + s.latency_s, s.status) for s in samples)
+
+        def both_answer() -> bool:
+            return all(client.post("/v1/classify", json={"ids": [12, 3, 5, 15], "variant": v}
+                                   ).status_code == 200 for v in ("mita", "dense"))
+        while not both_answer() and time.monotonic() - restarted_at < 150:
+            time.sleep(0.5)
+        time.sleep(5)  # the load goes on with the service back
+        samples = load.stop()
+        statuses = [s.status for _, s in samples]
+        ends = sorted((t + s.latency_s, s.status) for t, s in samples)
         first_ok = next((t for t, st in ends if st == 200 and t > restarted_at), None)
         last_failed = max((t for t, st in ends if st != 200), default=None)
-        failed = [s for s in samples if s.status != 200]
+        failed = [s for _, s in samples if s.status != 200]
         report["node_loss"] = {
-            "load": {"n": 256, "variants": "ab", "concurrency": 4,
-                     "duration_s": load.duration_s},
+            "load": {"n": 256, "variants": "ab", "concurrency": 4},
             "sent": len(samples), "ok": statuses.count(200), "failed": len(failed),
             "failed_by_status": {str(st): statuses.count(st) for st in set(statuses)
                                  if st != 200},
             "errors": sorted({s.error for s in failed}),
-            "max_latency_s": round(max(s.latency_s for s in samples), 2),
+            "max_latency_s": round(max(s.latency_s for _, s in samples), 2),
             "outage_s": round(restarted_at - killed_at, 1),
             # first answer again, and the end of the last failure (both variants back)
             "first_ok_after_restart_s": None if first_ok is None
@@ -279,7 +310,7 @@ def main() -> None:
             else round(last_failed - restarted_at, 1),
             "ok_after_last_failure": sum(1 for t, st in ends
                                          if last_failed is not None and t > last_failed),
-            "last_status": samples[-1].status if samples else None,
+            "last_status": ends[-1][1] if ends else None,
             "probes_during_outage": during,
             "answers_after": {v: client.post("/v1/classify", json={
                 "ids": [12, 3, 5, 15], "variant": v}).status_code for v in ("mita", "dense")},
