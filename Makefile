@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # No Ray, no subprocess CLIs, no Triton interpreter: under a minute once the CPU kernels are
 # built (the first run builds them, ~1 min).

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
-    metrics_port, metrics_ip = launch.gateway_exporter(config.applications[0].name)
+    metrics_port, metrics_ip = launch.metrics_exporter
     print(f"Prometheus metrics: http://{netloc(metrics_ip, metrics_port)}/metrics (the Gateway's "
           f"node; file-SD list {launch.prometheus_sd_file(metrics_port)}; "
           f"deploy/prometheus/prometheus.yml reads port {launch.DEFAULT_METRICS_PORT}'s)")

@@ -58,6 +58,39 @@ CLASSIFIER_DEPLOYMENTS = {"mita": "MiTAClassifier", "dense": "DenseClassifier"} 
 # How often the gateway asks Serve's controller which classifiers have a running replica, and
 # so how long a request waits, at most, after its classifier's last replica is gone.
 REPLICA_WATCH_S = 1.0
+# Replica states (Serve's ReplicaState) in which a replica takes requests.
+SERVING_STATES = ("RUNNING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
+
+
+def classifier_replicas(details: dict, app_name: str) -> dict[str, dict]:
+    """Per variant, from Serve's controller (``get_serve_details()``, the data of
+    ``serve.status()``): ``serving`` (replicas in ``SERVING_STATES``), ``stopping`` (still
+    finishing requests they took) and ``scales_to_zero`` (``min_replicas: 0``: no replica is
+    then normal, and a request is what starts one). Raises KeyError when the application or
+    a classifier deployment is not there."""
+    deployments = details["applications"][app_name]["deployments"]
+    out = {}
+    for variant, name in CLASSIFIER_DEPLOYMENTS.items():
+        dep = deployments[name]
+        # Serve's ReplicaState is a str enum: equal to its value, but str() gives its name
+        states = [r["state"] for r in dep.get("replicas", [])]
+        auto = (dep.get("deployment_config") or {}).get("autoscaling_config") or {}
+        out[variant] = {"serving": sum(st in SERVING_STATES for st in states),
+                        "stopping": states.count("STOPPING"),
+                        "scales_to_zero": auto.get("min_replicas", 1) == 0}
+    return out
+
+
+async def fetch_classifier_replicas(timeout_s: float) -> dict[str, dict]:
+    """``classifier_replicas`` of this replica's application, asked of Serve's controller
+    (never of the classifiers, so the answer does not wait behind classify work). Raises
+    asyncio.TimeoutError after ``timeout_s``, or the controller's error."""
+    from ray.serve.context import _get_global_client
+
+    def ask() -> dict:
+        return _get_global_client().get_serve_details()
+    details = await asyncio.wait_for(asyncio.to_thread(ask), timeout_s)
+    return classifier_replicas(details, serve.get_replica_context().app_name)
 
 
 def sticky_unit(key: str) -> float:
@@ -262,6 +295,7 @@ def drop(response, answer: asyncio.Future) -> None:
     retrieved."""
     response.cancel()
     answer.cancel()
+    answer.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 @serve.deployment
@@ -280,9 +314,10 @@ class Gateway:
         self._shadow_tasks: set[asyncio.Task] = set()
         self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
         self._variant_info_at = -math.inf
-        # RUNNING replicas per variant as Serve's controller last reported them (_watch);
-        # absent until the first answer, so nothing is refused on a guess.
-        self._running: dict[str, int] = {}
+        # classifier_replicas as Serve's controller last reported them (_watch); empty until
+        # the first answer and after a failed one, so nothing is refused on a guess.
+        self._replicas: dict[str, dict] = {}
+        self._replicas_at = -math.inf
         self._watch_task: asyncio.Task | None = None
 
     def reconfigure(self, config: dict) -> None:
@@ -298,20 +333,28 @@ class Gateway:
             timeout_s)
 
     async def _watch(self) -> None:
-        """Keep ``_running`` current: Serve's controller is asked every
-        ``REPLICA_WATCH_S`` how many replicas of each classifier run. A request's handle call
-        would otherwise wait, without a replica, until one is back or ``request_timeout_s``
-        passes (a lost node's replicas take as long as the node)."""
-        app_name = serve.get_replica_context().app_name
+        """Keep ``_replicas`` current: Serve's controller is asked every ``REPLICA_WATCH_S``
+        about each classifier's replicas (``_replicas_at``: when the answer was asked for).
+        A request's handle call would otherwise wait, with no replica, until one is back or
+        ``request_timeout_s`` passes (a lost node's replicas take as long as the node)."""
         while True:
+            asked_at = time.monotonic()
             try:
-                status = await asyncio.wait_for(asyncio.to_thread(serve.status), 10.0)
-                deployments = status.applications[app_name].deployments
-                self._running = {v: deployments[name].replica_states.get("RUNNING", 0)
-                                 for v, name in CLASSIFIER_DEPLOYMENTS.items()}
+                self._replicas = await fetch_classifier_replicas(10.0)
+                self._replicas_at = asked_at
             except Exception:  # controller busy or restarting: no answer is not "none run"
-                self._running = {}
+                self._replicas = {}
             await asyncio.sleep(REPLICA_WATCH_S)
+
+    def _unserved(self, variant: str, sent_at: float) -> bool:
+        """The controller, asked after a request to ``variant`` was sent at ``sent_at``, had
+        no replica of it that takes requests or is still finishing some: the request is
+        queued with nowhere to go. Never for a deployment that scales to zero, where a
+        request is what starts a replica. (Asked after, not before: a snapshot from just
+        before a replica came up would refuse requests it could serve.)"""
+        r = self._replicas.get(variant)
+        return (self._replicas_at > sent_at and bool(r) and not r["scales_to_zero"]
+                and r["serving"] == 0 and r["stopping"] == 0)
 
     def _no_replica(self, variant: str) -> ApiError:
         return ApiError(503, f"no {variant} classifier replica is running (Serve is starting "
@@ -321,12 +364,12 @@ class Gateway:
     async def _call(self, variant: str, ids: np.ndarray, staged: bool = False) -> dict:
         """One call to ``variant``'s classifier; its forward is recorded whenever an answer
         comes back. Raises ApiError: 503 (back-pressure: ``rejected``; the replica died; no
-        replica of ``variant`` runs, before or while the request waits), 504 (no answer
-        within ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
+        replica of ``variant`` runs while the request waits: ``_unserved``, within about
+        ``REPLICA_WATCH_S`` plus one controller answer), 504 (no answer within
+        ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
         if self._watch_task is None or self._watch_task.done():
             self._watch_task = asyncio.create_task(self._watch())
-        if self._running.get(variant) == 0:
-            raise self._no_replica(variant)
+        sent_at = time.monotonic()
         response = self.handles[variant].classify.remote(ids, staged)
         answer = asyncio.ensure_future(response)
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -338,7 +381,7 @@ class Gateway:
                     raise ApiError(504, f"the {variant} classifier did not answer within "
                                         f"{self.config.request_timeout_s} s")
                 await asyncio.wait({answer}, timeout=min(left, REPLICA_WATCH_S))
-                if not answer.done() and self._running.get(variant) == 0:
+                if not answer.done() and self._unserved(variant, sent_at):
                     drop(response, answer)
                     raise self._no_replica(variant)
             result = answer.result()
@@ -497,19 +540,17 @@ class Gateway:
     @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", responses={503: {"model": ErrorResponse}})
     async def readyz(self) -> dict:
-        """Ready when each classifier deployment has a running replica, as Serve's controller
-        sees it (``serve.status()``: not a call to the classifiers, so the answer never waits
-        behind classify work in their queues). Not ready while draining."""
+        """Ready when each classifier deployment has a replica that takes requests, as Serve's
+        controller sees it (``fetch_classifier_replicas``: not a call to the classifiers, so
+        the answer never waits behind classify work in their queues). Not ready while
+        draining."""
         try:
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), 5.0)
-            app = status.applications[serve.get_replica_context().app_name]
-            running = {name: app.deployments[name].replica_states.get("RUNNING", 0)
-                       for name in CLASSIFIER_DEPLOYMENTS.values()}
+            replicas = await fetch_classifier_replicas(5.0)
         except Exception as e:  # any failure means not ready; say which
             why = str(e) or ("no answer within 5 s" if isinstance(e, asyncio.TimeoutError)
                              else "")
             raise ApiError(503, f"not ready: {type(e).__name__}: {why}"[:300]) from None
-        idle = [name for name, n in running.items() if not n]
+        idle = [CLASSIFIER_DEPLOYMENTS[v] for v, r in replicas.items() if not r["serving"]]
         if idle:
             raise ApiError(503, f"not ready: no running replica of {', '.join(idle)}")
         return {"status": "ready", "variants": list(VARIANTS)}

@@ -43,6 +43,8 @@ _written_sd_files: list[Path] = []
 # this process deployed and leaves the cluster's Serve running.
 _joined = False
 _joined_apps: list[str] = []
+# (port, ip) of the metrics exporter of the Gateway's node, once start() has deployed.
+metrics_exporter: tuple[int, str] | None = None
 
 
 def prometheus_sd_file(metrics_port: int) -> Path:
@@ -160,7 +162,7 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     # Serve waits 5 s for a new HTTP proxy by default; a loaded 2-core machine needs longer,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    global _joined
+    global _joined, metrics_exporter
     if address is not None:
         _joined = True  # from here on stop() never shuts down the cluster's Serve
         if not ray.is_initialized():
@@ -179,7 +181,6 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
         check_not_running(config)
         for line in missing_resources(config):
             print(f"mita-serve: warning: {line}", flush=True)
-        _joined_apps.extend(a.name for a in config.applications)
     elif not ray.is_initialized():
         use_token_auth()
         if ipaddress.ip_address(node_ip).is_loopback:
@@ -189,12 +190,18 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
                  _node_ip_address=node_ip,
                  _metrics_export_port=metrics_port,
                  _system_config={"metrics_report_interval_ms": metrics_interval_ms})
-    serve_api.serve_start(http_options=config.http_options.model_dump(),
-                          proxy_location=config.proxy_location)
-    deploy(config, timeout_s)
+    client = serve_api.serve_start(http_options=config.http_options.model_dump(),
+                                   proxy_location=config.proxy_location)
+    names = [a.name for a in config.applications]
+    if _joined:
+        _joined_apps.extend(names)  # from here on, stop() deletes them
+        deploy(with_cluster_apps(config, client.get_serve_details()), timeout_s, names)
+    else:
+        deploy(config, timeout_s)
     for app in config.applications:
         if app.import_path.replace(":", ".") == "service.app.build_app":
-            write_prometheus_sd(*gateway_exporter(app.name))
+            metrics_exporter = gateway_exporter(app.name)
+            write_prometheus_sd(*metrics_exporter)
     http = config.http_options
     return f"http://{http.host}:{http.port}"
 
@@ -202,20 +209,28 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
 def check_cluster_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Refuse (OSError) a cluster address nothing listens on: ``ray.init`` would retry it for
     minutes. ``address`` is ``HOST:PORT``, the head node's GCS address; ``auto`` is left to
-    Ray, which fails at once when it finds no cluster."""
+    Ray, which fails at once when it finds no cluster. Without TLS (``RAY_USE_TLS``) the
+    server must answer as a gRPC server does, which refuses e.g. the metrics port."""
     if address == "auto":
         return
+    if "://" in address:  # e.g. the dashboard's http://HEAD:8265, which Ray's job CLI takes
+        raise OSError(f"--address {address!r}: expected the head node's GCS address HOST:PORT "
+                      "(e.g. 10.0.0.5:6379), not a URL")
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise OSError(f"--address {address!r}: expected HOST:PORT (the head node's GCS "
                       "address, e.g. 10.0.0.5:6379) or auto")
     hint = ("is it the head node's address and GCS port (`ray start --head --port`, "
             "default 6379)?")
+    tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as c:
+            if tls:  # a TLS GCS answers only after a handshake; the connect is all we check
+                return
             # Ray's GCS is a gRPC server: it answers the HTTP/2 client preface with a SETTINGS
             # frame (type 4 in the 9-byte frame header). Another server (the metrics port, the
-            # dashboard) would leave ray.init retrying for minutes.
+            # dashboard) would leave ray.init retrying for minutes; another gRPC port of Ray
+            # (Ray Client's 10001) still passes.
             c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
             header = b""
             while len(header) < 9:
@@ -229,6 +244,23 @@ def check_cluster_reachable(address: str, timeout_s: float = 5.0) -> None:
     if len(header) < 9 or header[3] != 4:
         raise OSError(f"the server at {address} is not a Ray cluster's GCS (it does not speak "
                       f"gRPC); {hint}")
+
+
+def with_cluster_apps(config: ServeDeploySchema, details: dict) -> ServeDeploySchema:
+    """``config`` plus, unchanged, every application another user deployed on the cluster
+    from a config (``serve deploy``, the declarative API; ``details``: the controller's
+    ``get_serve_details()``). Serve applies a config as the whole set of such applications
+    and deletes those it does not name; applications started from Python (``serve.run``)
+    are not affected either way."""
+    ours = {a.name for a in config.applications}
+    others = [app["deployed_app_config"] for name, app in details.get("applications", {}).items()
+              if name not in ours and app.get("source") == "declarative"
+              and app.get("deployed_app_config")]
+    if not others:
+        return config
+    raw = config.model_dump(exclude_unset=True)
+    raw["applications"] = others + raw["applications"]
+    return ServeDeploySchema.model_validate(raw)
 
 
 def check_not_running(config: ServeDeploySchema) -> None:
@@ -452,12 +484,15 @@ def write_prometheus_sd(metrics_port: int, host: str = "127.0.0.1") -> Path:
     return path
 
 
-def deploy(config: ServeDeploySchema, timeout_s: float = 300.0) -> None:
+def deploy(config: ServeDeploySchema, timeout_s: float = 300.0,
+           names: list[str] | None = None) -> None:
     """(Re)deploy ``config`` on the running Serve instance — a changed ``user_config`` is
-    applied through ``reconfigure`` without restarting replicas — and wait until RUNNING."""
+    applied through ``reconfigure`` without restarting replicas — and wait until its
+    applications (or those in ``names``) are RUNNING. Raises RuntimeError when one fails to
+    deploy or ``timeout_s`` passes."""
     serve_api.serve_start().deploy_apps(config, _blocking=False)
     deadline = time.monotonic() + timeout_s
-    names = [a.name for a in config.applications]
+    names = names or [a.name for a in config.applications]
     while True:
         status = serve.status().applications
         states = {n: status[n].status if n in status else "NOT_STARTED" for n in names}

@@ -35,23 +35,31 @@ def cluster_processes(gcs_address: str) -> list[psutil.Process]:
 def report():
     out = ARTIFACTS / "cluster"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster_report.json").unlink(missing_ok=True)
+    for name in ("cluster_report.json", "gcs_address"):
+        (out / name).unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "two_node_cluster.py"),
                              "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    leftovers: list = []
     try:
         output, _ = proc.communicate(timeout=360)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
+    finally:
+        # Whatever happened, nothing of the cluster may outlive the test: its nodes, and the
+        # service (its own session; its command line carries the address too).
+        if (out / "gcs_address").exists():
+            leftovers = cluster_processes((out / "gcs_address").read_text())
+            for p in leftovers:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:  # it exited meanwhile
+                    pass
     (out / "driver.log").write_text(output)
     path = out / "cluster_report.json"
     assert path.exists(), output[-4000:]
     result = json.loads(path.read_text())
-    # Whatever happened, nothing of the cluster may outlive the test.
-    leftovers = cluster_processes(result["gcs_address"])
-    for p in leftovers:
-        p.kill()
     result["leftover_processes"] = len(leftovers)
     print("cluster report:", json.dumps({k: v for k, v in result.items()
                                          if k not in ("scraped", "answers")}))

@@ -534,6 +534,7 @@ def test_cluster_config_is_the_cpu_config_with_placement_resources():
     ("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1 (Connection refused)"),
     ("head-node", "expected HOST:PORT"),
     ("10.0.0.5:port", "expected HOST:PORT"),
+    ("http://10.0.0.5:8265", "not a URL"),  # the dashboard's address, as Ray's job CLI takes
 ])
 def test_unreachable_cluster_address_refused_at_once(address, message):
     # ray.init would retry a dead address for minutes
@@ -556,3 +557,44 @@ def test_a_server_that_is_not_rays_gcs_is_refused():
             launch.check_cluster_reachable(f"127.0.0.1:{server.server_address[1]}", 2)
     finally:
         server.shutdown()
+
+
+def test_joining_keeps_the_applications_others_deployed_from_a_config():
+    """Serve deletes every config-deployed application a new config does not name, so the
+    service deploys those, unchanged, with its own; Python-deployed ones are left alone."""
+    config = launch.load_config(DEPLOY / "serve_config.cluster.yaml")
+    other = {"name": "other", "route_prefix": "/other", "import_path": "shop.app:build",
+             "args": {"size": 3}}
+    details = {"applications": {
+        "other": {"source": "declarative", "deployed_app_config": other},
+        "from-python": {"source": "imperative", "deployed_app_config": None},
+        "broken": {"source": "declarative"}}}
+    merged = launch.with_cluster_apps(config, details)
+    assert [a.name for a in merged.applications] == ["other", "mita-serve"]
+    assert merged.applications[0].model_dump(exclude_unset=True) == other
+    assert merged.applications[1] == config.applications[0]
+    assert launch.with_cluster_apps(config, {"applications": {}}) is config
+
+
+def test_classifier_replicas_reads_serves_replica_states():
+    from service.gateway import classifier_replicas
+
+    def deployment(*states, min_replicas=1):
+        return {"replicas": [{"state": s} for s in states],
+                "deployment_config": {"autoscaling_config": {"min_replicas": min_replicas}}}
+    details = {"applications": {"app": {"deployments": {
+        "Gateway": deployment("RUNNING"),
+        "MiTAClassifier": deployment("STOPPING", "STARTING"),  # a lost node's, being replaced
+        "DenseClassifier": deployment(min_replicas=0)}}}}  # scaled to zero
+    assert classifier_replicas(details, "app") == {
+        "mita": {"serving": 0, "stopping": 1, "scales_to_zero": False},
+        "dense": {"serving": 0, "stopping": 0, "scales_to_zero": True}}
+    details["applications"]["app"]["deployments"]["MiTAClassifier"] = deployment(
+        "RUNNING", "UPDATING", "RECOVERING", "PENDING_MIGRATION", "STARTING")
+    assert classifier_replicas(details, "app")["mita"]["serving"] == 4
+    # as the controller's own objects come: str enums (str() of one is 'ReplicaState.RUNNING')
+    from ray.serve._private.common import ReplicaState
+    details["applications"]["app"]["deployments"]["MiTAClassifier"] = deployment(
+        ReplicaState.RUNNING, ReplicaState.STOPPING)
+    assert classifier_replicas(details, "app")["mita"] == {"serving": 1, "stopping": 1,
+                                                           "scales_to_zero": False}

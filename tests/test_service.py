@@ -436,3 +436,15 @@ def test_fused_mita_with_sampled_and_requested_staged_profiles(service):
         assert r3.status_code == 200 and r3.json()["profile"]["staged"] is True
     finally:
         set_classifier(service, staged_profile_every=1)
+
+
+def test_classifier_replicas_as_the_controller_reports_them(service):
+    """The gateway's view of its classifiers (what /readyz and the fast 503 use), from the
+    running controller's own details: one serving replica each (num_replicas 1 here)."""
+    from ray.serve.context import _get_global_client
+
+    from service.gateway import classifier_replicas
+
+    one = {"serving": 1, "stopping": 0, "scales_to_zero": False}
+    details = _get_global_client().get_serve_details()
+    assert classifier_replicas(details, "mita-serve") == {"mita": one, "dense": one}

@@ -149,20 +149,22 @@ def main() -> None:
         "metrics_export_port": head_metrics, "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),
         "_system_config": {"metrics_report_interval_ms": 500}})
-    worker = cluster.add_node(node_ip_address="127.0.0.1", metrics_export_port=worker_metrics,
-                              **WORKER)
+    # First, so the test can find and stop whatever this run leaves, whatever happens next.
+    (a.out / "gcs_address").write_text(cluster.address)
     report["gcs_address"] = cluster.address
-    report["nodes"] = {"head": cluster.head_node.node_id, "worker": worker.node_id}
-    log("cluster up", cluster.address, report["nodes"])
     service = None
     try:
+        worker = cluster.add_node(node_ip_address="127.0.0.1",
+                                  metrics_export_port=worker_metrics, **WORKER)
+        report["nodes"] = {"head": cluster.head_node.node_id, "worker": worker.node_id}
+        log("cluster up", cluster.address, report["nodes"])
         config = a.out / "serve_config.yaml"
         cluster_config(config, http_port)
-        service_log = open(a.out / "service.log", "w")
-        service = subprocess.Popen(
-            [sys.executable, "-m", "service", "--address", cluster.address,
-             "--config", str(config)], cwd=ROOT, stdout=service_log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+        with open(a.out / "service.log", "w") as service_log:  # the child keeps its copy
+            service = subprocess.Popen(
+                [sys.executable, "-m", "service", "--address", cluster.address,
+                 "--config", str(config)], cwd=ROOT, stdout=service_log,
+                stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 150
         while "mita-serve is up" not in (a.out / "service.log").read_text():
             if service.poll() is not None or time.monotonic() > deadline:
@@ -326,7 +328,10 @@ def main() -> None:
                 os.killpg(service.pid, signal.SIGKILL)
                 report["service_exit"] = "killed after 90 s"
         ray.shutdown()
-        cluster.shutdown()
+        try:
+            cluster.shutdown()
+        except Exception as e:  # the test still kills what is left, by the GCS address
+            report["cluster_shutdown_error"] = f"{type(e).__name__}: {e}"
         report["total_s"] = round(time.monotonic() - T0, 1)
         (a.out / "cluster_report.json").write_text(json.dumps(report, indent=1))
         print("RESULT " + json.dumps({"report": str(a.out / "cluster_report.json")}),
