@@ -11,13 +11,15 @@ gateway's ``service.recorder`` turns it into metrics (a classifier replica expor
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import ray
 from ray import serve
 
 from .engine import ClassifierEngine
-from .schemas import ClassifierConfig, validated
+from .live_config import LiveConfig
+from .schemas import ClassifierConfig
 
 
 @serve.deployment
@@ -45,12 +47,17 @@ class Classifier:
             # On a cluster: which node this replica was placed on (hex id, as `ray list nodes`).
             "node_id": ray.get_runtime_context().get_node_id()}
         self.deterministic = True
+        name = serve.get_replica_context().deployment
+        self.live = LiveConfig(ClassifierConfig, f"deployment {name!r} user_config")
 
     def reconfigure(self, config: dict) -> None:
-        """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``); a refusal
-        names the deployment and the fields, and Serve keeps the deployment unhealthy."""
-        name = serve.get_replica_context().deployment
-        cfg = validated(ClassifierConfig, config, f"deployment {name!r} user_config")
+        """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``). A refused
+        live update leaves the replica on its old config (``LiveConfig``: logged, in
+        ``info()["config_update"]``, counted); a new replica's refusal raises, naming the
+        deployment and the fields, and Serve keeps it out of service."""
+        if not self.live.update(config):  # refused: the old config keeps serving
+            return
+        cfg = self.live.value
         self.deterministic = cfg.deterministic
         self.engine.staged_every = cfg.staged_profile_every
         self.forward_batch.set_max_batch_size(cfg.max_batch_size)
@@ -58,16 +65,28 @@ class Classifier:
 
     def info(self) -> dict:
         return self.info_dict | {"deterministic": self.deterministic,
-                                 "staged_profile_every": self.engine.staged_every}
+                                 "staged_profile_every": self.engine.staged_every,
+                                 "config_update": self.live.status()}
 
     async def classify(self, ids: np.ndarray, staged: bool = False) -> dict:
         """Classify one validated id sequence; returns label, probabilities, n, model_id,
         variant, this replica's id and the profile of the forward it was part of
-        (``staged``: time every stage of that forward apart)."""
-        result = await self.forward_batch(ids, staged)
+        (``staged``: time every stage of that forward apart). A caller that leaves (Serve
+        cancels this call: client disconnect, gateway timeout) gets no forward if its sequence
+        has not started."""
+        gone = threading.Event()  # read by the engine's thread before each forward
+        try:
+            result = await self.forward_batch(ids, staged, gone)
+        except asyncio.CancelledError:
+            gone.set()
+            raise
         return result | {"replica": self.info_dict["replica"]}  # peak memory is per replica
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
-    async def forward_batch(self, batch: list[np.ndarray], staged: list[bool]) -> list[dict]:
-        """The requests ``@serve.batch`` gathered, run by the engine off the event loop."""
-        return await asyncio.to_thread(self.engine.run, batch, self.deterministic, staged)
+    async def forward_batch(self, batch: list[np.ndarray], staged: list[bool],
+                            gone: list[threading.Event]) -> list[dict]:
+        """The requests ``@serve.batch`` gathered, run by the engine off the event loop.
+        Serve drops a request cancelled before the batch starts; ``gone`` lets the engine skip
+        one cancelled while earlier sequences of the batch run."""
+        return await asyncio.to_thread(self.engine.run, batch, self.deterministic, staged,
+                                       [g.is_set for g in gone])

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,7 +88,9 @@ class ClassifierEngine:
         setting: ``ModelConfig`` overrides applied on loading, e.g. MiTA's
             ``{"num_landmarks": 32, "topk": 32, "route_topk": 2}`` (same weights).
     Raises: ValueError (bad checkpoint, unknown attention/backend/dtype, a setting
-        ``ModelConfig`` refuses), FileNotFoundError.
+        ``ModelConfig`` refuses), FileNotFoundError, RuntimeError (MiTA with
+        ``mita_backend="cpu"`` on the CPU where the compiled kernels cannot be loaded; with
+        ``"auto"`` it serves the PyTorch stages instead, and ``backend`` says ``torch``).
     """
 
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
@@ -100,6 +102,18 @@ class ClassifierEngine:
         self.model = load_checkpoint(folder, device=self.device, attention=attention,
                                      **(setting or {}))
         self.model.to(self.dtype)
+        if attention == "mita" and self.device.type == "cpu" and mita_backend in ("auto", "cpu"):
+            # Load (or build) the compiled kernels here, not in the first request: the wait for
+            # another process's build is bounded (mita.kernels.cpu), and a replica without them
+            # fails its constructor ("cpu") or serves the PyTorch stages from the start ("auto";
+            # load() logged why, once).
+            from mita.kernels import cpu
+
+            if cpu.load() is None:
+                if mita_backend == "cpu":
+                    raise RuntimeError("mita_backend 'cpu': the MiTA CPU kernels could not be "
+                                       "loaded here (the log says why); use 'auto' or 'torch'")
+                mita_backend = "torch"
         set_mita_backend(self.model, mita_backend)
         self.backend = mita_backend
         # Unstaged forwards replay CUDA graphs per input shape (service.graphs; CUDA only).
@@ -143,7 +157,8 @@ class ClassifierEngine:
                 set_mita_backend(self.model, self.backend)
 
     def run(self, batch: Sequence[Sequence[int] | np.ndarray], deterministic: bool = True,
-            staged: Sequence[bool] | None = None) -> list[dict]:
+            staged: Sequence[bool] | None = None,
+            abandoned: Sequence[Callable[[], bool]] | None = None) -> list[dict]:
         """Classify a batch of validated id sequences (lists or 1-D integer numpy arrays).
 
         Returns one dict per sequence, in order: ``label``, ``probabilities`` (float64
@@ -157,6 +172,12 @@ class ClassifierEngine:
         in it). A sequence whose logits are not all finite gets no ``label`` or
         ``probabilities`` but ``error`` (the Serve gateway answers it with a JSON 500).
         The sequences of one forward share one profile dict (``batch_size`` of them).
+
+        ``abandoned[i]()`` is True once sequence i's caller has gone (client disconnect,
+        gateway timeout). It is asked just before each forward — before each sequence with
+        ``deterministic``, before each length group otherwise — and a sequence whose caller is
+        gone gets no forward: its result is ``n``, ``variant``, ``model_id``, ``abandoned: True``
+        and ``error`` (nobody reads it). A forward already running is not interrupted.
         """
         results: list[dict | None] = [None] * len(batch)
         pad = self.model.config.pad_id
@@ -164,6 +185,15 @@ class ClassifierEngine:
         groups = ([[i] for i in range(len(batch))] if deterministic
                   else length_groups(lengths))
         for group in groups:
+            if abandoned is not None:
+                for i in group:
+                    if abandoned[i]():
+                        results[i] = {"n": lengths[i], "variant": self.variant,
+                                      "model_id": self.model_id, "abandoned": True,
+                                      "error": "the caller left before this sequence ran"}
+                group = [i for i in group if results[i] is None]
+                if not group:
+                    continue
             n_max = max(lengths[i] for i in group)
             ids = torch.full((len(group), n_max), pad, dtype=torch.long)
             mask = torch.ones(len(group), n_max, dtype=torch.bool)
