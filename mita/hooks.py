@@ -27,6 +27,12 @@ STAGE_COLORS = {
     "ffn": "#ff7f0e", "head": "#e377c2",
 }
 OTHER_STAGE_COLOR = "#c7c7c7"
+# The two variants' colours wherever both are drawn: the dashboard (served in /v1/stats) and
+# the load tester's plots.
+VARIANT_COLORS = {"mita": "#1f6fb4", "dense": "#e07b10"}
+# A stage figure from fewer staged forwards than this is shown with its count and greyed out:
+# one or two samples (a first call, a cold cache) are no basis for comparing variants.
+MIN_STAGE_SAMPLES = 5
 
 
 def stage_sorted(names) -> list[str]:

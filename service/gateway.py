@@ -31,14 +31,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mita.hooks import STAGE_COLORS
+from mita.hooks import STAGE_COLORS, VARIANT_COLORS
 
 from . import replica_state
 from .inputs import ApiError, StrictJSONRoute, Vocabulary, binary_ids, to_ids
+from .live_config import LiveConfig
 from .recorder import Recorder, kl_divergence
 from .schemas import (
     VARIANTS,
@@ -50,9 +51,8 @@ from .schemas import (
     GatewayConfig,
     StatsResponse,
     Variant,
-    validated,
 )
-from .stats import PrometheusError, prometheus_summary, summarize
+from .stats import PrometheusError, ab_split, prometheus_summary, summarize
 
 CLASSIFIER_DEPLOYMENTS = {"mita": "MiTAClassifier", "dense": "DenseClassifier"}  # service.app
 # How often the gateway asks Serve's controller which classifiers have a running replica, and
@@ -161,11 +161,22 @@ def _error(status: int, message: str, detail=None, headers=None) -> JSONResponse
                         status_code=status, headers=headers)
 
 
+def route_path(request: Request) -> str:
+    """The request's path below the application's route prefix (``/m2/v1/classify`` →
+    ``/v1/classify`` under ``route_prefix: /m2``), as Starlette's router matches it: Serve
+    passes the prefix as the ASGI ``root_path`` and keeps it in ``path``. Every path-keyed
+    rule of the gateway uses this, so none switches off under a prefix."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def query_refusal(request: Request) -> tuple[int, str] | None:
     """(422, why) when a checked endpoint (``QUERY_PARAMS``) gets a query parameter it does not
     take, or one parameter more than once (which copy wins is ambiguous: refused, as duplicate
     JSON keys are); else None."""
-    known = QUERY_PARAMS.get((request.method, request.url.path))  # else routing: 404/405
+    known = QUERY_PARAMS.get((request.method, route_path(request)))  # else routing: 404/405
     if known is None:
         return None
     params = request.query_params
@@ -194,14 +205,15 @@ async def check_body(request: Request, call_next):
     request.scope[ARRIVED] = time.time()
     response = await _answer(request, call_next)
     gateway = replica_state.gateway
-    if (gateway is not None and request.url.path in CLASSIFY_PATHS
+    if (gateway is not None and route_path(request) in CLASSIFY_PATHS
             and not request.scope.get(ROUTED)):
         gateway.recorder.request("none", response.status_code)
     return response
 
 
 async def _answer(request: Request, call_next):
-    if replica_state.draining and request.url.path != "/healthz":
+    path = route_path(request)
+    if replica_state.draining and path != "/healthz":
         # shutting down: in-flight requests finish, new ones go elsewhere (liveness stays ok)
         retry = replica_state.gateway.config.retry_after_s if replica_state.gateway else 1
         return _error(503, "the service is shutting down; retry on another instance",
@@ -209,11 +221,11 @@ async def _answer(request: Request, call_next):
     refusal = query_refusal(request)
     if refusal is not None:
         return _error(*refusal)
-    if request.method == "POST" and request.url.path in CLASSIFY_PATHS:
+    if request.method == "POST" and path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         length = request.headers.get("content-length", "").strip()
         limit = replica_state.max_body_bytes
-        want = ("application/octet-stream" if request.url.path == BINARY_PATH
+        want = ("application/octet-stream" if path == BINARY_PATH
                 else "application/json")
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if len(request.headers.getlist("content-type")) > 1:
@@ -260,7 +272,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
         why = (raw[0].get("ctx") or {}).get("error")
         status, message = 400, f"malformed JSON body: {why}" if why else "malformed JSON body"
     elif any(e["type"] == "missing" and e["loc"] == ["body"] for e in errors):
-        what = "'items'" if request.url.path == "/v1/classify/batch" else "'text' or 'ids'"
+        what = "'items'" if route_path(request) == "/v1/classify/batch" else "'text' or 'ids'"
         status, message = 400, f"empty request body: send a JSON object with {what}"
         errors = None
     else:
@@ -308,10 +320,14 @@ class Gateway:
         self.handles = {"mita": mita, "dense": dense}
         self.vocab = vocab
         self.config = GatewayConfig()
+        self.live = LiveConfig(GatewayConfig, "deployment 'Gateway' user_config")
         self.recorder = Recorder()
         replica_state.gateway = self
         self.rng = random.Random()
         self._shadow_tasks: set[asyncio.Task] = set()
+        # Calls to each classifier in flight from this replica, by role: shadow work is shed
+        # while it would delay primary requests (_start_shadow).
+        self._inflight = {v: {"primary": 0, "shadow": 0} for v in VARIANTS}
         self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
         self._variant_info_at = -math.inf
         # classifier_replicas as Serve's controller last reported them (_watch); empty until
@@ -321,7 +337,11 @@ class Gateway:
         self._watch_task: asyncio.Task | None = None
 
     def reconfigure(self, config: dict) -> None:
-        self.config = validated(GatewayConfig, config, "deployment 'Gateway' user_config")
+        """Apply a ``user_config`` (``GatewayConfig``, parsed strictly). A live update that is
+        refused leaves this replica serving with its old config (``LiveConfig``)."""
+        if not self.live.update(config):
+            return
+        self.config = self.live.value
         replica_state.max_body_bytes = self.config.max_body_bytes
         self.recorder.window.retention_s = self.config.stats_window_s
 
@@ -396,6 +416,8 @@ class Gateway:
             raise ApiError(503, f"the {variant} classifier replica failed while handling "
                                 f"the request ({type(e).__name__}); retry later",
                            {"Retry-After": str(self.config.retry_after_s)}) from None
+        except DeploymentUnavailableError:  # e.g. it failed to deploy: not a bug, a wait
+            raise self._no_replica(variant) from None
         except ApiError:
             raise
         except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
@@ -406,13 +428,33 @@ class Gateway:
             raise ApiError(500, f"the {variant} classifier failed: {result['error']}")
         return result
 
+    def _start_shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> bool:
+        """Run ``shadow`` on ``ids`` in the background and compare it with the primary's
+        answer ``served``, unless shadow work could delay primary requests: ``shadow``
+        already has ``shadow_max_inflight`` shadow calls in flight, or primary calls of its
+        own (the shadow would queue in front of those that follow). A shed shadow is counted
+        (``shadow_dropped_total{reason="busy"}``). Returns whether it was started."""
+        calls = self._inflight[shadow]
+        if calls["shadow"] >= self.config.shadow_max_inflight or calls["primary"] > 0:
+            self.recorder.shadow_dropped(shadow, "busy")
+            return False
+        task = asyncio.create_task(self._shadow(primary, shadow, ids, served))
+        self._shadow_tasks.add(task)
+        task.add_done_callback(self._shadow_tasks.discard)
+        return True
+
     async def _shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> None:
+        self._inflight[shadow]["shadow"] += 1
         try:
             other = await self._call(shadow, ids)
         except ApiError as e:  # the shadow is best effort; the primary already answered
             if e.rejected:
                 self.recorder.rejection(shadow, "shadow")
+            else:
+                self.recorder.shadow_dropped(shadow, "failed")
             return
+        finally:
+            self._inflight[shadow]["shadow"] -= 1
         self.recorder.shadow(primary, other["label"] == served["label"],
                              kl_divergence(served["probabilities"], other["probabilities"]))
 
@@ -426,19 +468,21 @@ class Gateway:
                                          request.headers.get(self.config.sticky_header),
                                          self.rng)
         request.scope[ROUTED] = True
+        self._inflight[primary]["primary"] += 1
         try:
             result = await self._call(primary, ids, profile == "staged")
         except ApiError as e:
             if e.rejected:  # overload refusal: not an error, not in requests_total
                 self.recorder.rejection(primary, "primary")
             else:
-                self.recorder.request(primary, e.status)
+                self.recorder.request(primary, e.status, override=variant is not None)
             raise
-        self.recorder.request(primary, 200, len(ids), time.time() - arrived_at)
-        if shadow is not None:
-            task = asyncio.create_task(self._shadow(primary, shadow, ids, result))
-            self._shadow_tasks.add(task)
-            task.add_done_callback(self._shadow_tasks.discard)
+        finally:
+            self._inflight[primary]["primary"] -= 1
+        self.recorder.request(primary, 200, len(ids), time.time() - arrived_at,
+                              override=variant is not None)
+        if shadow is not None and not self._start_shadow(primary, shadow, ids, result):
+            shadow = None
         out = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
         out["shadow"] = shadow
         if profile:
@@ -506,13 +550,21 @@ class Gateway:
                 raise r
         return {"results": results}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={503: {"model": ErrorResponse}})
     async def models(self) -> dict:
-        """The variants served, their m/k/s and the checkpoint's metadata, and the A/B
-        policy in force."""
-        infos = await self._infos()
+        """The variants served, their m/k/s and the checkpoint's metadata, the A/B policy in
+        force, and whether the gateway's last live update was applied or refused
+        (``config_update``; each variant has its own). 503 + Retry-After when a classifier
+        does not answer within 10 s."""
+        try:
+            infos = await self._infos(10.0)
+        except Exception as e:  # a classifier restarting, failed or busy: unavailable
+            raise ApiError(503, f"a classifier did not answer ({type(e).__name__}); retry "
+                                "later", {"Retry-After": str(self.config.retry_after_s)}
+                           ) from None
         return {"variants": dict(zip(VARIANTS, infos, strict=True)),
-                "ab_policy": json.loads(self.config.model_dump_json())}
+                "ab_policy": json.loads(self.config.model_dump_json()),
+                "config_update": self.live.status()}
 
     def drain(self) -> int:
         """Stop accepting: every new request (but ``/healthz``) gets 503 + Retry-After, and
@@ -595,14 +647,12 @@ class Gateway:
                                                window_s or cfg.stats_window_s)
             except PrometheusError as e:
                 raise ApiError(502, str(e)[:500]) from None
-        answered = {r["variant"]: r["count"] for r in body["requests"] if r["status"] == "200"}
-        total = sum(answered.values())
-        body["ab"] = {"weights": cfg.weights, "shadow": cfg.shadow,
-                      "sticky_header": cfg.sticky_header,
-                      "observed": {v: answered.get(v, 0) / total for v in VARIANTS} if total
-                      else {}}
+        # observed: the policy-routed split; requests that named their variant apart
+        body["ab"] = ab_split(body.pop("answered"), cfg.weights, cfg.shadow,
+                              cfg.sticky_header)
         body["models"] = await self._variants()
         body["stage_colors"] = STAGE_COLORS
+        body["variant_colors"] = VARIANT_COLORS
         return body
 
     @app.get("/dashboard", response_class=HTMLResponse,

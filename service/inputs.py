@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from mita.data.listops import encode
+from mita.data.listops import PAD_ID, VOCAB, check_expression, encode
 
 from .schemas import ClassifyRequest
 
@@ -21,6 +21,12 @@ class Vocabulary:
 
     size: int
     pad_id: int = 0
+
+    @property
+    def listops(self) -> bool:
+        """The ListOps tokenizer's vocabulary (``mita.data.listops.VOCAB``): a ``text`` must
+        then be one well-formed expression. Any other (e.g. byte-level) is free-form."""
+        return self.size == len(VOCAB) and self.pad_id == PAD_ID
 
     @property
     def dtype(self) -> type:
@@ -106,7 +112,10 @@ def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") ->
 
 
 def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary) -> np.ndarray:
-    """Validated token ids of a JSON request (``check_ids``); raises ApiError(422)."""
+    """Validated token ids of a JSON request (``check_ids``). A ``text`` for a ListOps
+    checkpoint must also be one well-formed expression (``check_expression``: after the
+    length check, which bounds its work); ``ids`` stay free-form. Raises ApiError(422) naming
+    the fault and its token position."""
     if req.text is not None:  # the body-size limit bounds the tokenising work
         try:
             ids = encode(req.text)
@@ -119,7 +128,14 @@ def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary) -> np.ndarray:
     except OverflowError:  # an integer beyond int64 is out of range too: name the first
         bad = next(i for i, x in enumerate(ids) if not -(2**63) <= x < 2**63)
         raise _out_of_range(ids[bad], bad, vocab) from None
-    return check_ids(arr, max_n, vocab)
+    arr = check_ids(arr, max_n, vocab)
+    if req.text is not None and vocab.listops:
+        # A malformed expression has no ListOps value: refuse it rather than answer a label.
+        try:
+            check_expression(req.text)
+        except ValueError as e:
+            raise ApiError(422, f"text is not a well-formed ListOps expression: {e}") from None
+    return arr
 
 
 BINARY_DTYPES = {"uint8": np.dtype("<u1"), "int32": np.dtype("<i4")}

@@ -5,6 +5,7 @@ prefix ``ray_`` (``mita_serve_stage_duration_seconds`` → ``ray_mita_serve_stag
 _bucket/_count/_sum``). Serve adds the ``deployment``, ``replica`` and ``application`` tags.
 Label values come from small fixed sets: ``variant`` ∈ {mita, dense}, ``stage`` ∈ the
 profiler's stage names, ``n_bucket`` ∈ ``N_BUCKETS``, ``status`` ∈ HTTP status codes.
+Every counter series the service can produce exists from start-up, at 0 (``start_at_zero``).
 
 Only the gateway records them (``service.recorder.Recorder`` holds the one ``ServiceMetrics``
 of a gateway replica): classifier replicas export none, so one scrape target has them all.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from .schemas import MAX_REQUEST_TIMEOUT_S
+from .schemas import MAX_REQUEST_TIMEOUT_S, VARIANTS
 
 # Upper edges of the sequence-length buckets (log-spaced, ×4); label value = the edge.
 N_BUCKET_EDGES = (1024, 4096, 16384, 65536, 262144, 1048576)
@@ -47,6 +48,15 @@ def _one_two_five(lo_exp: int, hi: float) -> list[float]:
 DURATION_BUCKETS_S = _one_two_five(-5, MAX_REQUEST_TIMEOUT_S)
 # KL in nats has no upper bound; past 100 nats the two answers are simply different.
 KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
+
+# The ``status`` values of ``requests_total``. A routed request (variant mita or dense) is
+# answered 200, 500 (a replica error, non-finite logits), 503 (its replica died, or none runs)
+# or 504 (timeout): ``Gateway._call``. One refused before routing (variant "none") gets one of
+# the refusals of ``check_body``, routing, parsing and validation, or 503 while draining.
+ROUTED_STATUSES = (200, 500, 503, 504)
+REFUSED_STATUSES = (400, 405, 411, 413, 415, 422, 503)
+REJECTION_ROLES = ("primary", "shadow")
+SHADOW_DROP_REASONS = ("busy", "failed")  # shadow_dropped_total's reason label
 
 
 class ServiceMetrics:
@@ -98,7 +108,52 @@ class ServiceMetrics:
             description="Shadow-mode comparisons of primary and shadow variant; agree=true "
                         "when the labels match.",
             tag_keys=("primary", "agree"))
+        self.shadow_dropped = Counter(
+            "mita_serve_shadow_dropped_total",
+            description="Shadow calls dropped, so no comparison was recorded: reason=busy "
+                        "when the variant already had shadow_max_inflight shadow calls in "
+                        "flight or was busy with primary requests (shed before the call), "
+                        "failed when the call was made and got no answer (timeout, error). "
+                        "Back-pressure refusals of shadow calls are rejections_total "
+                        "{role=shadow}.",
+            tag_keys=("variant", "reason"))
         self.shadow_kl = Histogram(
             "mita_serve_shadow_kl_divergence",
             description="KL(primary || shadow) of the class probabilities, in nats.",
             boundaries=KL_BUCKETS, tag_keys=("primary",))
+        self.start_at_zero()
+
+    def start_at_zero(self) -> None:
+        """Export every counter series the service can produce, at 0. A series that first
+        appears with its first event has no earlier sample, so ``rate()``/``increase()`` see
+        no increase for that event: a burst of errors inside one scrape interval would never
+        fire ``MitaServeHighErrorRate``. ``Counter.inc`` refuses 0, so the zero is recorded
+        with ``_record``, which ``inc`` calls (Serve's replica tags are the default tags)."""
+        zero = [(self.requests, {"variant": v, "status": str(s)})
+                for v in VARIANTS for s in ROUTED_STATUSES]
+        zero += [(self.requests, {"variant": "none", "status": str(s)})
+                 for s in REFUSED_STATUSES]
+        zero += [(self.rejections, {"variant": v, "role": r})
+                 for v in VARIANTS for r in REJECTION_ROLES]
+        zero += [(c, {"variant": v}) for c in (self.tokens, self.flops) for v in VARIANTS]
+        zero += [(self.shadow_comparisons, {"primary": v, "agree": a})
+                 for v in VARIANTS for a in ("true", "false")]
+        zero += [(self.shadow_dropped, {"variant": v, "reason": r})
+                 for v in VARIANTS for r in SHADOW_DROP_REASONS]
+        for counter, tags in zero:
+            counter._record(0, tags)
+
+
+def config_updates() -> Counter:
+    """``mita_serve_config_updates_total``: the live ``user_config`` updates a replica
+    applied or refused (``outcome``), recorded by every deployment's replicas (Serve adds the
+    ``deployment`` and ``replica`` tags). A refused update left the replica on its old
+    config."""
+    counter = Counter("mita_serve_config_updates_total",
+                      description="Live user_config updates applied or refused by a replica "
+                                  "(outcome); a refused one leaves the replica on its old "
+                                  "config.",
+                      tag_keys=("outcome",))
+    for outcome in ("applied", "refused"):  # from start-up, as ServiceMetrics.start_at_zero
+        counter._record(0, {"outcome": outcome})
+    return counter

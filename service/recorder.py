@@ -56,14 +56,15 @@ class Recorder:
                          name="peak-memory-gauge").start()
 
     def request(self, variant: str, status: int, n: int | None = None,
-                latency_s: float | None = None) -> None:
+                latency_s: float | None = None, override: bool = False) -> None:
         """One classification request's answer: ``status`` (HTTP), ``n`` tokens and
-        ``latency_s`` seconds from arrival for an answered one (both None otherwise)."""
+        ``latency_s`` seconds from arrival for an answered one (both None otherwise);
+        ``override``: the request named its variant (the A/B policy did not choose it)."""
         self.metrics.requests.inc(1, {"variant": variant, "status": str(status)})
         if latency_s is not None:
             self.metrics.request_duration.observe(
                 latency_s, {"variant": variant, "n_bucket": n_bucket(n)})
-        self.window.add_request(variant, status, n, latency_s)
+        self.window.add_request(variant, status, n, latency_s, override)
 
     def rejection(self, variant: str, role: str) -> None:
         """A back-pressure refusal of ``variant``'s call; ``role``: primary or shadow."""
@@ -93,7 +94,13 @@ class Recorder:
         """A shadow comparison: labels ``agree``, ``kl`` = KL(primary ‖ shadow) in nats."""
         self.metrics.shadow_comparisons.inc(1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(kl, {"primary": primary})
-        self.window.add_shadow(primary, agree)
+        self.window.add_shadow(primary, agree, kl)
+
+    def shadow_dropped(self, variant: str, reason: str) -> None:
+        """A shadow call to ``variant`` that gave no comparison: ``reason`` ``busy`` (shed
+        before the call: it could have delayed primary requests) or ``failed`` (no answer:
+        timeout, error, replica lost). Back-pressure refusals go to ``rejection``."""
+        self.metrics.shadow_dropped.inc(1, {"variant": variant, "reason": reason})
 
     def _set_gauges(self) -> None:
         now = time.monotonic()

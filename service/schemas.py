@@ -185,6 +185,10 @@ class GatewayConfig(BaseModel):
     sticky_header: str = Field("x-client-key", pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$",
                                description="an HTTP header name (RFC 9110 token)")
     shadow: bool = False
+    shadow_max_inflight: int = Field(
+        2, ge=1, le=1024, description="shadow calls in flight to one variant at most (per "
+        "gateway replica); more, or any while that variant serves primary requests, are "
+        "dropped and counted, so shadow work never queues in front of primary requests")
     max_n: int = Field(16384, ge=1, le=1_048_576)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     max_batch_items: int = Field(64, ge=1, le=4096)
@@ -225,7 +229,17 @@ class VariantInfo(BaseModel):
 
 class ABSplit(BaseModel):
     weights: dict[str, float] = Field(description="configured traffic split")
-    observed: dict[str, float] = Field(description="share of answered requests in the window")
+    observed: dict[str, float] = Field(
+        description="share of the answered requests of the window that observed_basis says: "
+                    "those the A/B policy routed (local mode), or all (prometheus mode)")
+    observed_requests: float = Field(description="the answered requests observed counts")
+    observed_basis: Literal["policy_routed", "all_answered"] = Field(
+        description="policy_routed: requests that named their variant are left out (they are "
+                    "overrides); all_answered: Prometheus' counter does not say how a request "
+                    "was routed")
+    overrides: dict[str, float] | None = Field(
+        description="answered requests that named their variant (body 'variant', "
+                    "?variant=), per variant; null in prometheus mode (not recorded there)")
     shadow: bool
     sticky_header: str
 
@@ -259,7 +273,8 @@ class StageStat(BaseModel):
     variant: Variant
     n_bucket: str
     stage: str
-    count: float
+    count: float = Field(description="n: the staged forwards behind p50/p95 (below the "
+                                     "response's min_stage_samples: too few to compare)")
     sum_ms: float = Field(description=SUM_MS)
     p50_ms: float | None
     p95_ms: float | None
@@ -300,6 +315,11 @@ class ShadowStat(BaseModel):
     comparisons: float
     agree: float
     rate: float | None = Field(description="agree / comparisons; null without comparisons")
+    kl_mean: float | None = Field(
+        description="mean KL(primary ‖ shadow) of the class probabilities, nats; in "
+                    "prometheus mode from Ray's histogram sum (bucket midpoints: approximate)")
+    kl_p50: float | None = Field(
+        description="median of the same KL, nats (prometheus mode: histogram_quantile)")
 
 
 class StatsResponse(BaseModel):
@@ -325,3 +345,7 @@ class StatsResponse(BaseModel):
     shadow: ShadowStat
     stage_colors: dict[str, str] = Field(description="every stage in forward order, with the "
                                                      "colour plots and Grafana draw it in")
+    variant_colors: dict[str, str] = Field(description="each variant's colour, as the load "
+                                                       "tester's plots draw it")
+    min_stage_samples: int = Field(description="a stage row with a smaller count is too few "
+                                               "samples to compare (the dashboard greys it)")

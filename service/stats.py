@@ -8,11 +8,12 @@ with numpy percentiles. It holds only this replica's records: with several gatew
 each answers for itself.
 
 ``prometheus_summary`` answers the same question from the Prometheus HTTP API: fixed PromQL
-(instant queries over the window, range queries for the timeline), all replicas together.
+(instant queries over the window, range queries for the timeline), all replicas together,
+asked directly: proxy variables of the environment are not used.
 
-Both return the same dict (``schemas.StatsResponse`` less ``models``, ``ab`` and
-``stage_colors``, which the gateway adds): milliseconds for durations, ``None`` where a
-quantile has no data.
+Both return the same dict (``schemas.StatsResponse`` less ``models``, ``ab`` and the colours,
+which the gateway adds; ``answered`` instead, which ``ab_split`` turns into ``ab``):
+milliseconds for durations, KL in nats, ``None`` where a quantile has no data.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mita.hooks import STAGE_ORDER
+from mita.hooks import MIN_STAGE_SAMPLES, STAGE_ORDER
 
 from .metrics import N_BUCKETS, n_bucket
 from .schemas import VARIANTS
@@ -98,9 +99,30 @@ def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dic
     return out
 
 
-def _shadow(agree: float, disagree: float) -> dict:
+def _shadow(agree: float, disagree: float, kl_mean: float | None = None,
+            kl_p50: float | None = None) -> dict:
     total = agree + disagree
-    return {"comparisons": total, "agree": agree, "rate": agree / total if total else None}
+    return {"comparisons": total, "agree": agree, "rate": agree / total if total else None,
+            "kl_mean": _finite(kl_mean) if total else None,
+            "kl_p50": _finite(kl_p50) if total else None}
+
+
+def ab_split(answered: dict, weights: dict, shadow: bool, sticky_header: str) -> dict:
+    """``StatsResponse.ab`` from a summary's ``answered`` counts: ``{"policy": {variant:
+    count}, "override": {…}}`` (local mode: requests routed by the A/B policy, and those whose
+    ``variant`` was given) or ``{"all": {…}}`` (Prometheus mode: its counter does not say how
+    a request was routed). ``observed`` is the split of the policy-routed requests only, so
+    that explicit overrides (a load test per variant, a curl) do not read as the policy's."""
+    if "policy" in answered:
+        counts, basis, overrides = answered["policy"], "policy_routed", answered["override"]
+    else:
+        counts, basis, overrides = answered["all"], "all_answered", None
+    total = sum(counts.values())
+    return {"weights": weights, "shadow": shadow, "sticky_header": sticky_header,
+            "observed": {v: counts.get(v, 0) / total for v in VARIANTS} if total else {},
+            "observed_requests": total, "observed_basis": basis,
+            "overrides": None if overrides is None else {v: overrides.get(v, 0)
+                                                         for v in VARIANTS}}
 
 
 def _sort(rows: list[dict]) -> list[dict]:
@@ -117,24 +139,26 @@ class StatsWindow:
 
     def __init__(self, retention_s: float = 300.0, max_records: int = MAX_RECORDS):
         self.retention_s = retention_s
-        # (t, variant, status, N or None, latency_s or None)
+        # (t, variant, status, N or None, latency_s or None, override)
         self.requests: deque = deque(maxlen=max_records)
         # (t, variant, n_bucket, stage names, stage ms)
         self.forwards: deque = deque(maxlen=max_records)
-        # (t, primary, agree)
+        # (t, primary, agree, KL nats)
         self.shadows: deque = deque(maxlen=max_records)
 
     def add_request(self, variant: str, status: int | str, n: int | None = None,
-                    latency_s: float | None = None) -> None:
-        """One request's answer; ``n`` (tokens) and ``latency_s`` for answered ones."""
-        self.requests.append((time.time(), variant, str(status), n, latency_s))
+                    latency_s: float | None = None, override: bool = False) -> None:
+        """One request's answer; ``n`` (tokens) and ``latency_s`` for answered ones;
+        ``override``: its ``variant`` was given, not chosen by the A/B policy."""
+        self.requests.append((time.time(), variant, str(status), n, latency_s, override))
 
     def add_forward(self, variant: str, bucket: str, stages_ms: dict[str, float]) -> None:
         self.forwards.append((time.time(), variant, bucket, tuple(stages_ms),
                               tuple(stages_ms.values())))
 
-    def add_shadow(self, primary: str, agree: bool) -> None:
-        self.shadows.append((time.time(), primary, bool(agree)))
+    def add_shadow(self, primary: str, agree: bool, kl: float) -> None:
+        """A shadow comparison: labels ``agree``, ``kl`` in nats (as the metric's)."""
+        self.shadows.append((time.time(), primary, bool(agree), float(kl)))
 
     def _drop_old(self, now: float) -> None:
         for records in (self.requests, self.forwards, self.shadows):
@@ -162,8 +186,12 @@ def summarize(snapshot: tuple) -> dict:
     start = now - window_s
     counts: dict[tuple, int] = {}
     by_n: dict[tuple[str, int], list[float]] = {}
-    for _, variant, status, n, latency in requests:
+    answered: dict[str, dict[str, int]] = {"policy": {}, "override": {}}
+    for _, variant, status, n, latency, override in requests:
         counts[variant, status] = counts.get((variant, status), 0) + 1
+        if status == "200":
+            split = answered["override" if override else "policy"]
+            split[variant] = split.get(variant, 0) + 1
         if latency is not None:
             by_n.setdefault((variant, n), []).append(latency * 1e3)
     latencies: dict[tuple, list[float]] = {}
@@ -190,7 +218,7 @@ def summarize(snapshot: tuple) -> dict:
     bin_s = bin_seconds(window_s)
     starts = _bin_starts(start, now, bin_s)
     binned: dict[tuple, list[float]] = {}
-    for t, variant, status, n, latency in requests:
+    for t, variant, status, n, latency, _ in requests:
         if status == "200" and latency is not None:
             i = min(int((t - starts[0]) // bin_s), len(starts) - 1)
             binned.setdefault((variant, None, i), []).append(latency * 1e3)
@@ -211,6 +239,7 @@ def summarize(snapshot: tuple) -> dict:
                     timeline_by_n.append(point | {"n_bucket": bucket})
 
     agree = sum(1 for s in shadows if s[2])
+    kl = [s[3] for s in shadows]
     return {
         "source": "local", "scope": "replica", "window_s": window_s, "bin_s": bin_s,
         "generated_at": now, "truncated": truncated,
@@ -218,7 +247,9 @@ def summarize(snapshot: tuple) -> dict:
                            for (v, s), c in counts.items()]),
         "latency": _sort(latency_rows), "stages": _sort(stage_rows),
         "ratios": matched_ratios(by_n), "timeline": timeline, "timeline_by_n": timeline_by_n,
-        "shadow": _shadow(agree, len(shadows) - agree),
+        "shadow": _shadow(agree, len(shadows) - agree, float(np.mean(kl)) if kl else None,
+                          float(np.median(kl)) if kl else None),
+        "answered": answered, "min_stage_samples": MIN_STAGE_SAMPLES,
     }
 
 
@@ -230,6 +261,7 @@ class PrometheusError(Exception):
 # window. Only these run; nothing from a request goes into them but two whole numbers.
 REQ = "ray_mita_serve_request_duration_seconds"
 STAGE = "ray_mita_serve_stage_duration_seconds"
+KL = "ray_mita_serve_shadow_kl_divergence"
 INSTANT = {
     "requests": "sum by (variant, status) (increase(ray_mita_serve_requests_total[{w}]))",
     "lat_count": f"sum by (variant, n_bucket) (increase({REQ}_count[{{w}}]))",
@@ -241,6 +273,9 @@ INSTANT = {
     **{f"stage_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, stage, n_bucket) "
                       f"(rate({STAGE}_bucket[{{w}}])))" for q in (50, 95)},
     "shadow": "sum by (agree) (increase(ray_mita_serve_shadow_comparisons_total[{w}]))",
+    # Ray exports a histogram's _sum as bucket midpoint × count: the mean is approximate.
+    "kl_mean": f"sum(increase({KL}_sum[{{w}}])) / sum(increase({KL}_count[{{w}}]))",
+    "kl_p50": f"histogram_quantile(0.5, sum by (le) (rate({KL}_bucket[{{w}}])))",
 }
 RANGE = {
     "rps": 'sum by (variant) (rate(ray_mita_serve_requests_total{{status="200"}}[{r}]))',
@@ -251,12 +286,15 @@ RANGE = {
                   f"(rate({REQ}_bucket[{{r}}])))" for q in (50, 99)},
 }
 _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prometheus")
+# No proxy from the environment (HTTP_PROXY …): Prometheus is reached directly, as the
+# scrape targets are (a loopback Prometheus behind a corporate proxy answered 502).
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _get(base_url: str, path: str, params: dict, timeout_s: float) -> list[dict]:
     url = f"{base_url.rstrip('/')}{path}?{urllib.parse.urlencode(params)}"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with _opener.open(url, timeout=timeout_s) as r:
             body = json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:
@@ -319,6 +357,7 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
                **{f"p{p}_ms": _ms(q[p].get((v, b, s))) for p in (50, 95)}}
               for (v, b, s), c in by("stage_count", lab).items() if c and v in VARIANTS]
     shadow = by("shadow", ("agree",))
+    kl_mean, kl_p50 = (by(k, ()).get((), None) for k in ("kl_mean", "kl_p50"))
 
     series = {k: {(s["metric"].get("variant", ""), s["metric"].get("n_bucket"), float(t)):
                   _value(x) for s in res[k] for t, x in s["values"]} for k in RANGE}
@@ -346,7 +385,11 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
         "bin_s": bin_s, "generated_at": now, "truncated": False,
         "requests": _sort(requests), "latency": latency, "stages": _sort(stages),
         "ratios": bucket_ratios(latency), "timeline": timeline, "timeline_by_n": timeline_by_n,
-        "shadow": _shadow(shadow.get(("true",)) or 0.0, shadow.get(("false",)) or 0.0),
+        "shadow": _shadow(shadow.get(("true",)) or 0.0, shadow.get(("false",)) or 0.0,
+                          kl_mean, kl_p50),
+        "answered": {"all": {r["variant"]: r["count"] for r in requests
+                             if r["status"] == "200" and r["variant"] in VARIANTS}},
+        "min_stage_samples": MIN_STAGE_SAMPLES,
     }
 
 

@@ -36,3 +36,39 @@ def random_mask(B, N, seed, suffix=True):
             mask[b] = torch.rand(N, generator=g) < 0.4
             mask[b, int(torch.randint(0, N, (1,), generator=g))] = False
     return mask
+
+
+JSON = {"content-type": "application/json"}
+OCTETS = {"content-type": "application/octet-stream"}
+# One request per kind of refusal before routing, as (status, method, path, body, headers,
+# query): the middleware's, the JSON parser's, schema validation's, the router's and the
+# endpoints' own checks. Each is counted once as variant "none", except the 404 (not a
+# classify path). Sent under any route prefix, every one must give the same status.
+REFUSALS = [
+    (400, "POST", "/v1/classify", b'{"text": ', JSON, None),
+    (422, "POST", "/v1/classify", b'{"foo": 1}', JSON, None),
+    (422, "POST", "/v1/classify/batch", b'{"items": [{"ids": [99]}]}', JSON, None),
+    (422, "POST", "/v1/classify", b'{"text": "[MAX X ]"}', JSON, None),
+    (415, "POST", "/v1/classify", b"{}", {"content-type": "text/plain"}, None),
+    (413, "POST", "/v1/classify", b'{"ids": [' + b"3," * 3_000_000 + b"3]}", JSON, None),
+    (405, "GET", "/v1/classify", None, None, None),
+    (404, "POST", "/nope", b"x", None, None),
+    (400, "POST", "/v1/classify/binary", b"", OCTETS, None),
+    (422, "POST", "/v1/classify/binary", b"\x00", OCTETS, None),
+    (415, "POST", "/v1/classify/binary", b"\x03", JSON, None),
+    (422, "POST", "/v1/classify", b'{"text": "[MAX 2 9 ]"}', JSON, {"variant": "dense"}),
+    (415, "POST", "/v1/classify", b'{"text": "[MAX 2 9 ]"}',
+     {**JSON, "content-encoding": "gzip"}, None),
+    (400, "POST", "/v1/classify", b'{"text": "[MAX 2 9 ]"}',
+     [("content-type", "application/json"), ("content-type", "application/json")], None),
+]
+# How many of REFUSALS each status counts in requests_total{variant="none"}.
+REFUSALS_COUNTED = {400: 3, 422: 5, 415: 3, 413: 1, 405: 1, 404: 0}
+
+
+def send_refusals(client, prefix: str = "") -> list[int]:
+    """Send every request of ``REFUSALS`` with ``client`` (an httpx.Client) under the route
+    ``prefix``; returns the statuses, in order."""
+    return [client.request(method, prefix + path, content=body, headers=headers,
+                           params=query).status_code
+            for _, method, path, body, headers, query in REFUSALS]

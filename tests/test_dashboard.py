@@ -8,11 +8,17 @@ installs them). The screenshot goes to ``test-artifacts/dashboard.png``.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
+import re
 import shutil
+import subprocess
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mita.data.listops import encode, generate_long
-from mita.hooks import STAGE_COLORS, STAGE_ORDER
+from mita.hooks import MIN_STAGE_SAMPLES, STAGE_COLORS, STAGE_ORDER, VARIANT_COLORS
 from service.metrics import DURATION_BUCKETS_S
 from service.stats import StatsWindow
 
@@ -33,7 +39,8 @@ LABELS = ("variant", "stage", "n_bucket", "status", "primary", "agree", "le")
 DENSE_STAGES = ["embed", "qkv_proj", "attention", "out_proj", "ffn", "head"]
 FAMILIES = ("ray_mita_serve_requests_total", "ray_mita_serve_shadow_comparisons_total",
             *(f"ray_mita_serve_{m}_duration_seconds_{s}" for m in ("request", "stage")
-              for s in ("count", "sum", "bucket")))
+              for s in ("count", "sum", "bucket")),
+            "ray_mita_serve_shadow_kl_divergence_bucket")
 
 
 def metric_snapshot(service) -> dict[str, dict[tuple, float]]:
@@ -144,7 +151,10 @@ def test_stats_match_metrics_endpoint(service):
     assert got == want
     counter = delta(before, after, "ray_mita_serve_requests_total")
     assert {(dict(k)["variant"], dict(k)["status"]): v for k, v in counter.items()} == want
-    assert stats["ab"]["observed"] == pytest.approx({"mita": 5 / 9, "dense": 4 / 9})
+    # Every request named its variant: overrides, none routed by the policy.
+    assert (stats["ab"]["observed"], stats["ab"]["observed_requests"]) == ({}, 0)
+    assert stats["ab"]["overrides"] == {"mita": 5, "dense": 4}
+    assert stats["ab"]["observed_basis"] == "policy_routed"
     assert stats["ab"]["weights"] == {"mita": 0.5, "dense": 0.5} and stats["ab"]["shadow"]
 
     # Request latency per variant and N bucket: counts, sums, and quantiles inside the
@@ -197,6 +207,15 @@ def test_stats_match_metrics_endpoint(service):
     assert stats["shadow"]["comparisons"] == len(plan) == sum(shadow.values())
     assert stats["shadow"]["agree"] == agree
     assert stats["shadow"]["rate"] == pytest.approx(agree / len(plan))
+    # Its KL: mean and median inside the bounds the KL histogram's buckets allow.
+    hist: dict[float, float] = {}  # both primaries' series summed
+    for k, v in delta(before, after, "ray_mita_serve_shadow_kl_divergence_bucket", True).items():
+        hist[float(dict(k)["le"])] = hist.get(float(dict(k)["le"]), 0.0) + v
+    assert hist[math.inf] == len(plan)
+    lo, hi = sum_bounds(hist)
+    assert lo / len(plan) <= stats["shadow"]["kl_mean"] <= hi / len(plan), (stats, hist)
+    lo, hi = quantile_bounds(hist, 0.5)
+    assert lo <= stats["shadow"]["kl_p50"] <= hi, (stats, hist)
 
     # Ratio and timeline follow from the same records. Like for like: in le_1024 the two
     # variants served different sequences (no N in common unless two lengths coincide); in
@@ -261,8 +280,8 @@ def test_window_summary_against_numpy():
         w.add_request("mita" if i % 4 else "dense", 200, 1000, float(x))
         w.add_forward("mita", "le_1024", {"embed": float(x) * 10, "topk": 1.0})
     w.add_request("none", 413)
-    w.add_shadow("mita", True)
-    w.add_shadow("dense", False)
+    w.add_shadow("mita", True, 0.1)
+    w.add_shadow("dense", False, 0.4)
     s = w.summary()
     mita = lat[[i % 4 != 0 for i in range(40)]] * 1e3
     row = next(r for r in s["latency"] if r["variant"] == "mita")
@@ -272,7 +291,8 @@ def test_window_summary_against_numpy():
     embed = next(r for r in s["stages"] if r["stage"] == "embed")
     assert embed["p95_ms"] == pytest.approx(np.percentile(lat * 10, 95))
     assert [r["stage"] for r in s["stages"]] == ["embed", "topk"]  # forward order
-    assert s["shadow"] == {"comparisons": 2, "agree": 1, "rate": 0.5}
+    assert s["shadow"] == {"comparisons": 2, "agree": 1, "rate": 0.5,
+                           "kl_mean": pytest.approx(0.25), "kl_p50": pytest.approx(0.25)}
     assert s["requests"][-1] == {"variant": "none", "status": "413", "count": 1}
     assert sum(p["requests"] for p in s["timeline"]) == 40 and not s["truncated"]
     assert len(s["timeline"]) in (2 * 60, 2 * 61) and s["bin_s"] == 1
@@ -281,7 +301,7 @@ def test_window_summary_against_numpy():
         w.add_request("dense", 200, 1000, 0.01)
     assert w.summary()["truncated"]
     # Records older than the retention are dropped.
-    w.requests.appendleft((time.time() - 61, "mita", "200", 1000, 1.0))
+    w.requests.appendleft((time.time() - 61, "mita", "200", 1000, 1.0, False))
     w.retention_s = 30
     assert w.summary(window_s=1000)["window_s"] == 30
     assert all(r[0] >= time.time() - 31 for r in w.requests)
@@ -352,6 +372,127 @@ def test_prometheus_stats_draw_only_buckets_answered_in_the_window():
     assert [p["requests"] for p in mita_points] == [0, 3.0, 3.0]
     (ratio,) = s["ratios"]
     assert ratio["ratio"] == pytest.approx(0.5) and ratio["like_for_like"] is False
+
+
+def stats_body(summary: dict, weights: dict | None = None, shadow: bool = True) -> dict:
+    """A summary completed as the gateway's ``/v1/stats`` completes it (the A/B split, the
+    models, the colours), checked against ``StatsResponse``."""
+    from service.schemas import StatsResponse
+    from service.stats import ab_split
+
+    body = dict(summary)
+    body["ab"] = ab_split(body.pop("answered"), weights or {"mita": 0.8, "dense": 0.2}, shadow,
+                          "x-client-key")
+    body["models"] = {"mita": {"model_id": "listops-default@test", "attention": "mita",
+                               "device": "cpu", "dtype": "float32", "m": 16, "k": 16, "s": 1},
+                      "dense": {"model_id": "listops-default@test", "attention": "dense",
+                                "device": "cpu", "dtype": "float32"}}
+    body["stage_colors"], body["variant_colors"] = STAGE_COLORS, VARIANT_COLORS
+    StatsResponse.model_validate(body)
+    return body
+
+
+def counted_window() -> StatsWindow:
+    """Fixed records: 8 requests routed by the policy (6 mita, 2 dense), 5 that named dense
+    (a load test's), one policy-routed 503; MiTA's stages from 2 staged forwards in N ≤ 1,024
+    (too few) and 6 in N ≤ 4,096, dense's from 6 in each; three shadow comparisons."""
+    w = StatsWindow(retention_s=60)
+    for variant, override, times in (("mita", False, 6), ("dense", False, 2), ("dense", True, 5)):
+        for i in range(times):
+            w.add_request(variant, 200, 512, 0.01 * (i + 1), override=override)
+    w.add_request("dense", 503)
+    for bucket, mita_runs in (("le_1024", 2), ("le_4096", 6)):
+        for i in range(mita_runs):
+            w.add_forward("mita", bucket, {"qkv_proj": 13.7 - i, "attention": 3.0 + i})
+        for i in range(6):
+            w.add_forward("dense", bucket, {"qkv_proj": 2.0 + 0.1 * i, "attention": 9.0 + i})
+    for primary, agree, kl in (("mita", True, 0.01), ("mita", True, 0.02), ("dense", False, 0.5)):
+        w.add_shadow(primary, agree, kl)
+    return w
+
+
+def test_stats_give_stage_counts_shadow_kl_and_the_policy_split():
+    """Found by a user: stage figures from 1-2 samples without a count, the shadow KL recorded
+    but not shown, and an "observed" split of 63/37 against a configured 80/20 while the
+    policy-routed traffic was 80/20: the load test's requests that named their variant were
+    counted as the policy's."""
+    s = counted_window().summary()
+    assert s["shadow"] == {"comparisons": 3, "agree": 2, "rate": pytest.approx(2 / 3),
+                           "kl_mean": pytest.approx(0.53 / 3), "kl_p50": pytest.approx(0.02)}
+    assert s["min_stage_samples"] == MIN_STAGE_SAMPLES == 5
+    counts = {(r["variant"], r["n_bucket"], r["stage"]): r["count"] for r in s["stages"]}
+    assert counts["mita", "le_1024", "qkv_proj"] == 2 and counts["mita", "le_4096", "qkv_proj"] == 6
+    assert counts["dense", "le_1024", "qkv_proj"] == 6
+    body = stats_body(s)
+    assert body["ab"] == {"weights": {"mita": 0.8, "dense": 0.2}, "shadow": True,
+                          "sticky_header": "x-client-key",
+                          "observed": {"mita": 0.75, "dense": 0.25}, "observed_requests": 8,
+                          "observed_basis": "policy_routed",
+                          "overrides": {"mita": 0, "dense": 5}}
+    # The request counts still count every request, overrides included.
+    assert {(r["variant"], r["status"]): r["count"] for r in s["requests"]} == {
+        ("mita", "200"): 6, ("dense", "200"): 7, ("dense", "503"): 1}
+
+
+def test_prometheus_stats_give_the_kl_and_say_what_observed_counts():
+    """Prometheus mode: the KL from the KL histogram (mean from Ray's midpoint sum, p50 from
+    histogram_quantile); its request counter does not say how a request was routed, so the
+    observed split is of all answered requests and says so, and overrides are unknown."""
+    from service.stats import INSTANT, RANGE, _prometheus_stats
+
+    now = 1_000_000.0
+    res = {k: [] for k in (*INSTANT, *RANGE)}
+    res |= {"requests": [{"metric": {"variant": v, "status": "200"}, "value": [now, str(c)]}
+                         for v, c in (("mita", 30), ("dense", 10))],
+            "shadow": [{"metric": {"agree": "true"}, "value": [now, "9"]},
+                       {"metric": {"agree": "false"}, "value": [now, "1"]}],
+            "kl_mean": [{"metric": {}, "value": [now, "0.042"]}],
+            "kl_p50": [{"metric": {}, "value": [now, "0.03"]}]}
+    s = _prometheus_stats(res, now, 300.0, 5.0, [now])
+    assert s["shadow"] == {"comparisons": 10, "agree": 9, "rate": 0.9, "kl_mean": 0.042,
+                           "kl_p50": 0.03}
+    ab = stats_body(s)["ab"]
+    assert (ab["observed"], ab["observed_basis"], ab["overrides"]) == (
+        {"mita": 0.75, "dense": 0.25}, "all_answered", None)
+    # No comparisons: no KL (Prometheus answers NaN for 0 / 0).
+    res |= {"shadow": [], "kl_mean": [{"metric": {}, "value": [now, "NaN"]}]}
+    s = _prometheus_stats(res, now, 300.0, 5.0, [now])
+    assert (s["shadow"]["kl_mean"], s["shadow"]["kl_p50"]) == (None, None)
+
+
+@contextmanager
+def dashboard_without_ray(body: dict):
+    """The dashboard's page and script as the gateway serves them, with ``body`` as its
+    /v1/stats, on a loopback port: the page in a browser with fixed data and no service."""
+    static = ROOT / "service" / "static"
+    files = {"/dashboard": ((static / "dashboard.html").read_bytes(), "text/html"),
+             "/dashboard/dashboard.js": ((static / "dashboard.js").read_bytes(),
+                                         "text/javascript"),
+             "/v1/stats": (json.dumps(body).encode(), "application/json")}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = files.get(self.path.split("?")[0])
+            if found is None:
+                self.send_error(404)
+                return
+            data, ctype = found
+            self.send_response(200)
+            self.send_header("content-type", f"{ctype}; charset=utf-8")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- the page in a real browser ------------------------------------------------------------
@@ -448,7 +589,7 @@ def test_dashboard_page_in_chromium(service, browser):
         counts = browser.execute_script("return [fmtCount(106.6), fmtCount(143), fmtCount(0)]")
         # A bucket where only dense has stage timings (MiTA's forwards ran fused) says so.
         notes = browser.execute_script(
-            "const row = {variant: 'dense', stage: 'attention', p50_ms: 5, p95_ms: 6, count: 1};"
+            "const row = {variant: 'dense', stage: 'attention', p50_ms: 5, p95_ms: 6, count: 5};"
             "const one = stageChart('le_16384', [row], ['attention']);"
             "const both = stageChart('le_16384', [row, {...row, variant: 'mita'}], "
             "['attention']);"
@@ -495,3 +636,96 @@ def test_dashboard_page_in_chromium(service, browser):
                              "stats_window_s; set prometheus_url for more)"), capped
     errors = [e for e in logs if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
+    """The page, with fixed /v1/stats data (``counted_window``) and no service: every stage
+    figure says its n, MiTA's two-sample bucket is greyed out (its qkv_proj 13.2 ms against
+    dense's 2.25 ms is no comparison), the shadow card gives the KL's mean and p50, the A/B
+    card the policy-routed split (75/25 of 8) and the overrides (5 dense) apart; each
+    variant in the colour /v1/stats gives (the load tester's too)."""
+    body = stats_body(counted_window().summary())
+    with dashboard_without_ray(body) as url:
+        browser.get(f"{url}/dashboard")
+
+        def drawn():
+            return browser.execute_script(
+                "return [...document.querySelectorAll('#stages g.bar')].map(g => "
+                "[g.closest('svg').dataset.bucket, g.dataset.variant, g.dataset.stage, "
+                "g.getAttribute('class'), g.getAttribute('opacity'), "
+                "g.querySelector('text.figure').textContent, "
+                "g.querySelector('rect').getAttribute('fill')])") or None
+        bars = wait_for(drawn, 30)
+        assert bars, browser.find_element("tag name", "body").text[:2000]
+        notes = browser.execute_script(
+            "return [...document.querySelectorAll('#stages svg')].map(c => "
+            "[c.dataset.bucket, [...c.querySelectorAll('text.sub')].map(t => t.textContent)])")
+        observed = browser.find_element("id", "ab-observed").text
+        overrides = browser.find_element("id", "ab-overrides").text
+        kl = browser.find_element("id", "shadow-kl").text
+        # Prometheus mode: the split of all answered requests, said so; no overrides line.
+        prom = browser.execute_script(
+            "renderAB({...arguments[0], observed_basis: 'all_answered', overrides: null});"
+            "return [document.getElementById('ab-observed').textContent, "
+            "document.getElementById('ab-overrides')]", body["ab"])
+        logs = browser.get_log("browser")
+    got = {(b, v, st): (cls, op, text, fill) for b, v, st, cls, op, text, fill in bars}
+    assert got["le_1024", "mita", "qkv_proj"] == ("bar few", "0.3", "13.2 ms n=2",
+                                                  VARIANT_COLORS["mita"])
+    assert got["le_1024", "dense", "qkv_proj"] == ("bar", "1", "2.25 ms n=6",
+                                                   VARIANT_COLORS["dense"])
+    assert got["le_4096", "mita", "qkv_proj"] == ("bar", "1", "11.2 ms n=6",
+                                                  VARIANT_COLORS["mita"])
+    assert all(text.endswith((" n=2", " n=6")) for _, _, text, _ in got.values())
+    assert dict(notes) == {
+        "le_1024": ["grey: fewer than 5 staged forwards (n), too few to compare"],
+        "le_4096": []}
+    assert observed == "observed, policy-routed: mita 75.0 % · dense 25.0 % (8 requests)"
+    assert overrides == "overrides (variant named, not in the split): mita 0 · dense 5"
+    assert kl == "KL(primary ‖ shadow): mean 0.177 · p50 0.02 nats"
+    assert prom == ["observed, all answered (overrides included: Prometheus does not record "
+                    "routing): mita 75.0 % · dense 25.0 % (8 requests)", None]
+    errors = [e for e in logs if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def readme_screenshot_command() -> str:
+    """The README's dashboard screenshot command (a bash block's lines joined)."""
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        command = " ".join(block.replace("\\\n", " ").split())
+        if command.startswith("chromium "):
+            return command
+    raise AssertionError("the README shows no chromium screenshot command")
+
+
+@pytest.mark.service
+def test_readme_screenshot_command_draws_the_data(service, tmp_path):
+    """Found by a user: the README's ``chromium --headless --screenshot`` captured the page
+    before the first /v1/stats answer ("connecting…", empty panels). Its command, run as
+    written against a running service, draws the data: the stage bars of both variants, in
+    their colours, fill thousands of pixels (the "connecting…" page has none)."""
+    import matplotlib.image
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if _required:
+            pytest.fail("chromium missing but MITA_SERVE_REQUIRE_CHROMIUM=1")
+        pytest.skip("chromium not installed (.ci/run installs Debian's)")
+    for variant in ("mita", "dense"):
+        for text, _ in EXAMPLES[:2]:
+            r = service.post("/v1/classify", json={"text": text, "variant": variant,
+                                                   "profile": "staged"})
+            assert r.status_code == 200, r.text
+    command = readme_screenshot_command()
+    assert "'http://127.0.0.1:8000/dashboard" in command, command
+    assert " --screenshot=docs/dashboard.png " in command, command
+    shot = tmp_path / "dashboard.png"
+    done = subprocess.run(["bash", "-c", command.replace("http://127.0.0.1:8000", service.url)
+                           .replace("docs/dashboard.png", str(shot))], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and shot.is_file(), done.stderr[-3000:]
+    rgb = (matplotlib.image.imread(shot)[..., :3] * 255).round().astype(int)
+    assert rgb.shape[:2] == (1750, 1400)
+    drawn = {v: int((rgb == [int(c[i:i + 2], 16) for i in (1, 3, 5)]).all(axis=-1).sum())
+             for v, c in VARIANT_COLORS.items()}
+    assert drawn["mita"] > 2000 and drawn["dense"] > 2000, drawn

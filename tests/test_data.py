@@ -11,6 +11,7 @@ from mita.data.listops import (
     PAD_ID,
     VOCAB,
     ListOpsConfig,
+    check_expression,
     decode,
     encode,
     generate,
@@ -102,7 +103,7 @@ def test_lra_tsv_reader(tmp_path):
         "Source\tTarget\n[MAX 2 9 ]\t9\n[MIN 1 2 ]\t1\textra\n": ":3: expected 2 tab-separated",
         "Source\tTarget\n[MAX 2 9 ]\t9\n[MIN 1 2 ]\tten\n": ":3: label 'ten' is not an integer",
         "Source\tTarget\n[MAX 2 9 ]\t10\n": ":2: label 10 outside",
-        "Source\tTarget\n[MAX 2 9 ]\t9\n[MOD 2 9 ]\t9\n": ":3: unknown token '\\[MOD'",
+        "Source\tTarget\n[MAX 2 9 ]\t9\n[MOD 2 9 ]\t9\n": ":3: unknown operator '\\[MOD'",
         "Source\tTarget\n( )\t9\n": ":2: empty Source",
         "Source\tTarget\n": "no rows",
     }
@@ -127,6 +128,16 @@ def test_text_tsv_reader(tmp_path):
         bad.write_text(content)
         with pytest.raises(ValueError, match=message):
             read_text_tsv(bad, num_classes=2)
+
+
+def test_every_generated_expression_is_well_formed():
+    """The grammar check refuses no expression the generator makes (LRA's procedure, the long
+    ones of the load tests, LRA's parenthesised form)."""
+    for text, _ in generate(300, 4, ListOpsConfig(1, 300)):
+        check_expression(text)
+    for n in (3, 1000):
+        check_expression(generate_long(n, seed=n)[0])
+    check_expression("( ( ( [MAX 2 ) 9 ) ] )")
 
 
 def test_generate_long_has_exact_length_and_right_label():

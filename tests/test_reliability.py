@@ -28,6 +28,7 @@ from mita.data.listops import encode, generate_long
 from service import launch
 
 from .conftest import CHECKPOINT, counter, set_gateway, wait_for
+from .helpers import REFUSALS, REFUSALS_COUNTED, send_refusals
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,38 +156,16 @@ def test_every_refusal_of_a_classify_request_is_counted(service):
     """Found by a user: refusals by the middleware, the JSON parser, schema validation and the
     router were missing from requests_total (and /v1/stats). Each one counts once, as
     variant "none"; requests to other paths do not count."""
-    c = service.client
-    sends = [
-        (400, lambda: raw(service, '{"text": ')),
-        (422, lambda: raw(service, '{"foo": 1}')),
-        (422, lambda: raw(service, '{"items": [{"ids": [99]}]}', "/v1/classify/batch")),
-        (422, lambda: raw(service, '{"text": "[MAX X ]"}')),
-        (415, lambda: c.post("/v1/classify", content=b"{}",
-                             headers={"content-type": "text/plain"})),
-        (413, lambda: raw(service, b'{"ids": [' + b"3," * 3_000_000 + b"3]}")),
-        (405, lambda: c.get("/v1/classify")),
-        (404, lambda: c.post("/nope", content=b"x")),  # not a classify path: not counted
-        (400, lambda: c.post("/v1/classify/binary", content=b"",
-                             headers={"content-type": "application/octet-stream"})),
-        (422, lambda: c.post("/v1/classify/binary", content=b"\x00",
-                             headers={"content-type": "application/octet-stream"})),
-        (415, lambda: c.post("/v1/classify/binary", content=b"\x03",
-                             headers={"content-type": "application/json"})),
-        (422, lambda: c.post("/v1/classify", params={"variant": "dense"},
-                             json={"text": "[MAX 2 9 ]"})),
-    ]
     text0 = settled_metrics(service)
-    for status, send in sends:
-        assert send().status_code == status
-    want = {400: 2, 422: 5, 415: 2, 413: 1, 405: 1, 404: 0}
+    assert send_refusals(service.client) == [status for status, *_ in REFUSALS]
 
     def counted():
         text = service.metrics_text()
-        got = {st: delta(text, text0, "ray_mita_serve_requests_total", variant="none",
-                         status=str(st)) for st in want}
-        return got
-    got = wait_for(lambda: (lambda g: g if g == want else None)(counted()), timeout_s=20)
-    assert got == want, counted()
+        return {st: delta(text, text0, "ray_mita_serve_requests_total", variant="none",
+                          status=str(st)) for st in REFUSALS_COUNTED}
+    got = wait_for(lambda: (lambda g: g if g == REFUSALS_COUNTED else None)(counted()),
+                   timeout_s=20)
+    assert got == REFUSALS_COUNTED, counted()
 
 
 def test_body_limit_change_applies_without_restart(service):

@@ -119,6 +119,12 @@ def generate(num: int, seed: int, cfg: ListOpsConfig = ListOpsConfig()) -> list[
     return out
 
 
+def _unknown(tok: str, pos: int) -> str:
+    what = "operator" if tok.startswith("[") else "token"
+    return (f"unknown {what} {tok[:40]!r} at position {pos}; "
+            f"expected one of {' '.join(VOCAB[1:])}")
+
+
 def encode(text: str) -> list[int]:
     """ListOps text → token ids. LRA's parentheses ``(`` ``)`` are dropped; ``]`` is kept.
 
@@ -129,10 +135,54 @@ def encode(text: str) -> list[int]:
         if tok in ("(", ")"):
             continue
         if tok not in TOKEN_TO_ID or tok == PAD:
-            raise ValueError(f"unknown token {tok[:40]!r} at position {pos}; "
-                             f"expected one of {' '.join(VOCAB[1:])}")
+            raise ValueError(_unknown(tok, pos))
         ids.append(TOKEN_TO_ID[tok])
     return ids
+
+
+def check_expression(text: str) -> None:
+    """Check that ``text`` is one well-formed ListOps expression: a digit, or an operator
+    (``[MIN`` ``[MAX`` ``[MED`` ``[SM``) with at least one argument, each an expression,
+    closed by ``]``. LRA's parentheses are skipped, as ``encode`` does. Positions count the
+    whitespace-separated tokens from 0, as ``encode``'s. Linear in the tokens.
+
+    Raises: ValueError naming the first fault and its position (an unknown token or operator,
+    an operator without arguments, a ``]`` that closes nothing, an operator never closed, a
+    second expression after the first, no token at all).
+    """
+    open_ops: list[tuple[str, int, int]] = []  # (operator, position, arguments so far)
+    done_at = None  # position where the top-level expression ended
+    for pos, tok in enumerate(text.split()):
+        if tok in ("(", ")"):
+            continue
+        if tok == END and not open_ops:
+            raise ValueError(f"unbalanced brackets: ']' at position {pos} closes no operator")
+        if done_at is not None:
+            raise ValueError(f"{tok[:40]!r} at position {pos} follows a complete expression "
+                             f"(ended at position {done_at}): the text must be one expression")
+        if tok == END:
+            op, at, args = open_ops.pop()
+            if not args:
+                raise ValueError(f"{op!r} at position {at} has no arguments (closed at "
+                                 f"position {pos})")
+        elif tok in OPERATORS:
+            open_ops.append((tok, pos, 0))
+            continue
+        elif tok not in DIGITS:
+            raise ValueError(_unknown(tok, pos))
+        # a digit or a closed operator: one argument of the enclosing operator, or the whole
+        if open_ops:
+            op, at, args = open_ops[-1]
+            open_ops[-1] = (op, at, args + 1)
+        else:
+            done_at = pos
+    if open_ops:
+        shown = " and ".join(f"{op!r} at position {at}" for op, at, _ in open_ops[:3])
+        more = f" (and {len(open_ops) - 3} more)" if len(open_ops) > 3 else ""
+        raise ValueError(f"unbalanced brackets: {shown}{more} "
+                         f"{'is' if len(open_ops) == 1 else 'are'} never closed")
+    if done_at is None:
+        raise ValueError("no expression: the text has no tokens")
 
 
 def decode(ids) -> str:

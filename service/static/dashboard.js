@@ -2,10 +2,13 @@
 "use strict";
 
 const VARIANTS = ["mita", "dense"];
-const COLOR = { mita: "#1f6fb4", dense: "#e07b10" };
 const SVG = "http://www.w3.org/2000/svg";
 const OTHER_STAGE = "#c7c7c7";
-let stageColors = {};  // stage → colour, in forward order: from v1/stats (mita.hooks)
+// Colours and the sample floor come from v1/stats (mita.hooks), the one definition the load
+// tester's plots use too.
+let COLOR = {};  // variant → colour
+let stageColors = {};  // stage → colour, in forward order
+let minStageSamples = 0;  // a stage figure from fewer staged forwards is greyed out
 const query = new URLSearchParams(window.location.search);
 const REFRESH_MS = Math.max(1, Number(query.get("refresh_s")) || 2) * 1000;
 let windowS = Number(query.get("window_s")) || 300;
@@ -107,14 +110,28 @@ function shareText(shares) {
 function renderAB(ab) {
   const total = VARIANTS.reduce((s, v) => s + (ab.weights[v] || 0), 0) || 1;
   const weights = Object.fromEntries(VARIANTS.map((v) => [v, (ab.weights[v] || 0) / total]));
+  // Local mode: only requests the policy routed are its split; those that named their
+  // variant (a load test per variant, a curl) are overrides, counted apart.
+  const policy = ab.observed_basis === "policy_routed";
+  const what = policy ? "observed, policy-routed" : "observed, all answered (overrides " +
+    "included: Prometheus does not record routing)";
   const observed = Object.keys(ab.observed).length
-    ? [html("div", { class: "note" }, `observed: ${shareText(ab.observed)}`),
-      splitBar(ab.observed)]
-    : [html("div", { class: "note" }, "observed: no answered requests in the window")];
+    ? [html("div", { class: "note", id: "ab-observed" },
+      `${what}: ${shareText(ab.observed)} (${fmtCount(ab.observed_requests)} requests)`),
+    splitBar(ab.observed)]
+    : [html("div", { class: "note", id: "ab-observed" },
+      `${what}: no ${policy ? "policy-routed" : "answered"} requests in the window`)];
+  const overrides = ab.overrides ? [html("div", { class: "note", id: "ab-overrides" },
+    "overrides (variant named, not in the split): " +
+    VARIANTS.map((v) => `${v} ${fmtCount(ab.overrides[v] || 0)}`).join(" · "))] : [];
   replace("ab", html("div", { class: "note" }, `configured: ${shareText(weights)}`),
-    splitBar(weights), ...observed,
+    splitBar(weights), ...observed, ...overrides,
     html("div", { class: "note" }, `shadow ${ab.shadow ? "on" : "off"} · sticky header ` +
       `${ab.sticky_header}`));
+}
+
+function fmtKl(x) {
+  return x === null || x === undefined ? "–" : `${+x.toPrecision(3)}`;
 }
 
 function renderShadow(shadow) {
@@ -126,7 +143,9 @@ function renderShadow(shadow) {
   replace("shadow", html("div", { class: "big", id: "shadow-rate" },
     `${(100 * shadow.rate).toFixed(1)} %`),
   html("div", { class: "note" }, `${fmtCount(shadow.agree)} of ` +
-    `${fmtCount(shadow.comparisons)} labels agree`));
+    `${fmtCount(shadow.comparisons)} labels agree`),
+  html("div", { class: "note", id: "shadow-kl" }, `KL(primary ‖ shadow): mean ` +
+    `${fmtKl(shadow.kl_mean)} · p50 ${fmtKl(shadow.kl_p50)} nats`));
 }
 
 function renderRequests(requests, latency) {
@@ -143,27 +162,32 @@ function renderRequests(requests, latency) {
 
 // ---- charts --------------------------------------------------------------------------------
 
-// Per-stage grouped horizontal bars for one N bucket: p50 bar, p95 tick, log-scale x.
+// Per-stage grouped horizontal bars for one N bucket: p50 bar, p95 tick, log-scale x; each
+// figure with its sample count n, greyed out below minStageSamples (too few to compare).
 function stageChart(bucket, rows, stageOrder) {
   const stages = stageOrder.filter((s) => rows.some((r) => r.stage === s));
   const values = rows.flatMap((r) => [r.p50_ms, r.p95_ms]).filter((x) => x > 0);
   if (!values.length) return empty(`${bucketLabel(bucket)}: no non-zero stage timings`);
   const lo = Math.pow(10, Math.floor(Math.log10(Math.min(...values))));
   const hi = Math.pow(10, Math.ceil(Math.log10(Math.max(...values) * 1.0001)));
-  const W = 560, left = 124, right = 76, top = 22, rowH = 30, barH = 11;
+  // A variant with no stage rows here: MiTA's fused forwards have no per-stage times, only
+  // one forward in staged_profile_every (or a "profile": "staged" request) is staged.
+  const absent = VARIANTS.filter((v) => !rows.some((r) => r.variant === v));
+  const notes = [
+    ...(absent.length ? [`no ${absent.join(", ")} stage timings in this bucket yet (staged ` +
+      "forwards only)"] : []),
+    ...(rows.some((r) => r.count < minStageSamples) ? [`grey: fewer than ${minStageSamples} ` +
+      "staged forwards (n), too few to compare"] : [])];
+  const W = 600, left = 124, right = 116, rowH = 30, barH = 11;
+  const top = 22 + 11 * Math.max(0, notes.length - 1);  // one line per note
   const H = top + stages.length * rowH + 22;
   const x = (ms) => left + (W - left - right) *
     (Math.log10(Math.max(ms, lo)) - Math.log10(lo)) / (Math.log10(hi) - Math.log10(lo));
   const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
     "data-bucket": bucket, class: "stage-chart" });
   chart.append(svg("text", { x: 0, y: 13, "font-weight": 600 }, bucketLabel(bucket)));
-  // A variant with no stage rows here: MiTA's fused forwards have no per-stage times, only
-  // one forward in staged_profile_every (or a "profile": "staged" request) is staged.
-  const absent = VARIANTS.filter((v) => !rows.some((r) => r.variant === v));
-  if (absent.length) {
-    chart.append(svg("text", { x: W - right, y: 13, "text-anchor": "end", class: "sub" },
-      `no ${absent.join(", ")} stage timings in this bucket yet (staged forwards only)`));
-  }
+  notes.forEach((note, i) => chart.append(svg("text", { x: W - 4, y: 13 + 11 * i,
+    "text-anchor": "end", class: "sub" }, note)));
   const axis = svg("g", { class: "axis" });
   for (let d = lo; d <= hi * 1.0001; d *= 10) {
     axis.append(svg("line", { class: "grid", x1: x(d), x2: x(d), y1: top - 4, y2: H - 20 }));
@@ -180,18 +204,22 @@ function stageChart(bucket, rows, stageOrder) {
       const r = rows.find((row) => row.stage === stage && row.variant === v);
       if (!r || !(r.p50_ms > 0)) return;
       const y = y0 + 3 + j * (barH + 2);
-      const g = svg("g", { class: "bar", "data-variant": v, "data-stage": stage,
-        "data-p50": r.p50_ms, "data-p95": r.p95_ms, "data-count": r.count });
+      // Too few samples: pale, still in its variant's colour, with its n.
+      const tooFew = r.count < minStageSamples;
+      const g = svg("g", { class: tooFew ? "bar few" : "bar", "data-variant": v,
+        "data-stage": stage, "data-p50": r.p50_ms, "data-p95": r.p95_ms,
+        "data-count": r.count, opacity: tooFew ? 0.3 : 1 });
       g.append(svg("title", {}, `${v} ${stage} (${bucketLabel(bucket)}): p50 ` +
-        `${fmtMs(r.p50_ms)}, p95 ${fmtMs(r.p95_ms)}, ${fmtCount(r.count)} samples`));
+        `${fmtMs(r.p50_ms)}, p95 ${fmtMs(r.p95_ms)}, n = ${fmtCount(r.count)} staged ` +
+        `forwards${tooFew ? ` (fewer than ${minStageSamples}: too few to compare)` : ""}`));
       g.append(svg("rect", { x: left, y, width: Math.max(1, x(r.p50_ms) - left), height: barH,
         fill: COLOR[v], rx: 2 }));
       if (r.p95_ms > 0) {
         g.append(svg("line", { x1: x(r.p95_ms), x2: x(r.p95_ms), y1: y - 1, y2: y + barH + 1,
           stroke: COLOR[v], "stroke-width": 2 }));
       }
-      g.append(svg("text", { x: W - right + 4, y: y + barH - 2, fill: COLOR[v] },
-        fmtMs(r.p50_ms)));
+      g.append(svg("text", { x: W - right + 4, y: y + barH - 2, fill: COLOR[v],
+        class: "figure" }, `${fmtMs(r.p50_ms)} n=${fmtCount(r.count)}`));
       chart.append(g);
     });
   });
@@ -359,6 +387,8 @@ function render(s) {
   document.getElementById("updated").textContent = `last ${Math.round(s.window_s)} s` +
     `${capped}, updated ${fmtTime(s.generated_at)}${s.truncated ? " (record cap reached: " +
       "window cut short)" : ""}`;
+  COLOR = s.variant_colors;
+  minStageSamples = s.min_stage_samples;
   renderModels(s.models);
   renderAB(s.ab);
   renderShadow(s.shadow);
