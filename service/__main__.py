@@ -70,23 +70,16 @@ def main(argv: list[str] | None = None) -> None:
     try:  # refuse before starting Ray: a bad config, checkpoint or busy port would only
         # fail inside a replica or after Ray's start-up timeout
         config = launch.load_config(path)
-        if a.address is None:  # on a cluster the nodes' devices count, not this machine's
-            launch.check_devices(config)
-        else:
-            launch.check_cluster_reachable(a.address)
-        launch.verify_checkpoints(config)
+        warnings = launch.preflight(config, address=a.address, metrics_port=a.metrics_port,
+                                    node_ip=a.node_ip, dashboard=dashboard, check_only=a.check)
+        for line in warnings:
+            print(f"mita-serve: warning: {line}", flush=True)
         if a.check:
-            print(f"mita-serve: {path}: OK (the file, its user_configs and checkpoints)")
+            print(f"mita-serve: {path}: OK (the file, its user_configs, checkpoints, devices "
+                  "and listening addresses)")
             return
         if a.address is None:
-            launch.check_ports_free(config, a.metrics_port, a.node_ip, dashboard)
             launch.use_token_auth()
-            needed = launch.gpus_needed(launch.replica_gpus(config))
-            if needed > launch.local_gpu_count():
-                print(f"mita-serve: warning: the config's minimum replicas need {needed} "
-                      f"GPU(s), this machine has {launch.local_gpu_count()}; replicas that do "
-                      "not fit stay pending (see the num_gpus note in "
-                      "deploy/serve_config.gpu.yaml)", flush=True)
             launch.prebuild_cpu_kernels(config)  # once here, not in each replica
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         if a.check:

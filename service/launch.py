@@ -155,6 +155,9 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     ignored, and ``stop()`` then deletes only this config's applications. Either way the
     Prometheus file-SD list (``prometheus_sd_file``) names the metrics exporter of the node the
     Gateway runs on, where every ``mita_serve`` metric is recorded (``gateway_exporter``).
+    Proxy variables never reach traffic to this machine: loopback (and a non-loopback
+    ``node_ip``) is added to ``NO_PROXY`` first (``no_proxy_for_this_machine``), with a
+    warning when a proxy variable is set.
 
     Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes;
     ConnectionError if no cluster answers at ``address``.
@@ -162,6 +165,14 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     # Serve waits 5 s for a new HTTP proxy by default; a loaded 2-core machine needs longer,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    local = [] if address is not None or ipaddress.ip_address(node_ip).is_loopback else [node_ip]
+    proxies = no_proxy_for_this_machine(local)
+    if proxies:
+        print(f"mita-serve: warning: {', '.join(proxies)} set: traffic to this machine "
+              f"bypasses the proxy (NO_PROXY and no_proxy now include "
+              f"{', '.join([*LOOPBACK_HOSTS, *local])}); "
+              "on a joined cluster the nodes keep their own environment: start them with "
+              "NO_PROXY naming loopback and their addresses", flush=True)
     global _joined, metrics_exporter
     if address is not None:
         _joined = True  # from here on stop() never shuts down the cluster's Serve
@@ -294,6 +305,27 @@ def missing_resources(config: ServeDeploySchema) -> list[str]:
     return lines
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
+
+
+def no_proxy_for_this_machine(hosts: list[str] | None = None) -> list[str]:
+    """Add loopback (``LOOPBACK_HOSTS``) and ``hosts`` to ``NO_PROXY`` and ``no_proxy`` (and to
+    ``no_grpc_proxy`` when set, which gRPC then reads instead) of this process, keeping what
+    they name; the Ray processes started from here inherit them. With a proxy variable set,
+    Ray workers' metric export to the node's agent (gRPC, which honours the variables) went to
+    the proxy: ``/metrics`` lost every ``ray_mita_serve_*`` and ``ray_serve_*`` series.
+    Returns the proxy variables that are set (either case), for a warning."""
+    for name in ("NO_PROXY", "no_proxy", "no_grpc_proxy"):
+        if name == "no_grpc_proxy" and name not in os.environ:
+            continue
+        have = [h.strip() for h in os.environ.get(name, "").split(",") if h.strip()]
+        os.environ[name] = ",".join(have + [h for h in (*LOOPBACK_HOSTS, *(hosts or ()))
+                                           if h not in have])
+    return [name for name in os.environ if name.lower() in PROXY_VARIABLES
+            and os.environ[name]]
+
+
 def loopback_only() -> None:
     """Keep this process's Ray on loopback addresses. On Linux Ray swaps a loopback address
     (of a node it starts, or of a cluster it joins) for the machine's routable one
@@ -333,6 +365,73 @@ def use_token_auth() -> None:
                         "--generate"], check=True, capture_output=True, timeout=120)
 
 
+def _listeners(config: ServeDeploySchema, metrics_port: int, node_ip: str,
+               dashboard: tuple[str, int] | None) -> list[tuple[str, int, str, str]]:
+    """(host, port, the flag or field that sets the host, the one that sets the port) of
+    every socket a start listens on: HTTP, Ray's metrics exporter, the Ray dashboard."""
+    http = config.http_options
+    out = [(http.host, http.port, "http_options.host", "http_options.port in the config"),
+           (node_ip, metrics_port, "--node-ip", "--metrics-port")]
+    if dashboard is not None:
+        out.append((*dashboard, "--dashboard-host", "--dashboard-port"))
+    return out
+
+
+def _bind(host: str, port: int, host_from: str, shown_port: int | None = None) -> None:
+    """Bind a socket to ``(host, port)`` and close it. Raises OSError: errno EADDRINUSE when
+    the port is taken, or naming ``host_from`` (and ``shown_port``, default ``port``) when
+    ``host`` is not this machine's."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise OSError(f"{host_from} {host!r} is not an address of this machine "
+                      f"({e.strerror})") from None
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise
+            raise OSError(f"cannot listen on {host}:{shown_port or port} ({e.strerror}); "
+                          f"is {host_from} an address of this machine?") from None
+
+
+def check_addresses(config: ServeDeploySchema, metrics_port: int,
+                    node_ip: str = "127.0.0.1",
+                    dashboard: tuple[str, int] | None = None) -> None:
+    """Refuse (OSError) listening addresses a start could not use, whatever runs now: two of
+    the ports equal, or a host that is not this machine's (each host is bound on a free
+    port, so a port in use does not count here: ``busy_ports``)."""
+    listeners = _listeners(config, metrics_port, node_ip, dashboard)
+    numbers = [port for _, port, _, _ in listeners]
+    if len(set(numbers)) < len(numbers):
+        raise OSError(f"{', '.join(p for _, _, _, p in listeners)} must differ, got {numbers}")
+    for host, port, host_from, _ in listeners:
+        try:
+            _bind(host, 0, host_from, port)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # EADDRINUSE: no free port at all; the start says
+                raise
+
+
+def busy_ports(config: ServeDeploySchema, metrics_port: int, node_ip: str = "127.0.0.1",
+               dashboard: tuple[str, int] | None = None) -> list[str]:
+    """One line per port of a start that another process listens on now, naming the port and
+    the flag or config field that sets it. Raises OSError as ``check_addresses``."""
+    lines = []
+    for host, port, host_from, port_from in _listeners(config, metrics_port, node_ip,
+                                                       dashboard):
+        try:
+            _bind(host, port, host_from)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            lines.append(f"port {port} on {host} is in use ({e.strerror}): another "
+                         f"instance, or another program; choose a free one with {port_from}")
+    return lines
+
+
 def check_ports_free(config: ServeDeploySchema, metrics_port: int,
                      node_ip: str = "127.0.0.1",
                      dashboard: tuple[str, int] | None = None) -> None:
@@ -341,32 +440,42 @@ def check_ports_free(config: ServeDeploySchema, metrics_port: int,
     HTTP port of ``config.http_options``, Ray's metrics export port on ``node_ip`` and the
     Ray dashboard's ``(host, port)`` when it runs.
     Raises OSError naming the port and the flag or config field that sets it, or the address
-    when it is not this machine's."""
-    http = config.http_options
-    ports = [(http.host, http.port, "http_options.host", "http_options.port in the config"),
-             (node_ip, metrics_port, "--node-ip", "--metrics-port")]
-    if dashboard is not None:
-        ports.append((*dashboard, "--dashboard-host", "--dashboard-port"))
-    numbers = [port for _, port, _, _ in ports]
-    if len(set(numbers)) < len(numbers):
-        raise OSError(f"{', '.join(p for _, _, _, p in ports)} must differ, got {numbers}")
-    for host, port, host_from, port_from in ports:
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        except socket.gaierror as e:
-            raise OSError(f"{host_from} {host!r} is not an address of this machine "
-                          f"({e.strerror})") from None
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:
-                    raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); is "
-                                  f"{host_from} an address of this machine?") from None
-                raise OSError(f"port {port} on {host} is in use ({e.strerror}): another "
-                              f"instance, or another program; choose a free one with "
-                              f"{port_from}") from None
+    when it is not this machine's (``check_addresses``)."""
+    check_addresses(config, metrics_port, node_ip, dashboard)
+    busy = busy_ports(config, metrics_port, node_ip, dashboard)
+    if busy:
+        raise OSError(busy[0])
+
+
+def preflight(config: ServeDeploySchema, *, address: str | None = None,
+              metrics_port: int = DEFAULT_METRICS_PORT, node_ip: str = "127.0.0.1",
+              dashboard: tuple[str, int] | None = None, check_only: bool = False) -> list[str]:
+    """Every check ``python -m service`` makes before it starts anything, for a start and for
+    ``--check`` alike (one path, so ``--check`` cannot pass what the start refuses): the
+    devices (``check_devices``), or with ``address`` the cluster (``check_cluster_reachable``);
+    the checkpoints (``verify_checkpoints``); the listening addresses and ports. Returns
+    warnings, one line each. With ``check_only`` a port in use is a warning, not a refusal:
+    the file checked may be the running instance's next config (``serve deploy``).
+    Raises OSError or ValueError naming what is wrong."""
+    warnings = []
+    if address is None:  # on a cluster the nodes' devices count, not this machine's
+        check_devices(config)
+    else:
+        check_cluster_reachable(address)
+    verify_checkpoints(config)
+    if address is not None:  # the cluster's ports and GPUs, not this machine's
+        return warnings
+    check_addresses(config, metrics_port, node_ip, dashboard)
+    busy = busy_ports(config, metrics_port, node_ip, dashboard)
+    if busy and not check_only:
+        raise OSError(busy[0])
+    warnings += [f"{line} (fine if it is the running instance's)" for line in busy]
+    needed = gpus_needed(replica_gpus(config))
+    if needed > local_gpu_count():
+        warnings.append(f"the config's minimum replicas need {needed} GPU(s), this machine "
+                        f"has {local_gpu_count()}; replicas that do not fit stay pending (see "
+                        "the num_gpus note in deploy/serve_config.gpu.yaml)")
+    return warnings
 
 
 def replica_gpus(config: ServeDeploySchema, which: str = "min") -> list[float]:
@@ -458,8 +567,9 @@ def check_devices(config: ServeDeploySchema) -> None:
 def prebuild_cpu_kernels(config: ServeDeploySchema) -> None:
     """Build MiTA's CPU kernels (``mita.kernels.cpu``, ~1 min the first time on a machine)
     before the replicas start, when an application will run them: its classifier on the CPU
-    with ``mita_backend`` other than ``torch``. Replicas then load the cached build. A failed
-    build is logged and the replicas run the PyTorch stages."""
+    with ``mita_backend`` other than ``torch``. Replicas then import the cached build in their
+    constructor. A failed build, or another process's build still holding the lock after
+    ``MITA_CPU_BUILD_TIMEOUT_S``, is logged in one line and the replicas try again (bounded)."""
     from .engine import pick_device
 
     for app in config.applications:
