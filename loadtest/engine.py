@@ -91,9 +91,13 @@ async def _send(client: httpx.AsyncClient, body: dict, n: int, requested: str,
 
 async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requested: str,
                     bodies: list[dict], bar: tqdm, rng: np.random.Generator) -> list[Sample]:
-    """One (N, variant) phase: warm-up (discarded), then timed requests."""
+    """One (N, variant) phase: warm-up (discarded), then timed requests. Advances ``bar`` by
+    ``cfg.warmup + cfg.requests`` in all: one per request sent, warm-ups included, and the
+    requests a phase cut short by ``duration_s`` never sent, so the bar's ETA is over every
+    request still to come."""
     for i in range(cfg.warmup):
         await _send(client, bodies[i % len(bodies)], n, requested, time.perf_counter())
+        bar.update(1)
     t0 = time.perf_counter()
     samples: list[Sample] = []
 
@@ -126,6 +130,8 @@ async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requeste
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         samples = list(await asyncio.gather(*tasks))
+    if len(samples) < cfg.requests:  # those never sent: the phase ran out of time
+        bar.update(cfg.requests - len(samples))
     return samples
 
 
@@ -145,7 +151,10 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
     samples: list[Sample] = []
     async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s,
                                  transport=transport) as c:
-        with tqdm(total=len(phases) * cfg.requests, desc="load", unit="req") as bar:
+        # Every request counts, warm-ups too: a bar of timed requests only said "2 s left"
+        # before a 100 s phase whose warm-ups had not started.
+        with tqdm(total=len(phases) * (cfg.warmup + cfg.requests), desc="load",
+                  unit="req") as bar:
             for n in sorted(cfg.ns):
                 seqs = [encode(generate_long(n, seed=cfg.seed * 1000 + i)[0])
                         for i in range(cfg.sequences_per_n)]
@@ -160,8 +169,9 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
 def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
     """Per (N, requested variant): counts, errors by status, p50/p90/p99 latency (ms, numpy),
     throughput (ok req/s and tokens/s over the phase's wall time) and median stage times per
-    served variant (``stages_ms[served][stage]``, ms summed over layers); plus MiTA/dense
-    ratios per N where both ran."""
+    served variant (``stages_ms[served][stage]``, ms summed over layers) with the profiled
+    responses each median is of (``stages_n[served]``: 1 is a single response, not a median);
+    plus MiTA/dense ratios per N where both ran."""
     groups: dict[tuple[int, str], list[Sample]] = {}
     for s in samples:
         groups.setdefault((s.n, s.requested), []).append(s)
@@ -179,7 +189,7 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
             served[s.variant] = served.get(s.variant, 0) + 1
         # Per served variant: an A/B phase mixes MiTA and dense answers, whose stages differ;
         # and a fused MiTA's sampled staged forwards ("mita (staged)") time other stages.
-        stages_ms = {}
+        stages_ms, stages_n = {}, {}
         for v in served:
             mine = [s for s in ok if s.variant == v and s.stages_ms]
             kinds = sorted({s.staged for s in mine})
@@ -189,6 +199,7 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
                 label = f"{v} (staged)" if staged and len(kinds) > 1 else v
                 stages_ms[label] = {k: float(np.median([s.stages_ms.get(k, 0.0)
                                                          for s in group])) for k in names}
+                stages_n[label] = len(group)
         rows.append({
             "n": n, "variant": req, "served": served, "sent": len(ss), "ok": len(ok),
             "errors": errors,
@@ -197,7 +208,7 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
             "p99_ms": float(np.percentile(lat, 99)) if len(ok) else None,
             "throughput_rps": len(ok) / wall if wall > 0 else None,
             "tokens_per_s": len(ok) * n / wall if wall > 0 else None,
-            "stages_ms": stages_ms,
+            "stages_ms": stages_ms, "stages_n": stages_n,
         })
     by = {(r["n"], r["variant"]): r for r in rows}
     ratios = []

@@ -7,18 +7,20 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from mita.hooks import stage_sorted
+from mita.hooks import MIN_STAGE_SAMPLES, VARIANT_COLORS, stage_sorted
 from profiler.plots import stage_lines
 
 from .engine import Sample
 
+AB_COLOR = "#555555"  # an A/B phase mixes both variants: neither one's colour
 
-def stage_table(summary: dict) -> list[tuple[int, str, dict[str, float]]]:
-    """(N, variant label, median stage ms) per (N, requested variant, served variant); an A/B
-    row is labelled ``ab→mita`` / ``ab→dense`` so the two models' stages are never mixed, and
-    a fused MiTA's sampled staged forwards ``mita (staged)``."""
+
+def stage_table(summary: dict) -> list[tuple[int, str, int, dict[str, float]]]:
+    """(N, variant label, profiled responses n, median stage ms) per (N, requested variant,
+    served variant); an A/B row is labelled ``ab→mita`` / ``ab→dense`` so the two models'
+    stages are never mixed, and a fused MiTA's sampled staged forwards ``mita (staged)``."""
     return [(r["n"], served if served.split(" (")[0] == r["variant"]
-             else f"{r['variant']}→{served}", ms)
+             else f"{r['variant']}→{served}", r["stages_n"][served], ms)
             for r in summary["rows"] for served, ms in r["stages_ms"].items()]
 
 
@@ -59,12 +61,14 @@ def markdown(summary: dict) -> str:
     stage_rows = stage_table(summary)
     if stage_rows:
         stages = stage_sorted(s for *_, ms in stage_rows for s in ms)
-        lines += ["", "Median per-stage time from profiled responses (ms, summed over layers):",
-                  "", "| N | variant | " + " | ".join(stages) + " |",
-                  "|---|---|" + "---|" * len(stages)]
-        lines += [f"| {n} | {name} | " + " | ".join(
-            f"{ms[s]:.2f}" if s in ms else "-" for s in stages) + " |"
-            for n, name, ms in stage_rows]
+        lines += ["", "Per-stage time from profiled responses (ms, summed over layers): the "
+                      "median of n responses (n = 1: that one response); rows with n < "
+                      f"{MIN_STAGE_SAMPLES} are marked, too few to compare.",
+                  "", "| N | variant | n | " + " | ".join(stages) + " |",
+                  "|---|---|---|" + "---|" * len(stages)]
+        lines += [f"| {n} | {name} | {count}{' (few)' if count < MIN_STAGE_SAMPLES else ''} | "
+                  + " | ".join(f"{ms[s]:.2f}" if s in ms else "-" for s in stages) + " |"
+                  for n, name, count, ms in stage_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -101,8 +105,9 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
         sel = [r for r in summary["rows"] if r["variant"] == v and r["ok"]]
         if sel:
             ns = [r["n"] for r in sel]
-            ax.plot(ns, [r["p50_ms"] for r in sel], "o-", label=f"{v} p50")
-            ax.plot(ns, [r["p99_ms"] for r in sel], "x--", label=f"{v} p99")
+            color = VARIANT_COLORS.get(v, AB_COLOR)  # the dashboard's colours
+            ax.plot(ns, [r["p50_ms"] for r in sel], "o-", color=color, label=f"{v} p50")
+            ax.plot(ns, [r["p99_ms"] for r in sel], "x--", color=color, label=f"{v} p99")
             plotted = True
     if plotted:
         ax.set_xscale("log", base=2)
@@ -118,8 +123,14 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
     plt.close(fig)
 
     panels: dict[str, list] = {}
-    for n, name, ms in stage_table(summary):
+    counts: dict[str, list[int]] = {}
+    for n, name, count, ms in stage_table(summary):
         panels.setdefault(name, []).append((n, ms))
+        counts.setdefault(name, []).append(count)
+    # Each panel says how many responses its medians are of (n per N point).
+    panels = {f"{name} (n = {min(counts[name])}"
+              + (f"–{max(counts[name])}" if max(counts[name]) > min(counts[name]) else "")
+              + " per N)": points for name, points in panels.items()}
     if panels:
         stage_lines(panels, files["stages_png"], "median ms per request")
     else:  # nothing profiled: no plot, and none left from an earlier run

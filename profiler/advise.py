@@ -32,7 +32,9 @@ import csv
 import hashlib
 import json
 import math
+import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +55,30 @@ RUN_FILE = "advise.jsonl"
 UNIT_FORMAT = 2  # in the run key: units written by another version are not mixed in
 DENSE_PROBS = "dense_probabilities.npy"
 NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
+# A 1-minute load average above this many runnable processes per core when the advisor starts:
+# other work shares the CPU (a running service, a test run), and the timings will show it.
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def cpu_sharing_warning(load: float | None = None, cores: int | None = None) -> str | None:
+    """The warning to print when other processes keep the CPU busy, or None. ``load``: the
+    1-minute load average (default ``os.getloadavg()``); ``cores``: the cores this process
+    may run on (default: its CPU affinity). Busy means ``load > BUSY_LOAD_PER_CORE × cores``;
+    None where the platform has no load average."""
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except OSError:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if load <= BUSY_LOAD_PER_CORE * cores:
+        return None
+    return (f"warning: other processes share the CPU (1-minute load average {load:.2f} on "
+            f"{cores} cores, above {BUSY_LOAD_PER_CORE:g} per core): latencies will be slower "
+            "and speed-ups noisier than on an otherwise idle machine, and the run longer than "
+            "the README's timings. Stop other heavy work (a running service, a test run, a "
+            "training) for numbers you can compare.")
 
 
 def _load_dense_probs(path: Path) -> np.ndarray:
@@ -305,7 +331,11 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     """Run (or resume) the grid within ``cfg.budget_s`` seconds of work and return the report
     dict (``rows``, ``recommendations``, ``overall``, ``skipped``, ``config``). Units already in
     ``cfg.out/advise.jsonl`` from a run with the same inputs are not run again. Raises
-    ValueError for bad data, a checkpoint that will not load or a foreign ``advise.jsonl``."""
+    ValueError for bad data, a checkpoint that will not load or a foreign ``advise.jsonl``.
+    Warns on stderr first when other processes share the CPU (``cpu_sharing_warning``)."""
+    warning = cpu_sharing_warning()
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     meta = checkpoint_metadata(_resolve(cfg.checkpoint))
     model_cfg = meta["config"]
     data = load_data(cfg, model_cfg["num_classes"], model_cfg["vocab_size"], model_cfg["pad_id"])

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import io
 import json
 
+import httpx
 import numpy as np
 import pytest
 
-from loadtest.engine import LoadConfig, Sample, summarize
+from loadtest import engine
+from loadtest.engine import LoadConfig, Sample, run_load, summarize
 from loadtest.report import markdown, write
+from mita.hooks import VARIANT_COLORS
 
 CFG = LoadConfig(url="http://127.0.0.1:8000", ns=[256], variants=["ab"])
 
@@ -107,5 +112,80 @@ def test_stage_order_and_colours_do_not_depend_on_arrival():
         legends.append([t.get_text() for t in legend.get_texts()])
         lines = {ln.get_label(): to_hex(ln.get_color()) for ln in fig.axes[0].get_lines()}
         assert lines == {**{st: STAGE_COLORS[st] for st in STAGE_ORDER}, "total": "#000000"}
-    assert mds[0] == mds[1] == "| N | variant | " + " | ".join(STAGE_ORDER) + " |"
+    assert mds[0] == mds[1] == "| N | variant | n | " + " | ".join(STAGE_ORDER) + " |"
     assert legends[0] == legends[1] == [*STAGE_ORDER, "total"]
+
+
+def test_stage_figures_say_how_many_responses_they_are_of():
+    """Found by a user: a single profiled response was reported as the "median". Each stage
+    row says n, and rows under MIN_STAGE_SAMPLES are marked as too few to compare."""
+    one = [Sample(1024, "mita", "mita", 200, 0.0, 0.05, {"qkv_proj": 13.7})]
+    many = [Sample(1024, "dense", "dense", 200, 0.1 * i, 0.05, {"qkv_proj": 2.0 + i})
+            for i in range(6)]
+    summary = summarize(one + many, CFG)
+    assert {r["variant"]: r["stages_n"] for r in summary["rows"]} == {
+        "mita": {"mita": 1}, "dense": {"dense": 6}}
+    md = markdown(summary)
+    assert "the median of n responses (n = 1: that one response)" in md
+    assert "| 1024 | dense | 6 | 4.50 |" in md and "| 1024 | mita | 1 (few) | 13.70 |" in md
+
+
+def _latency_png_pixels(tmp_path, variants) -> dict[str, int]:
+    """Pixels of exactly each variant's colour in the latency plot ``write`` draws."""
+    import matplotlib.image
+
+    samples = [Sample(n, v, v, 200, 0.01 * i, 0.01 * (1 + i) * (2 if v == "dense" else 1))
+               for v in variants for n in (256, 1024) for i in range(3)]
+    files = write(summarize(samples, CFG), samples, tmp_path)
+    rgb = (matplotlib.image.imread(files["latency_png"])[..., :3] * 255).round().astype(int)
+    return {v: int((rgb == [int(c[i:i + 2], 16) for i in (1, 3, 5)]).all(axis=-1).sum())
+            for v, c in VARIANT_COLORS.items()}
+
+
+def test_latency_plot_draws_each_variant_in_the_dashboards_colour(tmp_path):
+    """Found by a user: the plot's mita and dense lines were matplotlib's default blue and
+    orange, not the dashboard's (mita.hooks.VARIANT_COLORS, served in /v1/stats)."""
+    count = _latency_png_pixels(tmp_path, ["mita", "dense"])
+    assert count["mita"] > 50 and count["dense"] > 50, count
+
+
+def test_progress_bar_counts_warm_ups_and_every_phase(monkeypatch):
+    """Found by a user: the bar counted timed requests only, so its ETA said "2 s left" before
+    a 100 s phase (its warm-ups not counted). It now counts every request of every phase,
+    warm-ups included, and a phase cut short by --duration-s advances it by what it skipped."""
+    bars = []
+
+    class Bar(engine.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw, file=io.StringIO())
+            self.seen: list[tuple[int, int]] = []  # (n, total) after each update
+            bars.append(self)
+
+        def update(self, k=1):
+            super().update(k)
+            self.seen.append((self.n, self.total))
+
+    def answer(request):
+        return httpx.Response(200, json={"variant": "mita", "profile": {}})
+
+    monkeypatch.setattr(engine, "tqdm", Bar)
+    monkeypatch.setattr(engine.httpx, "AsyncHTTPTransport",
+                        lambda **kw: httpx.MockTransport(answer))
+    cfg = LoadConfig(url="http://127.0.0.1:8000", ns=[16, 32], variants=["mita", "dense"],
+                     concurrency=2, requests=4, warmup=3, sequences_per_n=1)
+    samples = asyncio.run(run_load(cfg))
+    (bar,) = bars
+    assert len(samples) == 4 * 4 and bar.total == 4 * (3 + 4)
+    assert bar.seen[-1] == (28, 28)
+    # After the second phase's warm-ups: the first phase's 3 + 4 and these 3 are done; its 4
+    # timed requests and two whole phases (2 × 7) remain.
+    assert bar.seen[9] == (10, 28)
+
+    # A phase that runs out of time (open loop, 50 requests due over 100 s, 0.5 s allowed)
+    # still ends the bar at its total.
+    bars.clear()
+    short = dataclasses.replace(cfg, ns=[16], variants=["mita"], mode="open", rate=0.5,
+                                requests=50, warmup=1, duration_s=0.5)
+    sent = asyncio.run(run_load(short))
+    (bar,) = bars
+    assert len(sent) < 50 and bar.total == 51 and bar.seen[-1] == (51, 51)
