@@ -61,6 +61,8 @@ README_COMMANDS = {
     "prometheus --config.file=deploy/prometheus/prometheus.yml "
     "--web.listen-address=127.0.0.1:9090 --storage.tsdb.path=runs/prometheus": (
         "run", "until it scrapes the service"),
+    "promtool test rules deploy/prometheus/alerts_test.yml": (
+        "test", "tests/test_alert_rules.py::test_alert_rules_pass_promtool_unit_tests"),
     ".venv/bin/python -m loadtest run --n 1024 4096 16384 --variants mita dense --mode closed "
     "--concurrency 4 --requests 50 --out runs/loadtest": (
         "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
@@ -83,6 +85,10 @@ README_COMMANDS = {
     ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
     "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
     "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
+    "chromium --headless --no-sandbox --hide-scrollbars --window-size=1400,1750 "
+    "--virtual-time-budget=5000 --screenshot=docs/dashboard.png "
+    "'http://127.0.0.1:8000/dashboard?refresh_s=3600'": (
+        "test", "tests/test_dashboard.py::test_readme_screenshot_command_draws_the_data"),
     "PYTHONPATH=. .venv/bin/python benchmarks/gpu_serving.py --smoke": (
         "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
     "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
@@ -272,12 +278,23 @@ def test_readme_walkthrough(tmp_path):
             status = run(".venv/bin/serve status").stdout
             shown = sh(".venv/bin/serve config", env).stdout
             ran.add("serve config")
+            # A bad update through the same CLI (which skips --check): the replicas refuse
+            # it, say so, and keep serving the policy above.
+            gateway["user_config"]["weights"] = {"mita": -0.5, "dense": 1.0}
+            (ROOT / "my.yaml").write_text(yaml.safe_dump(config))
+            sh(".venv/bin/serve deploy my.yaml", env)
+            refused = wait_for(lambda: (lambda m: m if m and m["config_update"]["state"]
+                                        == "refused" else None)(models()), timeout_s=60)
+            still = httpx.post(f"{url}/v1/classify", json={"text": "[MAX 2 9 ]"})
         finally:
             (ROOT / "my.yaml").unlink(missing_ok=True)
         assert after["ab_policy"]["weights"] == {"mita": 0.0, "dense": 1.0}
         assert {v: i["replica"] for v, i in after["variants"].items()} == {
             v: i["replica"] for v, i in before["variants"].items()}  # no restart
         assert "RUNNING" in status and "shadow: true" in shown, (status, shown)
+        assert refused and "weights" in refused["config_update"]["error"], models()
+        assert refused["ab_policy"]["weights"] == {"mita": 0.0, "dense": 1.0}
+        assert still.status_code == 200 and still.json()["variant"] == "dense", still.text
         assert httpx.post(f"{url}/v1/classify", json={"text": "[MAX 2 9 ]"}).json()[
             "variant"] == "dense"  # the new weights route everything to dense
 
