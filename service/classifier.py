@@ -48,13 +48,14 @@ class Classifier:
             "node_id": ray.get_runtime_context().get_node_id()}
         self.deterministic = True
         name = serve.get_replica_context().deployment
-        self.live = LiveConfig(ClassifierConfig, f"deployment {name!r} user_config")
+        self.live = LiveConfig(ClassifierConfig, f"deployment {name!r} user_config",
+                               counted=False)  # classifier replicas export no metrics
 
     def reconfigure(self, config: dict) -> None:
         """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``). A refused
-        live update leaves the replica on its old config (``LiveConfig``: logged, in
-        ``info()["config_update"]``, counted); a new replica's refusal raises, naming the
-        deployment and the fields, and Serve keeps it out of service."""
+        live update leaves the replica on its old config (``LiveConfig``: logged, and in
+        ``info()["config_update"]``, which ``/v1/models`` shows); a new replica's refusal
+        raises, naming the deployment and the fields, and Serve keeps it out of service."""
         if not self.live.update(config):  # refused: the old config keeps serving
             return
         cfg = self.live.value

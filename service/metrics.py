@@ -145,14 +145,13 @@ class ServiceMetrics:
 
 
 def config_updates() -> Counter:
-    """``mita_serve_config_updates_total``: the live ``user_config`` updates a replica
-    applied or refused (``outcome``), recorded by every deployment's replicas (Serve adds the
-    ``deployment`` and ``replica`` tags). A refused update left the replica on its old
-    config."""
+    """``mita_serve_config_updates_total``: the live ``user_config`` updates a gateway replica
+    applied or refused (``outcome``; Serve adds the ``deployment`` and ``replica`` tags). A
+    refused update left the replica on its old config."""
     counter = Counter("mita_serve_config_updates_total",
-                      description="Live user_config updates applied or refused by a replica "
-                                  "(outcome); a refused one leaves the replica on its old "
-                                  "config.",
+                      description="Live user_config updates applied or refused by a gateway "
+                                  "replica (outcome); a refused one leaves the replica on its "
+                                  "old config.",
                       tag_keys=("outcome",))
     for outcome in ("applied", "refused"):  # from start-up, as ServiceMetrics.start_at_zero
         counter._record(0, {"outcome": outcome})

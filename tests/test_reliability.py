@@ -372,16 +372,18 @@ OVERLOAD_REPORT: dict = {}
 
 
 def test_overloaded_shadow_does_not_fail_primary(service):
-    """Primary dense (fast), shadow MiTA limited to one request in flight and one queued:
-    every primary answers 200; each shadow call is either compared or counted as a
-    rejection with role=shadow."""
+    """Primary dense (fast), shadow MiTA limited to one request in flight and one queued, the
+    gateway's shadow cap lifted so that the classifier's back-pressure is what refuses: every
+    primary answers 200; each shadow call is either compared or counted as a rejection with
+    role=shadow."""
     overrides = copy.deepcopy(service.overrides)
     overrides["deployments"]["MiTAClassifier"].update(max_ongoing_requests=1,
                                                        max_queued_requests=1)
     gateway = next(d for d in launch.load_config(launch.CPU_CONFIG).applications[0].deployments
                    if d.name == "Gateway").user_config
     overrides["deployments"]["Gateway"]["user_config"] = {
-        **gateway, "weights": {"mita": 0.0, "dense": 1.0}, "shadow": True}
+        **gateway, "weights": {"mita": 0.0, "dense": 1.0}, "shadow": True,
+        "shadow_max_inflight": 24}
     launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))  # both changes at once
     assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"]["shadow"])
     ids = encode(generate_long(2048, seed=8)[0])

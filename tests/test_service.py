@@ -264,9 +264,15 @@ def test_ab_split_stickiness_and_shadow(service):
     assert {r["variant"] for r in got} == {"dense"}  # explicit override beats stickiness
 
     before = samples(service.metrics_text(), "ray_mita_serve_shadow_comparisons_total")
-    set_gateway(service, weights={"mita": 1.0, "dense": 0.0}, shadow=True)
+    # Room for every shadow call of the burst (the default cap of 2 in flight sheds most of
+    # them: tests/test_shadow_load.py), so each request is compared.
+    set_gateway(service, weights={"mita": 1.0, "dense": 0.0}, shadow=True,
+                shadow_max_inflight=len(EXAMPLES))
     texts = [t for t, _ in EXAMPLES]
-    got = _fire(service, [{"text": t} for t in texts], [{}] * len(texts))
+    try:
+        got = _fire(service, [{"text": t} for t in texts], [{}] * len(texts))
+    finally:
+        set_gateway(service)
     assert all(r["variant"] == "mita" and r["shadow"] == "dense" for r in got)
     models = {v: load_checkpoint(CHECKPOINT, attention=v) for v in ("mita", "dense")}
     agree = 0
@@ -282,7 +288,6 @@ def test_ab_split_stickiness_and_shadow(service):
     delta = wait_for(comparisons)
     assert delta, "shadow comparisons never reached the metrics endpoint"
     assert delta.get((("agree", "true"), ("primary", "mita")), 0) == agree
-    set_gateway(service, shadow=False)
 
 
 def stage_counts(service, stage: str) -> dict[str, float]:
