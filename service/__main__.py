@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> None:
                         "--metrics-*, --node-ip and --dashboard-* are the cluster's own and "
                         "are not used")
     p.add_argument("--check", action="store_true",
-                   help="check the config file and its checkpoints, print the verdict and "
-                        "exit (use it before `serve deploy FILE`, which does not)")
+                   help="run every check a start makes that starts nothing (the file, its "
+                        "user_configs, checkpoints, devices, listening addresses; with "
+                        "--address, that a cluster answers there), print the verdict and exit "
+                        "(use it before `serve deploy FILE`, which does not)")
     a = p.parse_args(argv)
     path = a.config or launch.default_config()
     dashboard = None if a.dashboard_host is None else (a.dashboard_host, a.dashboard_port)

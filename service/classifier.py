@@ -18,7 +18,7 @@ import ray
 from ray import serve
 
 from .engine import ClassifierEngine
-from .live_config import LiveConfig
+from .live_config import LiveConfig, store_key
 from .schemas import ClassifierConfig
 
 
@@ -47,15 +47,16 @@ class Classifier:
             # On a cluster: which node this replica was placed on (hex id, as `ray list nodes`).
             "node_id": ray.get_runtime_context().get_node_id()}
         self.deterministic = True
-        name = serve.get_replica_context().deployment
-        self.live = LiveConfig(ClassifierConfig, f"deployment {name!r} user_config",
+        context = serve.get_replica_context()
+        self.live = LiveConfig(ClassifierConfig, f"deployment {context.deployment!r} user_config",
+                               store_key(context.app_name, context.deployment),
                                counted=False)  # classifier replicas export no metrics
 
     def reconfigure(self, config: dict) -> None:
         """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``). A refused
-        live update leaves the replica on its old config (``LiveConfig``: logged, and in
-        ``info()["config_update"]``, which ``/v1/models`` shows); a new replica's refusal
-        raises, naming the deployment and the fields, and Serve keeps it out of service."""
+        live update leaves the replica on its last applied config (``LiveConfig``: logged, and
+        in ``info()["config_update"]``, which ``/v1/models`` shows); a new replica starts on
+        the deployment's last applied config, or raises when there is none."""
         if not self.live.update(config):  # refused: the old config keeps serving
             return
         cfg = self.live.value

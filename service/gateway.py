@@ -39,7 +39,7 @@ from mita.hooks import STAGE_COLORS, VARIANT_COLORS
 
 from . import replica_state
 from .inputs import ApiError, StrictJSONRoute, Vocabulary, binary_ids, to_ids
-from .live_config import LiveConfig
+from .live_config import LiveConfig, store_key
 from .recorder import Recorder, kl_divergence
 from .schemas import (
     VARIANTS,
@@ -320,14 +320,17 @@ class Gateway:
         self.handles = {"mita": mita, "dense": dense}
         self.vocab = vocab
         self.config = GatewayConfig()
-        self.live = LiveConfig(GatewayConfig, "deployment 'Gateway' user_config")
+        context = serve.get_replica_context()
+        self.live = LiveConfig(GatewayConfig, "deployment 'Gateway' user_config",
+                               store_key(context.app_name, context.deployment))
         self.recorder = Recorder()
         replica_state.gateway = self
         self.rng = random.Random()
-        self._shadow_tasks: set[asyncio.Task] = set()
-        # Calls to each classifier in flight from this replica, by role: shadow work is shed
-        # while it would delay primary requests (_start_shadow).
-        self._inflight = {v: {"primary": 0, "shadow": 0} for v in VARIANTS}
+        # Shadow work is bounded and shed while it would compete with primary work: per
+        # variant, the shadow calls in flight from this replica (at most shadow_max_inflight)
+        # and the primary calls.
+        self._shadow_tasks: dict[str, set[asyncio.Task]] = {v: set() for v in VARIANTS}
+        self._primaries = dict.fromkeys(VARIANTS, 0)
         self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
         self._variant_info_at = -math.inf
         # classifier_replicas as Serve's controller last reported them (_watch); empty until
@@ -338,7 +341,7 @@ class Gateway:
 
     def reconfigure(self, config: dict) -> None:
         """Apply a ``user_config`` (``GatewayConfig``, parsed strictly). A live update that is
-        refused leaves this replica serving with its old config (``LiveConfig``)."""
+        refused leaves this replica serving with its last applied config (``LiveConfig``)."""
         if not self.live.update(config):
             return
         self.config = self.live.value
@@ -430,21 +433,19 @@ class Gateway:
 
     def _start_shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> bool:
         """Run ``shadow`` on ``ids`` in the background and compare it with the primary's
-        answer ``served``, unless shadow work could delay primary requests: ``shadow``
-        already has ``shadow_max_inflight`` shadow calls in flight, or primary calls of its
-        own (the shadow would queue in front of those that follow). A shed shadow is counted
-        (``shadow_dropped_total{reason="busy"}``). Returns whether it was started."""
-        calls = self._inflight[shadow]
-        if calls["shadow"] >= self.config.shadow_max_inflight or calls["primary"] > 0:
+        answer ``served``, unless ``shadow`` already has ``shadow_max_inflight`` shadow calls
+        in flight or primary calls of its own: shed, counted as
+        ``shadow_dropped_total{reason="busy"}``. Returns whether it was started."""
+        running = self._shadow_tasks[shadow]
+        if len(running) >= self.config.shadow_max_inflight or self._primaries[shadow] > 0:
             self.recorder.shadow_dropped(shadow, "busy")
             return False
         task = asyncio.create_task(self._shadow(primary, shadow, ids, served))
-        self._shadow_tasks.add(task)
-        task.add_done_callback(self._shadow_tasks.discard)
+        running.add(task)  # counted at once: several primaries can finish in one loop pass
+        task.add_done_callback(running.discard)
         return True
 
     async def _shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> None:
-        self._inflight[shadow]["shadow"] += 1
         try:
             other = await self._call(shadow, ids)
         except ApiError as e:  # the shadow is best effort; the primary already answered
@@ -453,8 +454,6 @@ class Gateway:
             else:
                 self.recorder.shadow_dropped(shadow, "failed")
             return
-        finally:
-            self._inflight[shadow]["shadow"] -= 1
         self.recorder.shadow(primary, other["label"] == served["label"],
                              kl_divergence(served["probabilities"], other["probabilities"]))
 
@@ -468,7 +467,7 @@ class Gateway:
                                          request.headers.get(self.config.sticky_header),
                                          self.rng)
         request.scope[ROUTED] = True
-        self._inflight[primary]["primary"] += 1
+        self._primaries[primary] += 1
         try:
             result = await self._call(primary, ids, profile == "staged")
         except ApiError as e:
@@ -478,7 +477,7 @@ class Gateway:
                 self.recorder.request(primary, e.status, override=variant is not None)
             raise
         finally:
-            self._inflight[primary]["primary"] -= 1
+            self._primaries[primary] -= 1
         self.recorder.request(primary, 200, len(ids), time.time() - arrived_at,
                               override=variant is not None)
         if shadow is not None and not self._start_shadow(primary, shadow, ids, result):

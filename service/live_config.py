@@ -4,60 +4,119 @@ Serve hands every ``user_config`` change to the replicas' ``reconfigure``, and a
 ``reconfigure`` raises is stopped: one bad ``serve deploy`` would take the running version
 down. So a replica refuses a bad update instead of raising, keeps serving with the config it
 has, and says so: an error in its log, ``config_update`` in its status (``/v1/models``) and,
-for the gateway, ``mita_serve_config_updates_total{outcome="refused"}`` (classifier replicas
-export no metrics: every series comes from the gateway's node). Only a replica with no config
-yet (a new one) raises: it has nothing to keep serving with, and Serve keeps it out of
-service.
+for the gateway, ``mita_serve_config_updates_total{outcome="refused"}`` and the gauge
+``mita_serve_config_refused`` (classifier replicas export no metrics: every series comes from
+the gateway's node).
+
+Serve keeps the refused config as the deployment's target, so every replica that starts
+later (a crash, a scale-up, a lost node) is handed it too. The last applied config of each
+deployment is therefore kept in Ray's cluster-wide key-value store (``store_key``), and such
+a replica starts on it, refusing the bad one the same way. Only a replica with neither (the
+first deploy of a bad config) raises, and Serve keeps it out of service.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from pydantic import BaseModel
 
-from .metrics import config_updates
+from .metrics import config_refused_gauge, config_updates
 from .schemas import validated
 
 log = logging.getLogger("ray.serve")
+GAUGE_REFRESH_S = 5.0  # Ray drops a gauge series that is not set again for a while
+
+
+def store_key(app_name: str, deployment: str) -> bytes:
+    """The key of a deployment's last applied ``user_config`` in Ray's key-value store."""
+    return f"mita-serve/{app_name}/{deployment}/user_config".encode()
 
 
 class LiveConfig:
-    """The current ``schema`` value of one deployment's ``user_config``; ``where`` names the
-    deployment in messages (e.g. ``"deployment 'Gateway' user_config"``); ``counted``: record
-    each update in ``mita_serve_config_updates_total``."""
+    """The current ``schema`` value of one deployment's ``user_config``.
 
-    def __init__(self, schema: type[BaseModel], where: str, counted: bool = True):
-        self.schema, self.where = schema, where
+    ``where`` names the deployment in messages (e.g. ``"deployment 'Gateway' user_config"``);
+    ``key``: where the last applied value is kept (``store_key``; None: not kept, e.g.
+    without Ray); ``counted``: export ``mita_serve_config_updates_total`` and
+    ``mita_serve_config_refused`` (the gateway's)."""
+
+    def __init__(self, schema: type[BaseModel], where: str, key: bytes | None = None,
+                 counted: bool = True):
+        self.schema, self.where, self.key = schema, where, key
         self.value: BaseModel | None = None
         self.applied_at: float | None = None  # Unix seconds of the last applied update
         self.refused: dict | None = None  # the last refusal since then, or None
         self._counter = config_updates() if counted else None
+        if counted:
+            self._gauge = config_refused_gauge()
+            threading.Thread(target=self._keep_gauge, daemon=True,
+                             name="config-refused-gauge").start()
 
     def update(self, raw: dict | None) -> bool:
-        """Parse ``raw`` strictly and make it the current value; True when applied. A refused
-        update of a replica that already has a config returns False and keeps the old one.
-        Raises ValueError (naming ``where`` and each refused field) when the replica has no
-        config yet."""
+        """Parse ``raw`` strictly; True when the current value changed (the caller applies
+        ``value``). A refused update keeps the current value, or, in a replica that has none
+        yet, takes the deployment's last applied one from the store. Raises ValueError
+        (naming ``where`` and each refused field) when there is neither."""
         try:
             new = validated(self.schema, raw, self.where)
         except ValueError as e:
+            changed = False
             if self.value is None:
-                raise
+                self.value = self._stored()
+                if self.value is None:
+                    raise
+                changed = True
             self.refused = {"error": str(e), "at": time.time()}
-            if self._counter is not None:
-                self._counter.inc(1, {"outcome": "refused"})
-            log.error("mita-serve: live update refused, still serving the previous config: %s",
+            self._count("refused")
+            log.error("mita-serve: live update refused, serving the last applied config: %s",
                       e)
-            return False
+            return changed
         self.value, self.applied_at, self.refused = new, time.time(), None
-        if self._counter is not None:
-            self._counter.inc(1, {"outcome": "applied"})
+        self._count("applied")
+        self._store(new)
         return True
 
     def status(self) -> dict:
         """``{"state": "applied" | "refused", "applied_at": Unix s, "error": why, "at": Unix s}``
-        (error and at only when the last update was refused)."""
+        (error and at only when the last update was refused; applied_at None when this replica
+        started on the stored config)."""
         out = {"state": "refused" if self.refused else "applied", "applied_at": self.applied_at}
         return out | (self.refused or {})
+
+    def _count(self, outcome: str) -> None:
+        if self._counter is not None:
+            self._counter.inc(1, {"outcome": outcome})
+            self._gauge.set(float(self.refused is not None))
+
+    def _keep_gauge(self) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            self._gauge.set(float(self.refused is not None))
+
+    def _store(self, value: BaseModel) -> None:
+        if self.key is None:
+            return
+        try:
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(self.key, value.model_dump_json().encode(),
+                                         overwrite=True)
+        except Exception as e:  # the store is a fallback; serving goes on without it
+            log.warning("mita-serve: could not keep the applied config (%s: %s)",
+                        type(e).__name__, e)
+
+    def _stored(self) -> BaseModel | None:
+        if self.key is None:
+            return None
+        try:
+            from ray.experimental import internal_kv
+
+            raw = internal_kv._internal_kv_get(self.key)
+            return None if raw is None else self.schema.model_validate_json(raw)
+        except Exception as e:
+            log.warning("mita-serve: could not read the last applied config (%s: %s)",
+                        type(e).__name__, e)
+            return None

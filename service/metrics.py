@@ -110,11 +110,11 @@ class ServiceMetrics:
             tag_keys=("primary", "agree"))
         self.shadow_dropped = Counter(
             "mita_serve_shadow_dropped_total",
-            description="Shadow calls dropped, so no comparison was recorded: reason=busy "
-                        "when the variant already had shadow_max_inflight shadow calls in "
-                        "flight or was busy with primary requests (shed before the call), "
-                        "failed when the call was made and got no answer (timeout, error). "
-                        "Back-pressure refusals of shadow calls are rejections_total "
+            description="Shadow calls that gave no comparison: reason=busy when shed before "
+                        "the call (the variant had shadow_max_inflight shadow calls or primary "
+                        "calls in flight), failed when the call got no answer (timeout, "
+                        "error). "
+                        "Back-pressure refusals of shadow calls are rejections_total"
                         "{role=shadow}.",
             tag_keys=("variant", "reason"))
         self.shadow_kl = Histogram(
@@ -156,3 +156,11 @@ def config_updates() -> Counter:
     for outcome in ("applied", "refused"):  # from start-up, as ServiceMetrics.start_at_zero
         counter._record(0, {"outcome": outcome})
     return counter
+
+
+def config_refused_gauge() -> Gauge:
+    """``mita_serve_config_refused``: 1 while a gateway replica's last live ``user_config``
+    update was refused (it serves its last applied config), else 0."""
+    return Gauge("mita_serve_config_refused",
+                 description="1 while the gateway replica's last live user_config update was "
+                             "refused (it serves the last applied config), else 0.")

@@ -69,6 +69,8 @@ class Recorder:
     def rejection(self, variant: str, role: str) -> None:
         """A back-pressure refusal of ``variant``'s call; ``role``: primary or shadow."""
         self.metrics.rejections.inc(1, {"variant": variant, "role": role})
+        if role == "shadow":
+            self.window.add_shadow_drop(variant)
 
     def forward(self, variant: str, n: int, profile: dict, replica: str = "") -> None:
         """A request of ``n`` tokens served by a forward of ``variant`` on classifier
@@ -98,9 +100,10 @@ class Recorder:
 
     def shadow_dropped(self, variant: str, reason: str) -> None:
         """A shadow call to ``variant`` that gave no comparison: ``reason`` ``busy`` (shed
-        before the call: it could have delayed primary requests) or ``failed`` (no answer:
-        timeout, error, replica lost). Back-pressure refusals go to ``rejection``."""
+        before the call) or ``failed`` (no answer: timeout, error, replica lost).
+        Back-pressure refusals go to ``rejection``."""
         self.metrics.shadow_dropped.inc(1, {"variant": variant, "reason": reason})
+        self.window.add_shadow_drop(variant)
 
     def _set_gauges(self) -> None:
         now = time.monotonic()

@@ -187,8 +187,9 @@ class GatewayConfig(BaseModel):
     shadow: bool = False
     shadow_max_inflight: int = Field(
         2, ge=1, le=1024, description="shadow calls in flight to one variant at most (per "
-        "gateway replica); more, or any while that variant serves primary requests, are "
-        "dropped and counted, so shadow work never queues in front of primary requests")
+        "gateway replica); more, or any while that variant serves primary requests from this "
+        "replica, are dropped and counted, so a primary request waits behind at most this "
+        "many shadow forwards")
     max_n: int = Field(16384, ge=1, le=1_048_576)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     max_batch_items: int = Field(64, ge=1, le=4096)
@@ -320,6 +321,9 @@ class ShadowStat(BaseModel):
                     "prometheus mode from Ray's histogram sum (bucket midpoints: approximate)")
     kl_p50: float | None = Field(
         description="median of the same KL, nats (prometheus mode: histogram_quantile)")
+    dropped: float = Field(0.0, description="shadow calls that gave no comparison: shed or "
+                           "refused so as not to delay primary requests, or failed "
+                           "(shadow_dropped_total + rejections_total{role=shadow})")
 
 
 class StatsResponse(BaseModel):

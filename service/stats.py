@@ -100,11 +100,11 @@ def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dic
 
 
 def _shadow(agree: float, disagree: float, kl_mean: float | None = None,
-            kl_p50: float | None = None) -> dict:
+            kl_p50: float | None = None, dropped: float = 0.0) -> dict:
     total = agree + disagree
     return {"comparisons": total, "agree": agree, "rate": agree / total if total else None,
             "kl_mean": _finite(kl_mean) if total else None,
-            "kl_p50": _finite(kl_p50) if total else None}
+            "kl_p50": _finite(kl_p50) if total else None, "dropped": dropped}
 
 
 def ab_split(answered: dict, weights: dict, shadow: bool, sticky_header: str) -> dict:
@@ -143,7 +143,7 @@ class StatsWindow:
         self.requests: deque = deque(maxlen=max_records)
         # (t, variant, n_bucket, stage names, stage ms)
         self.forwards: deque = deque(maxlen=max_records)
-        # (t, primary, agree, KL nats)
+        # (t, primary, agree, KL nats); (t, shadow variant, None, None) for a dropped call
         self.shadows: deque = deque(maxlen=max_records)
 
     def add_request(self, variant: str, status: int | str, n: int | None = None,
@@ -159,6 +159,11 @@ class StatsWindow:
     def add_shadow(self, primary: str, agree: bool, kl: float) -> None:
         """A shadow comparison: labels ``agree``, ``kl`` in nats (as the metric's)."""
         self.shadows.append((time.time(), primary, bool(agree), float(kl)))
+
+    def add_shadow_drop(self, variant: str) -> None:
+        """A shadow call to ``variant`` that gave no comparison (shed, refused by
+        back-pressure or failed)."""
+        self.shadows.append((time.time(), variant, None, None))
 
     def _drop_old(self, now: float) -> None:
         for records in (self.requests, self.forwards, self.shadows):
@@ -239,7 +244,7 @@ def summarize(snapshot: tuple) -> dict:
                     timeline_by_n.append(point | {"n_bucket": bucket})
 
     agree = sum(1 for s in shadows if s[2])
-    kl = [s[3] for s in shadows]
+    kl = [s[3] for s in shadows if s[3] is not None]
     return {
         "source": "local", "scope": "replica", "window_s": window_s, "bin_s": bin_s,
         "generated_at": now, "truncated": truncated,
@@ -247,8 +252,8 @@ def summarize(snapshot: tuple) -> dict:
                            for (v, s), c in counts.items()]),
         "latency": _sort(latency_rows), "stages": _sort(stage_rows),
         "ratios": matched_ratios(by_n), "timeline": timeline, "timeline_by_n": timeline_by_n,
-        "shadow": _shadow(agree, len(shadows) - agree, float(np.mean(kl)) if kl else None,
-                          float(np.median(kl)) if kl else None),
+        "shadow": _shadow(agree, len(kl) - agree, float(np.mean(kl)) if kl else None,
+                          float(np.median(kl)) if kl else None, len(shadows) - len(kl)),
         "answered": answered, "min_stage_samples": MIN_STAGE_SAMPLES,
     }
 
@@ -276,6 +281,8 @@ INSTANT = {
     # Ray exports a histogram's _sum as bucket midpoint × count: the mean is approximate.
     "kl_mean": f"sum(increase({KL}_sum[{{w}}])) / sum(increase({KL}_count[{{w}}]))",
     "kl_p50": f"histogram_quantile(0.5, sum by (le) (rate({KL}_bucket[{{w}}])))",
+    "shadow_dropped": "sum(increase(ray_mita_serve_shadow_dropped_total[{w}])) + "
+                      "sum(increase(ray_mita_serve_rejections_total{{role=\"shadow\"}}[{w}]))",
 }
 RANGE = {
     "rps": 'sum by (variant) (rate(ray_mita_serve_requests_total{{status="200"}}[{r}]))',
@@ -357,7 +364,8 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
                **{f"p{p}_ms": _ms(q[p].get((v, b, s))) for p in (50, 95)}}
               for (v, b, s), c in by("stage_count", lab).items() if c and v in VARIANTS]
     shadow = by("shadow", ("agree",))
-    kl_mean, kl_p50 = (by(k, ()).get((), None) for k in ("kl_mean", "kl_p50"))
+    kl_mean, kl_p50, dropped = (by(k, ()).get((), None)
+                                for k in ("kl_mean", "kl_p50", "shadow_dropped"))
 
     series = {k: {(s["metric"].get("variant", ""), s["metric"].get("n_bucket"), float(t)):
                   _value(x) for s in res[k] for t, x in s["values"]} for k in RANGE}
@@ -386,7 +394,7 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
         "requests": _sort(requests), "latency": latency, "stages": _sort(stages),
         "ratios": bucket_ratios(latency), "timeline": timeline, "timeline_by_n": timeline_by_n,
         "shadow": _shadow(shadow.get(("true",)) or 0.0, shadow.get(("false",)) or 0.0,
-                          kl_mean, kl_p50),
+                          kl_mean, kl_p50, dropped or 0.0),
         "answered": {"all": {r["variant"]: r["count"] for r in requests
                              if r["status"] == "200" and r["variant"] in VARIANTS}},
         "min_stage_samples": MIN_STAGE_SAMPLES,

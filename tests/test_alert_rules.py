@@ -89,5 +89,4 @@ def test_error_series_are_on_metrics_before_their_first_event(service):
     wait_for(lambda: not missing(), timeout_s=20)
     assert missing() == set()
     requests, rejections = scrape()
-    assert all(v >= 0 for v in (*requests.values(), *rejections.values()))
     assert requests["none", "503"] == 0

@@ -292,7 +292,8 @@ def test_window_summary_against_numpy():
     assert embed["p95_ms"] == pytest.approx(np.percentile(lat * 10, 95))
     assert [r["stage"] for r in s["stages"]] == ["embed", "topk"]  # forward order
     assert s["shadow"] == {"comparisons": 2, "agree": 1, "rate": 0.5,
-                           "kl_mean": pytest.approx(0.25), "kl_p50": pytest.approx(0.25)}
+                           "kl_mean": pytest.approx(0.25), "kl_p50": pytest.approx(0.25),
+                           "dropped": 0}
     assert s["requests"][-1] == {"variant": "none", "status": "413", "count": 1}
     assert sum(p["requests"] for p in s["timeline"]) == 40 and not s["truncated"]
     assert len(s["timeline"]) in (2 * 60, 2 * 61) and s["bin_s"] == 1
@@ -408,6 +409,8 @@ def counted_window() -> StatsWindow:
             w.add_forward("dense", bucket, {"qkv_proj": 2.0 + 0.1 * i, "attention": 9.0 + i})
     for primary, agree, kl in (("mita", True, 0.01), ("mita", True, 0.02), ("dense", False, 0.5)):
         w.add_shadow(primary, agree, kl)
+    for variant in ("dense", "dense", "mita", "dense"):  # shadow calls that gave no comparison
+        w.add_shadow_drop(variant)
     return w
 
 
@@ -415,10 +418,12 @@ def test_stats_give_stage_counts_shadow_kl_and_the_policy_split():
     """Found by a user: stage figures from 1-2 samples without a count, the shadow KL recorded
     but not shown, and an "observed" split of 63/37 against a configured 80/20 while the
     policy-routed traffic was 80/20: the load test's requests that named their variant were
-    counted as the policy's."""
+    counted as the policy's. Dropped shadow calls are counted apart from the comparisons (they
+    have no KL)."""
     s = counted_window().summary()
     assert s["shadow"] == {"comparisons": 3, "agree": 2, "rate": pytest.approx(2 / 3),
-                           "kl_mean": pytest.approx(0.53 / 3), "kl_p50": pytest.approx(0.02)}
+                           "kl_mean": pytest.approx(0.53 / 3), "kl_p50": pytest.approx(0.02),
+                           "dropped": 4}
     assert s["min_stage_samples"] == MIN_STAGE_SAMPLES == 5
     counts = {(r["variant"], r["n_bucket"], r["stage"]): r["count"] for r in s["stages"]}
     assert counts["mita", "le_1024", "qkv_proj"] == 2 and counts["mita", "le_4096", "qkv_proj"] == 6
@@ -447,10 +452,11 @@ def test_prometheus_stats_give_the_kl_and_say_what_observed_counts():
             "shadow": [{"metric": {"agree": "true"}, "value": [now, "9"]},
                        {"metric": {"agree": "false"}, "value": [now, "1"]}],
             "kl_mean": [{"metric": {}, "value": [now, "0.042"]}],
-            "kl_p50": [{"metric": {}, "value": [now, "0.03"]}]}
+            "kl_p50": [{"metric": {}, "value": [now, "0.03"]}],
+            "shadow_dropped": [{"metric": {}, "value": [now, "7"]}]}
     s = _prometheus_stats(res, now, 300.0, 5.0, [now])
     assert s["shadow"] == {"comparisons": 10, "agree": 9, "rate": 0.9, "kl_mean": 0.042,
-                           "kl_p50": 0.03}
+                           "kl_p50": 0.03, "dropped": 7}
     ab = stats_body(s)["ab"]
     assert (ab["observed"], ab["observed_basis"], ab["overrides"]) == (
         {"mita": 0.75, "dense": 0.25}, "all_answered", None)
@@ -663,6 +669,7 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
         observed = browser.find_element("id", "ab-observed").text
         overrides = browser.find_element("id", "ab-overrides").text
         kl = browser.find_element("id", "shadow-kl").text
+        dropped = browser.find_element("id", "shadow-dropped").text
         # Prometheus mode: the split of all answered requests, said so; no overrides line.
         prom = browser.execute_script(
             "renderAB({...arguments[0], observed_basis: 'all_answered', overrides: null});"
@@ -682,6 +689,7 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
         "le_4096": []}
     assert observed == "observed, policy-routed: mita 75.0 % · dense 25.0 % (8 requests)"
     assert overrides == "overrides (variant named, not in the split): mita 0 · dense 5"
+    assert dropped.startswith("4 shadow calls dropped"), dropped
     assert kl == "KL(primary ‖ shadow): mean 0.177 · p50 0.02 nats"
     assert prom == ["observed, all answered (overrides included: Prometheus does not record "
                     "routing): mita 75.0 % · dense 25.0 % (8 requests)", None]

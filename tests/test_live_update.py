@@ -85,6 +85,8 @@ def test_refused_live_update_keeps_the_running_version(service):
                 text0, "ray_mita_serve_config_updates_total", outcome="refused",
                 deployment="Gateway") or None
         assert wait_for(counted, timeout_s=20) == 1, service.metrics_text()[-3000:]
+        assert wait_for(lambda: counter(service.metrics_text(), "ray_mita_serve_config_"
+                                        "refused", deployment="Gateway") == 1, timeout_s=20)
     finally:
         set_gateway(service)  # a good deploy applies again
         restore(service)
@@ -92,6 +94,8 @@ def test_refused_live_update_keeps_the_running_version(service):
     assert models["config_update"]["state"] == "applied"
     assert models["variants"]["mita"]["config_update"]["state"] == "applied"
     assert models["ab_policy"]["weights"] == shipped_user_config("Gateway")["weights"]
+    assert wait_for(lambda: counter(service.metrics_text(), "ray_mita_serve_config_refused",
+                                    deployment="Gateway") == 0, timeout_s=20)
 
 
 def test_every_check_holds_under_a_route_prefix(service):
@@ -133,36 +137,43 @@ def test_every_check_holds_under_a_route_prefix(service):
         restore(service)
 
 
-def test_a_variant_that_cannot_start_gets_503_with_retry_after(service):
-    """A classifier whose new replicas cannot start (a bad user_config together with a change
-    that restarts them, so no replica has an old config to keep): its requests get 503 +
-    Retry-After, never a 500 or a wait until the timeout; the other variant and the gateway
-    keep answering, and a good deploy brings it back."""
+def test_replicas_started_after_a_refused_update_serve_the_last_applied_config(service):
+    """Serve keeps a refused user_config as its target, so replicas that start later (here: a
+    change of actor options restarts the Gateway and the MiTA classifier with it) are handed
+    the bad config and have no old one in memory; they start on the last applied config
+    (kept in Ray's key-value store) and report the refusal, instead of failing to start (a
+    Gateway that cannot start is the whole service down)."""
     c = service.client
-    mita_bad = shipped_user_config("MiTAClassifier") | {"max_batch_size": 0}
+    set_gateway(service, weights={"mita": 0.0, "dense": 1.0})
+    replicas = {v: i["replica"] for v, i in c.get("/v1/models").json()["variants"].items()}
+    bad = {"Gateway": shipped_user_config("Gateway") | {"weights": {"mita": -0.5}},
+           "MiTAClassifier": shipped_user_config("MiTAClassifier") | {"max_batch_size": 0}}
     try:
         raw = launch.load_config(launch.CPU_CONFIG, service.overrides).model_dump(
             exclude_unset=True)
         for dep in raw["applications"][0]["deployments"]:
-            if dep["name"] == "MiTAClassifier":  # new actor options: new replicas
-                dep["user_config"] = mita_bad
+            if dep["name"] in bad:  # new actor options: new replicas
+                dep["user_config"] = bad[dep["name"]]
                 dep["ray_actor_options"] = {"num_cpus": 0.0001}
-        serve_api_deploy = launch.serve_api.serve_start().deploy_apps
-        serve_api_deploy(ServeDeploySchema.model_validate(raw), _blocking=False)
+        launch.deploy(ServeDeploySchema.model_validate(raw))
 
-        def refused_503():
-            r = c.post("/v1/classify", json={"text": "[MAX 2 9 ]", "variant": "mita"})
-            return r if r.status_code == 503 else None
-        r = wait_for(refused_503, timeout_s=90, interval_s=1.0)
-        assert r is not None, "the MiTA variant kept answering"
-        assert r.headers["retry-after"] == "1" and "mita" in r.json()["error"], r.text
-        statuses = {c.post("/v1/classify", json={"text": "[MAX 2 9 ]", "variant": "mita"})
-                    .status_code for _ in range(5)}
-        assert statuses <= {503}, statuses  # never a 500 while it cannot start
-        dense = c.post("/v1/classify", json={"text": "[MAX 2 9 ]", "variant": "dense"})
-        assert dense.status_code == 200 and c.get("/healthz").status_code == 200
+        def restarted():
+            r = c.get("/v1/models")
+            m = r.json() if r.status_code == 200 else None
+            return m if m and m["variants"]["mita"]["replica"] != replicas["mita"] else None
+        models = wait_for(restarted, timeout_s=120, interval_s=1.0)
+        assert models, c.get("/v1/models").text
+        assert models["config_update"]["state"] == "refused" and "weights" in models[
+            "config_update"]["error"], models["config_update"]
+        assert models["config_update"]["applied_at"] is None  # started on the stored config
+        assert models["ab_policy"]["weights"] == {"mita": 0.0, "dense": 1.0}
+        mita = models["variants"]["mita"]
+        assert mita["config_update"]["state"] == "refused", mita["config_update"]
+        assert mita["config_update"]["applied_at"] is None
+        answers = [c.post("/v1/classify", json={"text": "[MAX 2 9 ]"}) for _ in range(4)]
+        assert [(r.status_code, r.json()["variant"]) for r in answers] == [(200, "dense")] * 4
+        r = c.post("/v1/classify", json={"text": "[MAX 2 9 ]", "variant": "mita"})
+        assert r.status_code == 200, r.text
     finally:
+        set_gateway(service)
         restore(service)
-    assert wait_for(lambda: c.post("/v1/classify", json={"text": "[MAX 2 9 ]",
-                                                         "variant": "mita"}).status_code == 200,
-                    timeout_s=120)

@@ -519,15 +519,18 @@ def test_non_finite_logits_answer_500_and_count_as_errors(service, tmp_path):
             "variants"]["dense"]["model_id"], timeout_s=90)
 
 
-def own_instance(tmp_path, *args: str) -> tuple[subprocess.Popen, int, int]:
+def own_instance(tmp_path, *args: str, route_prefix: str = "/"
+                 ) -> tuple[subprocess.Popen, int, int]:
     """``python -m service`` on the shipped CPU config with the tests' fixed replicas, on free
     loopback ports, as a subprocess with its own Ray; ``args``: more flags (default: no Ray
-    dashboard). Returns (process, HTTP port, metrics port)."""
+    dashboard); ``route_prefix``: the application's. Returns (process, HTTP port, metrics
+    port)."""
     from .conftest import TEST_OVERRIDES, free_port
 
     http_port, metrics_port = free_port(), free_port()
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
+    config["applications"][0]["route_prefix"] = route_prefix
     for dep in config["applications"][0]["deployments"]:
         for key, value in TEST_OVERRIDES["deployments"][dep["name"]].items():
             if key != "user_config":
@@ -569,11 +572,12 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     answered 200 (on main all failed after 0.2 s with "Server disconnected"), a request sent
     during the drain gets 503 with Retry-After, /healthz stays 200 and /readyz says not ready,
     and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
-    instance, loopback ports."""
+    instance, loopback ports, and the application under a route prefix (the drain counted 0
+    requests in flight there and cut them)."""
     import signal
 
-    proc, http_port, _ = own_instance(tmp_path)
-    url = f"http://127.0.0.1:{http_port}"
+    proc, http_port, _ = own_instance(tmp_path, route_prefix="/m2")
+    url = f"http://127.0.0.1:{http_port}/m2"
     try:
         def up():
             try:

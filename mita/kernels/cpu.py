@@ -18,6 +18,7 @@ that blocks or breaks the next one.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -25,6 +26,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -53,15 +55,27 @@ def cache_root() -> Path:
 
 def cache_key(source: Path = _SOURCE) -> str:
     """16 hex digits of a SHA-256 over what the compiled kernels depend on: the source's bytes
-    (not its path), torch's version (headers, ABI), the compiler and its flags, the CPU
+    (not its path), torch's version (headers, ABI), the compiler, its version and flags, the CPU
     capability torch dispatches to, the Python ABI and the machine. Two checkouts or
     environments share a build exactly when all of these agree."""
     digest = hashlib.sha256(source.read_bytes())
-    for part in (torch.__version__, os.environ.get("CXX", "c++"), *_flags(), "ld", *_LDFLAGS,
+    for part in (torch.__version__, _compiler(), *_flags(), "ld", *_LDFLAGS,
                  torch.backends.cpu.get_cpu_capability(), sysconfig.get_config_var("EXT_SUFFIX"),
                  platform.machine()):
         digest.update(b"\0" + str(part).encode())
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _compiler() -> str:
+    """The C++ compiler torch's build uses (``$CXX``, else ``c++``) and the first line of its
+    ``--version`` ("" when it does not run: the build then fails and says so)."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return f"{cxx} {(done.stdout.splitlines() or [''])[0]}"
+    except (OSError, subprocess.SubprocessError):
+        return cxx
 
 
 def build_dir() -> Path:

@@ -135,17 +135,20 @@ function fmtKl(x) {
 }
 
 function renderShadow(shadow) {
+  const dropped = html("div", { class: "note", id: "shadow-dropped" },
+    `${fmtCount(shadow.dropped || 0)} shadow calls dropped (shed or refused so as not ` +
+    "to delay primary requests, or failed)");
   if (!shadow.comparisons) {
     return replace("shadow", html("div", { class: "big" }, "–"),
       html("div", { class: "note" }, "no shadow comparisons in the window " +
-        "(enable shadow: true in the gateway's user_config)"));
+        "(enable shadow: true in the gateway's user_config)"), dropped);
   }
   replace("shadow", html("div", { class: "big", id: "shadow-rate" },
     `${(100 * shadow.rate).toFixed(1)} %`),
   html("div", { class: "note" }, `${fmtCount(shadow.agree)} of ` +
     `${fmtCount(shadow.comparisons)} labels agree`),
   html("div", { class: "note", id: "shadow-kl" }, `KL(primary ‖ shadow): mean ` +
-    `${fmtKl(shadow.kl_mean)} · p50 ${fmtKl(shadow.kl_p50)} nats`));
+    `${fmtKl(shadow.kl_mean)} · p50 ${fmtKl(shadow.kl_p50)} nats`), dropped);
 }
 
 function renderRequests(requests, latency) {
