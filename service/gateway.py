@@ -172,11 +172,11 @@ def route_path(request: Request) -> str:
     return path
 
 
-def query_refusal(request: Request) -> tuple[int, str] | None:
-    """(422, why) when a checked endpoint (``QUERY_PARAMS``) gets a query parameter it does not
-    take, or one parameter more than once (which copy wins is ambiguous: refused, as duplicate
-    JSON keys are); else None."""
-    known = QUERY_PARAMS.get((request.method, route_path(request)))  # else routing: 404/405
+def query_refusal(request: Request, path: str) -> tuple[int, str] | None:
+    """(422, why) when a checked endpoint (``QUERY_PARAMS``; ``path``: ``route_path``) gets a
+    query parameter it does not take, or one parameter more than once (which copy wins is
+    ambiguous: refused, as duplicate JSON keys are); else None."""
+    known = QUERY_PARAMS.get((request.method, path))  # else routing: 404/405
     if known is None:
         return None
     params = request.query_params
@@ -203,22 +203,22 @@ async def check_body(request: Request, call_next):
     this middleware, routing (404/405), parsing, validation or the endpoint's own checks.
     Requests that were routed were recorded with their variant where they were routed."""
     request.scope[ARRIVED] = time.time()
-    response = await _answer(request, call_next)
+    path = route_path(request)
+    response = await _answer(request, call_next, path)
     gateway = replica_state.gateway
-    if (gateway is not None and route_path(request) in CLASSIFY_PATHS
+    if (gateway is not None and path in CLASSIFY_PATHS
             and not request.scope.get(ROUTED)):
         gateway.recorder.request("none", response.status_code)
     return response
 
 
-async def _answer(request: Request, call_next):
-    path = route_path(request)
+async def _answer(request: Request, call_next, path: str):
     if replica_state.draining and path != "/healthz":
         # shutting down: in-flight requests finish, new ones go elsewhere (liveness stays ok)
         retry = replica_state.gateway.config.retry_after_s if replica_state.gateway else 1
         return _error(503, "the service is shutting down; retry on another instance",
                       headers={"Retry-After": str(retry)})
-    refusal = query_refusal(request)
+    refusal = query_refusal(request, path)
     if refusal is not None:
         return _error(*refusal)
     if request.method == "POST" and path in CLASSIFY_PATHS:

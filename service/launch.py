@@ -465,11 +465,12 @@ def preflight(config: ServeDeploySchema, *, address: str | None = None,
     verify_checkpoints(config)
     if address is not None:  # the cluster's ports and GPUs, not this machine's
         return warnings
-    check_addresses(config, metrics_port, node_ip, dashboard)
-    busy = busy_ports(config, metrics_port, node_ip, dashboard)
-    if busy and not check_only:
-        raise OSError(busy[0])
-    warnings += [f"{line} (fine if it is the running instance's)" for line in busy]
+    if check_only:
+        check_addresses(config, metrics_port, node_ip, dashboard)
+        warnings += [f"{line} (fine if it is the running instance's)"
+                     for line in busy_ports(config, metrics_port, node_ip, dashboard)]
+    else:
+        check_ports_free(config, metrics_port, node_ip, dashboard)
     needed = gpus_needed(replica_gpus(config))
     if needed > local_gpu_count():
         warnings.append(f"the config's minimum replicas need {needed} GPU(s), this machine "

@@ -23,11 +23,10 @@ import time
 
 from pydantic import BaseModel
 
-from .metrics import config_refused_gauge, config_updates
+from .metrics import GAUGE_REFRESH_S, config_refused_gauge, config_updates
 from .schemas import validated
 
 log = logging.getLogger("ray.serve")
-GAUGE_REFRESH_S = 5.0  # Ray drops a gauge series that is not set again for a while
 
 
 def store_key(app_name: str, deployment: str) -> bytes:

@@ -46,6 +46,9 @@ def _one_two_five(lo_exp: int, hi: float) -> list[float]:
 # sub-millisecond GPU stages, and no duration the service allows (its request timeouts are
 # capped there) lands in +Inf, where histogram_quantile cannot place it.
 DURATION_BUCKETS_S = _one_two_five(-5, MAX_REQUEST_TIMEOUT_S)
+# Ray drops a gauge series that is not set again for a while (~20 s): the service's gauges
+# are set again this often.
+GAUGE_REFRESH_S = 5.0
 # KL in nats has no upper bound; past 100 nats the two answers are simply different.
 KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
 

@@ -14,10 +14,9 @@ import math
 import threading
 import time
 
-from .metrics import ServiceMetrics, n_bucket
+from .metrics import GAUGE_REFRESH_S, ServiceMetrics, n_bucket
 from .stats import StatsWindow
 
-GAUGE_REFRESH_S = 5.0
 PEAK_MEMORY_TTL_S = 60.0  # a replica's peak is dropped when it has not answered for this long
 
 
