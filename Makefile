@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast lint
+.PHONY: serve test test-fast lint mutate
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,30 @@ test: lint
 # built (the first run builds them, ~1 min).
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
+
+# Mutation testing (README, "Mutation testing"), not part of `make test`: mutmut changes one
+# thing at a time in the functions below, the code that computes what users read, and runs the
+# fast tier against each change. Left out: network and process code (the load tester's sender,
+# the advisor's and sweep's model runs, the Prometheus client), which the fast tier does not run.
+MUTATE_SCOPE := \
+	'loadtest.engine.x_summarize*' 'loadtest.engine.x_check_loopback*' 'loadtest.report.*' \
+	'profiler.quality.*' 'profiler.timer.*' \
+	'profiler.advise.x_compare*' 'profiler.advise.xǁConstraintǁ*' \
+	'profiler.advise.x_parse_setting*' 'profiler.advise.x_default_grid*' \
+	'profiler.advise.x_sequence_of_length*' 'profiler.advise.x_report*' \
+	'profiler.advise.x__eligible*' 'profiler.advise.x__recommend*' 'profiler.advise.x__overall*' \
+	'profiler.advise.x_serve_snippet*' 'profiler.advise.x_markdown*' \
+	'profiler.advise.x_cpu_sharing_warning*' 'profiler.advise.x_write_outputs*' \
+	'profiler.sweep.x_landmarks_for*' 'profiler.sweep.x_attention_ms*' 'profiler.sweep.x_speedups*' \
+	'profiler.sweep.x_markdown*' 'profiler.sweep.x_write_outputs*' \
+	'service.recorder.xǁRecorderǁ[!_]*' 'service.recorder.xǁRecorderǁ_set_gauges*' \
+	'service.stats.x_[!_gp]*' 'service.stats.x__[!g]*' 'service.stats.xǁStatsWindowǁ*' \
+	'service.policy.*' 'service.config_file.*' 'service.inputs.*' 'service.schemas.*' \
+	'service.metrics.x_n_bucket*' 'service.metrics.x__one_two_five*'
+
+mutate: $(STAMP)
+	$(BIN)/mutmut run $(MUTATE_SCOPE) > /dev/null
+	$(BIN)/mutmut results --all true | awk -F': ' '$$2 != "not checked" {n[$$2]++; t++} \
+		$$2 == "survived" {print "survived:", $$1} \
+		END {k = n["killed"] + n["timeout"]; printf "mutation score: %d of %d killed (%.1f %%)\n", \
+		k, t, 100 * k / t}'

@@ -49,8 +49,9 @@ from mita.data.tsv import read_lra_listops, read_text_tsv
 from mita.hooks import stage_sorted
 from mita.model import checkpoint_metadata
 
+from .quality import kl_divergence
+
 FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
-KL_FLOOR = 1e-12  # probabilities clamped here, so a zero in MiTA's keeps KL finite
 RUN_FILE = "advise.jsonl"
 UNIT_FORMAT = 2  # in the run key: units written by another version are not mixed in
 DENSE_PROBS = "dense_probabilities.npy"
@@ -149,15 +150,13 @@ class Constraint:
 def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dict:
     """Quality of ``probs`` against the dense ``reference`` (both ``(n, classes)`` float64
     probabilities) and the true ``labels`` ``(n,)``: accuracy, agreement of the argmax labels,
-    mean KL(reference ‖ probs) in nats (probabilities clamped at ``KL_FLOOR``), and
+    mean KL(reference ‖ probs) in nats (``profiler.quality.kl_divergence``), and
     ``drop_se_points``: the standard error of dense's accuracy minus this one, in points, for
     paired outcomes on the same sequences (√(b + c − (b − c)²/n) / n, b and c the sequences
     only one of the two gets right). Identical inputs give agreement 1.0, KL exactly 0 and
     SE 0."""
     pred, ref = probs.argmax(1), reference.argmax(1)
-    p = np.clip(reference, KL_FLOOR, None)
-    q = np.clip(probs, KL_FLOOR, None)
-    kl = np.where(reference > 0, reference * (np.log(p) - np.log(q)), 0.0).sum(1)
+    kl = kl_divergence(reference, probs)
     right, ref_right = pred == labels, ref == labels
     b, c, n = int((ref_right & ~right).sum()), int((right & ~ref_right).sum()), len(labels)
     return {"accuracy": float(right.mean()), "agreement": float((pred == ref).mean()),

@@ -15,7 +15,6 @@ middleware, whichever layer refused it; a routed one is recorded by ``_classify`
 
 
 import asyncio
-import hashlib
 import json
 import math
 import random
@@ -40,7 +39,8 @@ from mita.hooks import STAGE_COLORS, VARIANT_COLORS
 from . import replica_state
 from .inputs import ApiError, StrictJSONRoute, Vocabulary, binary_ids, to_ids
 from .live_config import LiveConfig, store_key
-from .recorder import Recorder, kl_divergence
+from .policy import choose_variant, shadow_comparison
+from .recorder import Recorder
 from .schemas import (
     VARIANTS,
     BatchRequest,
@@ -91,32 +91,6 @@ async def fetch_classifier_replicas(timeout_s: float) -> dict[str, dict]:
         return _get_global_client().get_serve_details()
     details = await asyncio.wait_for(asyncio.to_thread(ask), timeout_s)
     return classifier_replicas(details, serve.get_replica_context().app_name)
-
-
-def sticky_unit(key: str) -> float:
-    """A client key hashed (SHA-256) to a number in [0, 1): the same key, the same variant."""
-    return int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:16], 16) / 2.0**64
-
-
-def choose_variant(cfg: GatewayConfig, override: str | None, client_key: str | None,
-                   rng: random.Random) -> tuple[str, str | None]:
-    """(primary, shadow). An explicit ``override`` wins; otherwise the variant is drawn by
-    ``cfg.weights`` — from the hashed client key when one is sent (sticky), else at random.
-    In shadow mode the other variant is the shadow."""
-    if override is not None:
-        primary = override
-    else:
-        total = sum(cfg.weights.values())
-        u = sticky_unit(client_key) if client_key else rng.random()
-        live = [v for v in VARIANTS if cfg.weights.get(v, 0) > 0]
-        primary, acc = live[-1], 0.0
-        for v in live:
-            acc += cfg.weights[v] / total
-            if u < acc:
-                primary = v
-                break
-    shadow = next(v for v in VARIANTS if v != primary) if cfg.shadow else None
-    return primary, shadow
 
 
 class ServiceAPI(FastAPI):
@@ -454,8 +428,7 @@ class Gateway:
             else:
                 self.recorder.shadow_dropped(shadow, "failed")
             return
-        self.recorder.shadow(primary, other["label"] == served["label"],
-                             kl_divergence(served["probabilities"], other["probabilities"]))
+        self.recorder.shadow(primary, *shadow_comparison(primary, served, other))
 
     async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool | str,
                         request: Request) -> dict:

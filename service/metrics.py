@@ -122,7 +122,8 @@ class ServiceMetrics:
             tag_keys=("variant", "reason"))
         self.shadow_kl = Histogram(
             "mita_serve_shadow_kl_divergence",
-            description="KL(primary || shadow) of the class probabilities, in nats.",
+            description="KL(dense || MiTA) of the class probabilities of a shadow comparison, "
+                        "in nats, whichever variant is primary.",
             boundaries=KL_BUCKETS, tag_keys=("primary",))
         self.start_at_zero()
 

@@ -10,7 +10,6 @@ exporter to scrape however many nodes the classifier replicas run on.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
@@ -18,13 +17,6 @@ from .metrics import GAUGE_REFRESH_S, ServiceMetrics, n_bucket
 from .stats import StatsWindow
 
 PEAK_MEMORY_TTL_S = 60.0  # a replica's peak is dropped when it has not answered for this long
-
-
-def kl_divergence(p: list[float], q: list[float]) -> float:
-    """KL(p || q) in nats; probabilities clamped at 1e-12 so a zero in q stays finite.
-    Raises ValueError when p and q differ in length."""
-    return float(sum(pi * math.log(max(pi, 1e-12) / max(qi, 1e-12))
-                     for pi, qi in zip(p, q, strict=True) if pi > 0))
 
 
 class Recorder:
@@ -40,7 +32,7 @@ class Recorder:
       time, the request's tokens, the forward's FLOPs divided by the requests it served, and
       the forward's peak memory, per classifier replica. A forward whose answer never came
       (504 timeout, replica death) is not seen.
-    - ``shadow``: a shadow comparison (label agreement, KL(primary ‖ shadow) in nats).
+    - ``shadow``: a shadow comparison (label agreement, KL(dense ‖ MiTA) in nats).
     """
 
     def __init__(self, window: StatsWindow | None = None):
@@ -92,7 +84,8 @@ class Recorder:
             self._set_gauges()
 
     def shadow(self, primary: str, agree: bool, kl: float) -> None:
-        """A shadow comparison: labels ``agree``, ``kl`` = KL(primary ‖ shadow) in nats."""
+        """A shadow comparison of ``primary``'s answer: labels ``agree``, ``kl`` =
+        KL(dense ‖ MiTA) in nats (``profiler.quality.kl_divergence``), whichever is primary."""
         self.metrics.shadow_comparisons.inc(1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(kl, {"primary": primary})
         self.window.add_shadow(primary, agree, kl)

@@ -317,7 +317,8 @@ class ShadowStat(BaseModel):
     agree: float
     rate: float | None = Field(description="agree / comparisons; null without comparisons")
     kl_mean: float | None = Field(
-        description="mean KL(primary ‖ shadow) of the class probabilities, nats; in "
+        description="mean KL(dense ‖ MiTA) of the class probabilities, nats, whichever "
+                    "variant is primary; in "
                     "prometheus mode from Ray's histogram sum (bucket midpoints: approximate)")
     kl_p50: float | None = Field(
         description="median of the same KL, nats (prometheus mode: histogram_quantile)")

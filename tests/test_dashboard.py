@@ -115,10 +115,24 @@ def by_labels(rows: dict[tuple, float], **fixed) -> dict[tuple, float]:
 def test_stats_match_metrics_endpoint(service):
     """A known set of requests (both variants, two N buckets, shadow on, two refusals):
     /v1/stats over exactly that window equals the metrics endpoint's increases."""
-    set_gateway(service, shadow=True)
     long_text, _ = generate_long(2048, seed=11)
     plan = ([(t, "mita") for t, _ in EXAMPLES[:4]] + [(t, "dense") for t, _ in EXAMPLES[4:7]]
             + [(long_text, "mita"), (long_text, "dense")])
+    # Each text's answer from each variant, asked before the window (shadow off): the KL
+    # every comparison should record is KL(dense ‖ MiTA) of these, whichever was primary.
+    probs = {(t, v): service.post("/v1/classify", json={"text": t, "variant": v}
+                                  ).json()["probabilities"]
+             for t, _ in plan for v in ("mita", "dense")}
+    want_kl = [sum(d * math.log(d / m) for d, m in zip(probs[t, "dense"], probs[t, "mita"],
+                                                         strict=True) if d > 0)
+               for t, _ in plan]
+    # the two directions differ on these texts (means 0.27 % apart on the shipped checkpoint),
+    # by more than 10× the 1e-4 tolerance below, so a swapped KL cannot pass for this one
+    back_kl = [sum(m * math.log(m / d) for d, m in zip(probs[t, "dense"], probs[t, "mita"],
+                                                         strict=True) if m > 0)
+               for t, _ in plan]
+    assert abs(sum(back_kl) - sum(want_kl)) > 1e-3 * sum(want_kl), (want_kl, back_kl)
+    set_gateway(service, shadow=True)
     try:
         before = settled(service)
         t0 = time.time()
@@ -212,6 +226,18 @@ def test_stats_match_metrics_endpoint(service):
     for k, v in delta(before, after, "ray_mita_serve_shadow_kl_divergence_bucket", True).items():
         hist[float(dict(k)["le"])] = hist.get(float(dict(k)["le"]), 0.0) + v
     assert hist[math.inf] == len(plan)
+    # The KL itself: /v1/stats' mean and median are of exactly these values (1e-4 relative:
+    # a shadow forward may share a padded batch with the next primary, which moves the
+    # probabilities in their last float32 bits), and each comparison is in the bucket of
+    # the metric its value falls in, per primary.
+    assert stats["shadow"]["kl_mean"] == pytest.approx(float(np.mean(want_kl)), rel=1e-4)
+    assert stats["shadow"]["kl_p50"] == pytest.approx(float(np.median(want_kl)), rel=1e-4)
+    for primary in ("mita", "dense"):
+        mine = [kl for kl, (_, v) in zip(want_kl, plan, strict=True) if v == primary]
+        got = {float(dict(k)["le"]): v for k, v in by_labels(
+            delta(before, after, "ray_mita_serve_shadow_kl_divergence_bucket", True),
+            primary=primary).items()}
+        assert got == {e: sum(kl <= e for kl in mine) for e in got}, (primary, mine, got)
     lo, hi = sum_bounds(hist)
     assert lo / len(plan) <= stats["shadow"]["kl_mean"] <= hi / len(plan), (stats, hist)
     lo, hi = quantile_bounds(hist, 0.5)
@@ -690,7 +716,7 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
     assert observed == "observed, policy-routed: mita 75.0 % · dense 25.0 % (8 requests)"
     assert overrides == "overrides (variant named, not in the split): mita 0 · dense 5"
     assert dropped.startswith("4 shadow calls dropped"), dropped
-    assert kl == "KL(primary ‖ shadow): mean 0.177 · p50 0.02 nats"
+    assert kl == "KL(dense ‖ MiTA): mean 0.177 · p50 0.02 nats"
     assert prom == ["observed, all answered (overrides included: Prometheus does not record "
                     "routing): mita 75.0 % · dense 25.0 % (8 requests)", None]
     errors = [e for e in logs if e["level"] == "SEVERE"]

@@ -17,10 +17,7 @@ from mita.data.listops import encode, generate_long
 from mita.hooks import MITA_STAGES
 from mita.model import load_checkpoint
 from service import launch
-from service.gateway import choose_variant, sticky_unit
 from service.metrics import DURATION_BUCKETS_S, n_bucket
-from service.recorder import kl_divergence
-from service.schemas import GatewayConfig
 
 from .conftest import CHECKPOINT, set_classifier, set_gateway, wait_for
 from .helpers import EXAMPLES
@@ -348,25 +345,6 @@ def test_metrics_counts_match_requests(service):
                 for v in sent}
     wait_for(lambda: flops_delta() == pytest.approx(flops, rel=1e-9) or None, 10)
     assert flops_delta() == pytest.approx(flops, rel=1e-9)
-
-
-def test_policy_helpers():
-    cfg = GatewayConfig(weights={"mita": 0.25, "dense": 0.75})
-    import random
-    rng = random.Random(0)
-    picks = [choose_variant(cfg, None, None, rng)[0] for _ in range(4000)]
-    assert abs(picks.count("mita") / 4000 - 0.25) < 0.03
-    assert choose_variant(cfg, "mita", "k", rng) == ("mita", None)
-    assert choose_variant(cfg.model_copy(update={"shadow": True}), "dense", None, rng) == (
-        "dense", "mita")
-    assert 0 <= sticky_unit("abc") < 1 and sticky_unit("abc") == sticky_unit("abc")
-    assert kl_divergence([0.5, 0.5], [0.5, 0.5]) == 0
-    assert kl_divergence([1.0, 0.0], [0.5, 0.5]) == pytest.approx(math.log(2))
-    assert n_bucket(1) == "le_1024" and n_bucket(1025) == "le_4096"
-    assert n_bucket(5_000_000) == "le_1048576"
-    assert DURATION_BUCKETS_S[0] == 1e-5 and DURATION_BUCKETS_S[-1] == 300.0
-    with pytest.raises(ValueError):
-        GatewayConfig(weights={"mita": 0, "dense": 0})
 
 
 def test_overload_gets_503_with_retry_after(service):

@@ -147,7 +147,7 @@ function renderShadow(shadow) {
     `${(100 * shadow.rate).toFixed(1)} %`),
   html("div", { class: "note" }, `${fmtCount(shadow.agree)} of ` +
     `${fmtCount(shadow.comparisons)} labels agree`),
-  html("div", { class: "note", id: "shadow-kl" }, `KL(primary ‖ shadow): mean ` +
+  html("div", { class: "note", id: "shadow-kl" }, `KL(dense ‖ MiTA): mean ` +
     `${fmtKl(shadow.kl_mean)} · p50 ${fmtKl(shadow.kl_p50)} nats`), dropped);
 }
 
