@@ -18,14 +18,15 @@ def kl_divergence(reference, probs) -> np.ndarray | float:
 
     ``reference`` and ``probs``: class probabilities, array-likes of one shape
     ``(..., classes)`` (a list of floats for one answer, ``(n, classes)`` for many).
-    Both are clamped at ``KL_FLOOR`` inside the log; classes where the reference is 0
-    add 0 (the limit p log p → 0). Returns a float for one distribution, else a float64
-    array of shape ``(...)``. Raises ValueError when the shapes differ.
+    Both are clamped at ``KL_FLOOR`` inside the log, so classes where the reference is 0
+    add 0 (the limit p log p → 0) and a 0 in ``probs`` stays finite. Returns a float for
+    one distribution, else a float64 array of shape ``(...)``. Raises ValueError when the
+    shapes differ.
     """
     p = np.asarray(reference, dtype=np.float64)
     q = np.asarray(probs, dtype=np.float64)
     if p.shape != q.shape:
         raise ValueError(f"reference and probs differ in shape: {p.shape} vs {q.shape}")
-    terms = p * (np.log(np.clip(p, KL_FLOOR, None)) - np.log(np.clip(q, KL_FLOOR, None)))
-    kl = np.where(p > 0, terms, 0.0).sum(-1)
+    # p clamped too: a class where the reference is 0 then adds 0 · (finite) = 0, not 0 · −∞
+    kl = (p * (np.log(np.clip(p, KL_FLOOR, None)) - np.log(np.clip(q, KL_FLOOR, None)))).sum(-1)
     return float(kl) if kl.ndim == 0 else kl

@@ -46,6 +46,9 @@ def test_a_zero_weight_never_serves_and_shadow_is_the_other_variant():
     assert choose_variant(only_dense, None, None, FixedDraw(0.0)) == ("dense", "mita")
     only_mita = GatewayConfig(weights={"mita": 2.0, "dense": 0.0})
     assert choose_variant(only_mita, None, None, FixedDraw(0.9999)) == ("mita", None)
+    # a variant left out of the weights has weight 0
+    only_named = GatewayConfig(weights={"dense": 2.0})
+    assert choose_variant(only_named, None, None, FixedDraw(0.0)) == ("dense", None)
     with pytest.raises(ValueError):
         GatewayConfig(weights={"mita": 0, "dense": 0})
 
@@ -78,8 +81,11 @@ def test_kl_on_hand_examples():
     # a zero where the reference is not: clamped at KL_FLOOR, finite (1 · ln(1 / 1e-12))
     assert kl_divergence([1.0, 0.0], [0.0, 1.0]) == pytest.approx(-math.log(KL_FLOOR),
                                                                    rel=1e-12)
-    rows = kl_divergence([DENSE, MITA], [MITA, DENSE])
-    assert rows.shape == (2,)
+    assert type(kl_divergence(DENSE, MITA)) is float
+    # float32 answers are compared in float64 (the docstring's promise)
+    rows = kl_divergence(np.float32([DENSE, MITA]), np.float32([MITA, DENSE]))
+    assert rows.shape == (2,) and rows.dtype == np.float64
+    # 5e-8: the 7 digits above, and float32(0.9) is 0.9 to 2.4e-8
     assert rows == pytest.approx([KL_DENSE_MITA, KL_MITA_DENSE], abs=5e-8)
     with pytest.raises(ValueError, match="shape"):
         kl_divergence([0.5, 0.5], [0.2, 0.3, 0.5])
