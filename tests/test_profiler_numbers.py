@@ -1,0 +1,789 @@
+"""Every number the profiler shows a user, pinned on hand-made inputs: the stage timer (both
+branches; CUDA on fake events), the advisor's quality measures, constraint, recommendation,
+table and files, and the sweep's speed-ups, table and files.
+
+Expected values are worked out by hand (in the comments) or by an independent formula. Inputs
+are binary fractions wherever a value is printed or compared exactly, so float equality is
+exact; the one tolerance is named where it is used.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import types
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+from profiler import advise, sweep, timer
+from profiler.timer import StageRecord, StageTimer
+
+# Float sums whose order differs from the hand formula's: only the last bits may differ.
+REL = 1e-12
+
+
+# --- stage timer: CUDA branch on fake events -------------------------------------------------
+
+
+class FakeCuda:
+    """``torch.cuda``'s timing API on a clock the test sets (``ms``), as the real one behaves:
+    ``Event(enable_timing=True)``; ``record()`` takes the time now; an event is complete once
+    it, or an event recorded after it on the stream, was synchronized; ``a.elapsed_time(b)``
+    is the ms from a's record to b's, raising when either is not recorded, not timing, or not
+    complete. Peak memory per device, reset calls recorded."""
+
+    def __init__(self, peaks: dict[int, int]):
+        self.ms, self.seq, self.done = 0.0, 0, 0
+        self.made, self.syncs, self.resets = 0, 0, []
+        self.peaks = peaks
+        self.current = 0
+
+    def patch(self, monkeypatch):
+        monkeypatch.setattr(timer, "_FREE_EVENTS", {})
+        monkeypatch.setattr(torch.cuda, "Event", self.event)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.resets.append)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                            lambda device: self.peaks[self.index(device)])
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        return self
+
+    def index(self, device) -> int:
+        """A device's index; "cuda" alone is the current device, as torch.cuda reads it."""
+        index = torch.device(device).index
+        return self.current if index is None else index
+
+    def event(self, enable_timing: bool = False):
+        self.made += 1
+        return FakeEvent(self, enable_timing)
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda, enable_timing: bool):
+        self.cuda, self.timing, self.at, self.seq = cuda, enable_timing, None, None
+
+    def record(self, stream=None):
+        self.cuda.seq += 1
+        self.at, self.seq = self.cuda.ms, self.cuda.seq
+
+    def synchronize(self):
+        self.cuda.syncs += 1
+        self.cuda.done = max(self.cuda.done, self.seq)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
+        if self.at is None or end.at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        if max(self.seq, end.seq) > self.cuda.done:
+            raise RuntimeError("device not ready")
+        return end.at - self.at
+
+
+def timed(t: StageTimer, clock, name: str, start: float, end: float):
+    """One stage of ``t`` from ``start`` to ``end`` on ``clock`` (FakeCuda: ms; else ns)."""
+    clock.ms = start
+    with t.stage(name):
+        clock.ms = end
+
+
+def forward_at_known_times(t: StageTimer, clock):
+    """A forward from 10.0 to 20.0: embed, block 1 then block 0 (out of order: the layer list
+    is by index), attention twice in block 1 (summed), head."""
+    clock.ms = 10.0
+    with t.forward():
+        timed(t, clock, "embed", 10.5, 11.0)  # 0.5
+        with t.layer(1):
+            timed(t, clock, "qkv_proj", 11.25, 12.0)  # 0.75
+            timed(t, clock, "attention", 12.0, 14.0)  # 2.0
+            timed(t, clock, "attention", 14.0, 14.25)  # 0.25
+        with t.layer(0):
+            timed(t, clock, "qkv_proj", 14.5, 15.0)  # 0.5
+            timed(t, clock, "attention", 15.0, 18.0)  # 3.0
+            timed(t, clock, "gather", 18.0, 18.0)  # 0.0
+        timed(t, clock, "head", 18.5, 19.0)  # 0.5
+        clock.ms = 20.0
+
+
+EXPECTED_RECORDS = [StageRecord("embed", None, 0.5), StageRecord("qkv_proj", 1, 0.75),
+                    StageRecord("attention", 1, 2.0), StageRecord("attention", 1, 0.25),
+                    StageRecord("qkv_proj", 0, 0.5), StageRecord("attention", 0, 3.0),
+                    StageRecord("gather", 0, 0.0), StageRecord("head", None, 0.5)]
+
+
+def test_cuda_branch_times_every_stage_layer_and_peak_memory(monkeypatch):
+    cuda = FakeCuda({0: 123_456_789}).patch(monkeypatch)
+    t = StageTimer("cuda:0")
+    forward_at_known_times(t, cuda)
+    assert cuda.resets == [torch.device("cuda:0")]  # the peak window is this forward
+    # attention: 2.0 + 0.25 + 3.0 = 5.25 ms → 21e6 FLOPs / 5.25e-3 s = 4 GFLOP/s; embed has
+    # no FLOPs, gather no time, pool was not run: no rate for them.
+    prof = t.result(flops={"attention": 21_000_000, "embed": 0, "gather": 7, "pool": 5},
+                    activation_bytes=5)
+    assert cuda.syncs == 1  # one synchronisation, on the last event
+    assert prof.records == EXPECTED_RECORDS
+    assert prof.total_ms == 10.0
+    assert list(prof.stages_ms.items()) == [("embed", 0.5), ("qkv_proj", 1.25),
+                                            ("attention", 5.25), ("gather", 0.0),
+                                            ("head", 0.5)]
+    assert prof.layers_ms == [{"qkv_proj": 0.5, "attention": 3.0, "gather": 0.0},
+                              {"qkv_proj": 0.75, "attention": 2.25}]
+    assert prof.gflops_per_s == {"attention": 4.0}
+    # Measured on CUDA: the analytic estimate passed in is not what is reported.
+    assert (prof.peak_memory_bytes, prof.peak_memory_kind) == (123_456_789, "cuda_max_allocated")
+    assert prof.as_dict() == {
+        "device": "cuda:0", "total_ms": 10.0, "stages_ms": prof.stages_ms,
+        "layers_ms": prof.layers_ms,
+        "flops": {"attention": 21_000_000, "embed": 0, "gather": 7, "pool": 5},
+        "gflops_per_s": {"attention": 4.0}, "peak_memory_bytes": 123_456_789,
+        "peak_memory_kind": "cuda_max_allocated"}
+    # 8 stages + the forward, two events each: all made once, then free for reuse.
+    assert cuda.made == 18 and len(timer._FREE_EVENTS[0]) == 18
+    # Resolved once: asking again neither synchronises nor frees the events twice.
+    assert t.result().records == EXPECTED_RECORDS
+    assert cuda.syncs == 1 and len(timer._FREE_EVENTS[0]) == 18
+
+
+def test_cuda_events_are_recycled_per_device_without_mixing_timers(monkeypatch):
+    cuda = FakeCuda({0: 1000, 3: 3000}).patch(monkeypatch)
+    first = StageTimer("cuda:0")
+    forward_at_known_times(first, cuda)
+    first.result()
+    # Two timers open at once on device 0, interleaved: both take recycled events, none new.
+    a, b = StageTimer(torch.device("cuda:0")), StageTimer("cuda:0")
+    cuda.ms = 100.0
+    with a.forward():
+        cuda.ms = 101.0
+        with b.forward():
+            timed(a, cuda, "ffn", 102.0, 104.0)
+            timed(b, cuda, "ffn", 104.0, 104.5)
+            cuda.ms = 105.0
+        cuda.ms = 108.0
+    assert cuda.made == 18 and len(timer._FREE_EVENTS[0]) == 18 - 8
+    pa, pb = a.result(), b.result()
+    assert (pa.records, pa.total_ms) == ([StageRecord("ffn", None, 2.0)], 8.0)
+    assert (pb.records, pb.total_ms) == ([StageRecord("ffn", None, 0.5)], 4.0)
+    assert len(timer._FREE_EVENTS[0]) == 18
+    # The first timer's numbers stay its own after its events were recorded again.
+    assert first.result().records == EXPECTED_RECORDS and first.result().total_ms == 10.0
+    # "cuda" alone is the current device (3 here): its own free list, its own events, its peak.
+    cuda.current = 3
+    other = StageTimer("cuda")
+    cuda.ms = 0.0
+    with other.forward():
+        cuda.ms = 1.5
+    assert cuda.made == 20 and sorted(timer._FREE_EVENTS) == [0, 3]
+    prof = other.result()
+    assert (prof.total_ms, prof.peak_memory_bytes, prof.device) == (1.5, 3000, "cuda")
+    assert len(timer._FREE_EVENTS[3]) == 2 and len(timer._FREE_EVENTS[0]) == 18
+    # An explicit index is that device, whichever is current.
+    with StageTimer("cuda:1").forward():
+        pass
+    assert sorted(timer._FREE_EVENTS) == [0, 1, 3]
+
+
+def test_cuda_free_list_stops_growing_at_its_cap(monkeypatch):
+    cuda = FakeCuda({0: 0}).patch(monkeypatch)
+    monkeypatch.setattr(timer, "_MAX_FREE_EVENTS", 4)
+    a, b = StageTimer("cuda:0"), StageTimer("cuda:0")
+    for t in (a, b):  # both record before either resolves: 8 new events
+        with t.forward():
+            timed(t, cuda, "ffn", 1.0, 2.0)
+    a.result()
+    assert len(timer._FREE_EVENTS[0]) == 4  # 0 < 4: a's four are kept
+    b.result()
+    assert len(timer._FREE_EVENTS[0]) == 4  # full (4 is not < 4): b's are dropped
+
+
+def test_cpu_branch_reads_the_host_clock_in_ns(monkeypatch):
+    monkeypatch.setattr(timer, "_FREE_EVENTS", {})
+    clock = types.SimpleNamespace(ms=0)  # here the "clock" holds ns
+    monkeypatch.setattr(timer, "time", types.SimpleNamespace(perf_counter_ns=lambda: clock.ms))
+    t = StageTimer()  # the default: the CPU
+    with pytest.raises(RuntimeError, match=r"^no forward recorded: wrap the model call in "
+                                           r"timer\.forward\(\)$"):
+        t.result()
+    clock.ms = 1_000_000_000
+    with t.forward():
+        with t.layer(2):
+            with t.layer(5):
+                timed(t, clock, "ffn", 1_001_000_000, 1_003_500_000)  # 2.5 ms
+            timed(t, clock, "ffn", 1_004_000_000, 1_004_250_000)  # block 2 again: 0.25 ms
+        timed(t, clock, "head", 1_005_000_000, 1_005_125_000)  # 0.125 ms
+        clock.ms = 1_006_000_000
+    prof = t.result(activation_bytes=4096)
+    assert prof.records == [StageRecord("ffn", 5, 2.5), StageRecord("ffn", 2, 0.25),
+                            StageRecord("head", None, 0.125)]
+    assert prof.total_ms == 6.0 and prof.device == "cpu"
+    assert prof.layers_ms == [{"ffn": 0.25}, {"ffn": 2.5}]
+    assert (prof.peak_memory_bytes, prof.peak_memory_kind) == (4096,
+                                                               "analytic_activation_estimate")
+    assert (t.result().peak_memory_bytes, t.result().peak_memory_kind) == (None, None)
+    assert timer._FREE_EVENTS == {-1: []}  # CPU: a key no CUDA index takes, never filled
+
+
+# --- advisor: quality measures, constraint, setting grid --------------------------------------
+
+
+def test_compare_paired_standard_error_by_hand():
+    """Five sequences, three classes. Dense right on 0, 1, 2; this one on 0, 3: b = 2 (only
+    dense right: 1, 2), c = 1 (only this: 3). SE = 100·√(b + c − (b − c)²/n)/n
+    = 100·√(3 − 1/5)/5 = √1120 points."""
+    q, h = 0.25, 0.5
+    ref = np.array([[h, q, q], [q, h, q], [q, q, h], [q, h, q], [h, q, q]])
+    probs = np.array([[h, q, q], [q, q, h], [q, h, q], [h, 0.375, 0.125], [h, q, q]])
+    labels = np.array([0, 1, 2, 0, 1])
+    got = advise.compare(ref, probs, labels)
+    assert got["accuracy"] == 0.4 and got["agreement"] == 0.4  # rows 0, 3 right; 0, 4 agree
+    # KL(ref ‖ probs): rows 1 and 2 ½ ln 2 − ¼ ln 2 = ¼ ln 2 each; row 3
+    # −¼ ln 2 + ½ ln(4/3) + ¼ ln 2 = ½ ln(4/3) (the reverse KL would be ⅜ ln 1.5); mean over 5.
+    assert got["kl"] == pytest.approx((0.5 * math.log(2) + 0.5 * math.log(4 / 3)) / 5, rel=REL)
+    assert got["drop_se_points"] == pytest.approx(math.sqrt(1120), rel=REL)
+    # Independently: the SE of the mean of d = dense right − this right, population variance.
+    d = np.array([0, 1, 1, -1, 0])
+    assert got["drop_se_points"] == pytest.approx(100 * d.std() / math.sqrt(5), rel=REL)
+
+
+def test_compare_standard_error_is_zero_when_nothing_varies():
+    ref = np.array([[0.75, 0.25], [0.75, 0.25]])
+    # Dense right on both, this on neither: b = n = 2, c = 0: 2 − 4/2 = 0.
+    got = advise.compare(ref, ref[:, ::-1].copy(), np.array([0, 0]))
+    assert (got["accuracy"], got["agreement"], got["drop_se_points"]) == (0.0, 0.0, 0.0)
+    # Rows with different argmax classes (a flat argmax over all rows would not give them).
+    two = np.array([[0.75, 0.25], [0.125, 0.875]])
+    same = advise.compare(two, two, np.array([0, 1]))
+    assert same == {"accuracy": 1.0, "agreement": 1.0, "kl": 0.0, "drop_se_points": 0.0}
+
+
+def test_compare_standard_error_when_only_this_one_is_right():
+    # Dense wrong on both, this right on row 0: b = 0, c = 1, n = 2: 100·√(1 − 1/2)/2 = 25√2.
+    ref = np.array([[0.25, 0.75], [0.25, 0.75]])
+    got = advise.compare(ref, np.array([[0.75, 0.25], [0.25, 0.75]]), np.array([0, 0]))
+    assert (got["accuracy"], got["agreement"]) == (0.5, 0.5)
+    assert got["drop_se_points"] == pytest.approx(25 * math.sqrt(2), rel=REL)
+
+
+def test_constraints_met_exactly_at_their_value():
+    dense = {"accuracy": 0.75}
+    agree = advise.Constraint("agreement", 0.75)
+    assert agree.met({"agreement": 0.75, "accuracy": 0.0}, dense)  # at the value: met
+    assert not agree.met({"agreement": 0.74, "accuracy": 0.75}, dense)
+    # Drop 100·(0.75 − 0.5) = 25 points, exactly the value: met; a better accuracy too.
+    drop = advise.Constraint("accuracy_drop", 25.0)
+    assert drop.met({"accuracy": 0.5, "agreement": 0.0}, dense)
+    assert drop.met({"accuracy": 0.875, "agreement": 0.0}, dense)
+    assert not drop.met({"accuracy": 0.4921875, "agreement": 1.0}, dense)  # 25.78 points
+    assert not advise.Constraint("accuracy_drop", 24.9).met({"accuracy": 0.5}, dense)
+    assert agree.describe() == "agreement with dense ≥ 75.0 %"
+    assert advise.Constraint("agreement", 0.995).describe() == "agreement with dense ≥ 99.5 %"
+    assert drop.describe() == "accuracy drop ≤ 25 points"
+    assert advise.Constraint("accuracy_drop", 0.5).describe() == "accuracy drop ≤ 0.5 points"
+
+
+def test_parse_setting_bounds():
+    assert advise.parse_setting("32x16") == advise.Setting(32, 16, 1, "paper")
+    assert advise.parse_setting("4x1x4", "official") == advise.Setting(4, 1, 4, "official")
+    assert advise.parse_setting("1x1x1") == advise.Setting(1, 1, 1, "paper")
+    for bad in ("4x4x5", "0x4", "4x0", "4x4x0"):
+        with pytest.raises(ValueError) as e:
+            advise.parse_setting(bad)
+        assert str(e.value) == f"setting {bad!r}: m, k, s must be ≥ 1 and s ≤ m"
+    for bad in ("32", " 4x4", "4x4x", "4x4x4x4", "axb"):
+        with pytest.raises(ValueError) as e:
+            advise.parse_setting(bad)
+        assert str(e.value) == f"setting {bad!r} is not MxK or MxKxS (e.g. 32x32 or 32x32x2)"
+
+
+def test_default_grid_adds_each_ns_fig5_side_and_skips_s_above_m():
+    # Fig. 5: N = 4 → √1 = 1 → m = k = 1 (no s = 2); N = 2^20 → √2^18 = 512.
+    grid = advise.default_grid([4, 1 << 20, 1024], ["paper", "official"])
+    sides = [1, 8, 16, 32, 64, 512]  # 1024 → 16, already a fixed side
+    expected = [advise.Setting(x, x, s, scale) for scale in ("paper", "official")
+                for x in sides for s in (1, 2) if (x, s) != (1, 2)]
+    assert grid == expected and len(grid) == 2 * 11
+
+
+def test_sequence_of_length_repeats_and_cuts():
+    data = [([1, 2, 3], 0), ([4, 5], 1)]
+    got = advise.sequence_of_length(data, 5)
+    assert got.dtype == np.int64 and got.tolist() == [1, 2, 3, 4, 5]
+    assert advise.sequence_of_length(data, 11).tolist() == [1, 2, 3, 4, 5] * 2 + [1]
+    assert advise.sequence_of_length(data, 3).tolist() == [1, 2, 3]
+    assert advise.sequence_of_length(data, 0).tolist() == []
+
+
+def test_cpu_sharing_warning_at_and_above_the_threshold(monkeypatch):
+    assert advise.cpu_sharing_warning(1.0, 2) is None  # exactly 0.5 per core: not busy
+    assert advise.cpu_sharing_warning(1.25, 2) == (
+        "warning: other processes share the CPU (1-minute load average 1.25 on 2 cores, above "
+        "0.5 per core): latencies will be slower and speed-ups noisier than on an otherwise "
+        "idle machine, and the run longer than the README's timings. Stop other heavy work (a "
+        "running service, a test run, a training) for numbers you can compare.")
+    # Defaults: the load average and this process's cores (affinity, else cpu_count, else 1).
+    monkeypatch.setattr(advise.os, "getloadavg", lambda: (2.0, 9.0, 9.0))
+    monkeypatch.setattr(advise.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert advise.cpu_sharing_warning() is None  # 2.0 = 0.5 × 4
+    monkeypatch.setattr(advise.os, "getloadavg", lambda: (2.5, 0.0, 0.0))
+    assert "average 2.50 on 4 cores" in advise.cpu_sharing_warning()
+    monkeypatch.delattr(advise.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(advise.os, "cpu_count", lambda: 8)
+    assert advise.cpu_sharing_warning() is None  # 2.5 ≤ 0.5 × 8
+    monkeypatch.setattr(advise.os, "cpu_count", lambda: None)
+    assert "average 2.50 on 1 cores" in advise.cpu_sharing_warning()
+
+    def no_load():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(advise.os, "getloadavg", no_load)
+    assert advise.cpu_sharing_warning() is None
+    assert advise.cpu_sharing_warning(5.0, 1) is not None  # a given load needs no platform
+
+
+# --- advisor: report, recommendation, table, files --------------------------------------------
+
+M8 = advise.Setting(8, 8, 1, "paper")
+M16 = advise.Setting(16, 16, 2, "official")
+
+
+def lat(p50, lo, hi, dense_p50=None, peak=None):
+    """One finished latency unit (``advise._latency``'s fields)."""
+    out = {"p50_ms": p50, "min_ms": lo, "max_ms": hi, "stages_ms": {"attention": p50 / 2},
+           "peak_memory_bytes": peak, "peak_memory_kind": "analytic_activation_estimate"}
+    return out | ({} if dense_p50 is None else {"dense_p50_ms": dense_p50})
+
+
+def quality(acc, agree, kl, se):
+    return {"accuracy": acc, "agreement": agree, "kl": kl, "drop_se_points": se}
+
+
+def small_cfg(constraint, ns=(512, 2048), grid=(M8, M16)):
+    return advise.AdviseConfig(checkpoint="ckpt/x", ns=list(ns), grid=list(grid),
+                               constraint=constraint, size=40, min_length=100, max_length=300,
+                               dtype="float32", mita_backend="torch", repeats=3)
+
+
+def small_report():
+    """Dense 75 %; m8 drops 12.5 points (refused), m16 exactly 3.125 (met, the constraint's
+    value) and was not timed at N = 2048 (skipped). Dense's 2048 timings are noisy (50 > 1.5 ×
+    30); m8's at 2048 are at the limit (6 = 1.5 × 4: not noisy)."""
+    done = {("quality", "dense"): quality(0.75, 1.0, 0.0, 0.0),
+            ("latency", "dense", 512): lat(8.0, 7.5, 8.5, peak=1 << 20),
+            ("latency", "dense", 2048): lat(32.0, 30.0, 50.0, peak=1 << 22),
+            ("quality", M8.name): quality(0.625, 0.875, 0.125, 5.0),
+            ("latency", M8.name, 512): lat(2.0, 2.0, 2.0, 8.0),
+            ("latency", M8.name, 2048): lat(4.0, 4.0, 6.0, 32.0),
+            ("quality", M16.name): quality(0.71875, 0.90625, 0.0625, 2.5),
+            ("latency", M16.name, 512): lat(5.0, 5.0, 5.0, 8.0, peak=7)}
+    cfg = small_cfg(advise.Constraint("accuracy_drop", 3.125))
+    return advise.report(cfg, done, [("latency", M16.name, 2048)], 36)
+
+
+def test_report_rows_retention_and_speedups():
+    rep = small_report()
+    dense, m8, m16 = rep["rows"]
+    assert dense == {"setting": "dense", "m": None, "k": None, "s": None, "shared_scale": None,
+                     "accuracy": 0.75, "agreement": 1.0, "kl": 0.0, "drop_se_points": 0.0,
+                     "retention": 1.0, "accuracy_drop_points": 0.0,
+                     "latency": {512: lat(8.0, 7.5, 8.5, peak=1 << 20),
+                                 2048: lat(32.0, 30.0, 50.0, peak=1 << 22)}}
+    # retention = 0.625 / 0.75 = 5/6; drop 100 · (0.75 − 0.625) = 12.5 points.
+    assert (m8["setting"], m8["m"], m8["k"], m8["s"], m8["shared_scale"]) == (
+        "m8 k8 s1 paper", 8, 8, 1, "paper")
+    assert m8["retention"] == pytest.approx(5 / 6, rel=REL)
+    assert m8["accuracy_drop_points"] == 12.5
+    assert m8["latency"][512] == lat(2.0, 2.0, 2.0, 8.0) | {"speedup": 4.0}
+    assert m8["latency"][2048]["speedup"] == 8.0  # 32 / 4
+    assert m16["retention"] == pytest.approx(0.71875 / 0.75, rel=REL)  # 23/24
+    assert m16["accuracy_drop_points"] == 3.125
+    assert m16["latency"] == {512: lat(5.0, 5.0, 5.0, 8.0, peak=7) | {"speedup": 1.6}}
+    assert rep["noisy"] == [["dense", 2048]]
+    assert rep["skipped"] == [["latency", "m16 k16 s2 official", 2048]]
+    assert rep["constraint"] == "accuracy drop ≤ 3.125 points"
+    c = rep["config"]
+    assert (c["sequences"], c["ns"], c["grid"], c["constraint"], c["out"]) == (
+        36, [512, 2048], ["m8 k8 s1 paper", "m16 k16 s2 official"],
+        "accuracy drop ≤ 3.125 points", "runs/advise")
+    # Without n_data the configured size is reported; without dense quality, no retention.
+    done = {("quality", M8.name): quality(0.5, 0.5, 0.0, 0.0)}
+    rep = advise.report(small_cfg(advise.Constraint("agreement", 0.5), grid=[M8]), done, [])
+    assert rep["config"]["sequences"] == 40
+    assert "retention" not in rep["rows"][1] and "accuracy_drop_points" not in rep["rows"][1]
+    assert "accuracy" not in rep["rows"][0] and rep["rows"][0]["latency"] == {}
+    assert rep["recommendations"][0]["answer"] == (
+        "no setting meets agreement with dense ≥ 50.0 % at N = 512 (no setting finished)")
+
+
+def test_recommendation_fields_and_answers():
+    rec512, rec2048 = small_report()["recommendations"]
+    assert rec512 == {"n": 512, "setting": "m16 k16 s2 official", "p50_ms": 5.0,
+                      "dense_p50_ms": 8.0, "speedup": 1.6, "accuracy": 0.71875,
+                      "agreement": 0.90625, "kl": 0.0625, "accuracy_drop_points": 3.125,
+                      "retention": pytest.approx(23 / 24, rel=REL),
+                      "answer": "N = 512: m16 k16 s2 official — 1.60× dense's speed (5.0 ms vs "
+                                "8.0 ms, timed side by side), agreement 90.6 %, accuracy "
+                                "71.9 % (dense 75.0 %, retention 95.8 %)"}
+    assert rec2048 == {"n": 2048, "setting": None,
+                       "answer": "no setting meets accuracy drop ≤ 3.125 points at N = 2048 "
+                                 "(1 setting(s) meet it but none was timed at N = 2048 within "
+                                 "the budget)"}
+
+
+def test_recommendation_when_none_beats_or_none_meets():
+    a, b, c = (advise.Setting(x, x) for x in (4, 8, 16))
+    cfg = small_cfg(advise.Constraint("agreement", 0.75), ns=[256], grid=[a, b, c])
+    done = {("quality", "dense"): quality(0.5, 1.0, 0.0, 0.0),
+            ("quality", a.name): quality(0.5, 0.875, 0.0, 0.0),
+            ("latency", a.name, 256): lat(4.0, 4.0, 4.0, 4.0),  # exactly dense's speed
+            ("quality", b.name): quality(0.5, 0.75, 0.0, 0.0),  # exactly at the constraint
+            ("latency", b.name, 256): lat(5.0, 5.0, 5.0, 4.0),  # 0.8×
+            ("quality", c.name): quality(0.375, 0.5, 0.0, 0.0),  # refused, but 4× dense
+            ("latency", c.name, 256): lat(1.0, 1.0, 1.0, 4.0)}
+    rep = advise.report(cfg, done, [])
+    # A speed-up of exactly 1 does not beat dense; the fastest meeting setting is named.
+    assert rep["recommendations"] == [{"n": 256, "setting": None, "answer": (
+        "N = 256: dense is faster — MiTA does not pay off here (the fastest setting meeting "
+        "agreement with dense ≥ 75.0 %, m4 k4 s1 paper, runs at 1.00× dense's speed)")}]
+    assert rep["overall"] == {"setting": None, "answer": "no setting meets agreement with "
+                                                         "dense ≥ 75.0 % and beats dense at "
+                                                         "every N in [256]"}
+    # Nothing meets 90 %: the best agreement (a's 87.5 %, the first setting row) is quoted.
+    cfg.constraint = advise.Constraint("agreement", 0.9)
+    rep = advise.report(cfg, done, [])
+    assert rep["recommendations"][0]["answer"] == (
+        "no setting meets agreement with dense ≥ 90.0 % at N = 256 (best agreement 87.5 %, "
+        "accuracy drop 0.0 points (m4 k4 s1 paper))")
+    # No setting measured at all: nothing to quote.
+    rep = advise.report(cfg, {("quality", "dense"): done[("quality", "dense")]}, [])
+    assert rep["recommendations"][0]["answer"] == (
+        "no setting meets agreement with dense ≥ 90.0 % at N = 256 (no setting finished)")
+
+
+def test_dense_right_on_nothing_and_a_setting_timed_alone():
+    """Dense 0 % accurate: retention undefined ('-'), no division by zero. A latency without
+    dense timed beside it has no speed-up: not recommended, not in the overall choice."""
+    cfg = small_cfg(advise.Constraint("accuracy_drop", 50.0), ns=[64, 128], grid=[M8, M16])
+    done = {("quality", "dense"): quality(0.0, 1.0, 0.0, 0.0),
+            ("quality", M8.name): quality(0.25, 0.5, 0.0, 0.0),
+            ("latency", M8.name, 64): lat(1.0, 1.0, 1.0, 2.0),
+            ("latency", M8.name, 128): lat(1.0, 1.0, 1.0),
+            ("latency", M16.name, 64): lat(3.0, 3.0, 3.0, 6.0)}
+    rep = advise.report(cfg, done, [])
+    assert rep["rows"][1]["retention"] is None and rep["rows"][0]["retention"] is None
+    assert rep["rows"][1]["latency"][128] == lat(1.0, 1.0, 1.0)  # no speed-up key
+    assert rep["recommendations"][0]["answer"] == (
+        "N = 64: m8 k8 s1 paper — 2.00× dense's speed (1.0 ms vs 2.0 ms, timed side by side), "
+        "agreement 50.0 %, accuracy 25.0 % (dense 0.0 %, retention -)")
+    assert rep["recommendations"][1]["answer"] == (
+        "no setting meets accuracy drop ≤ 50 points at N = 128 (1 setting(s) meet it but none "
+        "was timed at N = 128 within the budget)")
+    assert rep["overall"]["setting"] is None
+    table = advise.markdown(rep).split("\n")[4:7]
+    assert table == [
+        "| dense | - | - | - | - | 0.0 % | - | 100.0 % | 0.0000 | - | - | - |",
+        "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | -25.0 ± 0.0 | 50.0 % | 0.0000 | - | "
+        "1.0 (2.00×) | 1.0 |",
+        # m16 was timed but its quality never finished: five '-' for the quality columns.
+        "| m16 k16 s2 official | 16 | 16 | 2 | official | - | - | - | - | - | 3.0 (2.00×) | - |"]
+    # A speed-up on dense's own row (a hand-edited report) is still not shown for dense.
+    rep["rows"][0]["latency"][64] = lat(2.0, 2.0, 2.0, 2.0) | {"speedup": 1.0}
+    assert "| 0.0 % | - | 100.0 % | 0.0000 | - | 2.0 | - |" in advise.markdown(rep)
+
+
+def test_overall_is_the_lowest_geometric_mean_time_ratio():
+    """x: 8× and 1.1× (geometric mean √8.8 ≈ 2.97, arithmetic 4.55); y: 3× and 3× (3): y wins
+    on the geometric mean. z is 100× at one N but exactly dense's speed at the other: out."""
+    x, y, z = (advise.Setting(m, m) for m in (4, 8, 16))
+    cfg = small_cfg(advise.Constraint("agreement", 0.5), ns=[256, 1024], grid=[x, y, z])
+    done = {("quality", "dense"): quality(0.5, 1.0, 0.0, 0.0)}
+    for s, ratios in ((x, (8.0, 1.1)), (y, (3.0, 3.0)), (z, (100.0, 1.0))):
+        done[("quality", s.name)] = quality(0.5, 0.5, 0.0, 0.0)
+        for n, r in zip((256, 1024), ratios, strict=True):
+            done[("latency", s.name, n)] = lat(1.0, 1.0, 1.0, r)
+    overall = advise.report(cfg, done, [])["overall"]
+    assert overall == {"setting": "m8 k8 s1 paper", "speedups": {256: 3.0, 1024: 3.0},
+                       "answer": "for N in [256, 1024]: m8 k8 s1 paper",
+                       "snippet": "# deploy/serve_config.yaml: applications[0].args\n"
+                                  "args:\n  checkpoint: ckpt/x\n  mita_setting:\n"
+                                  "    num_landmarks: 8\n    topk: 8\n"
+                                  "    route_topk: 1\n    shared_scale: paper\n"}
+
+
+def test_serve_snippet_text():
+    row = {"m": 32, "k": 16, "s": 2, "shared_scale": "official"}
+    assert advise.serve_snippet(row, small_cfg(advise.Constraint("agreement", 0.5))) == (
+        "# deploy/serve_config.yaml: applications[0].args\nargs:\n  checkpoint: ckpt/x\n"
+        "  mita_setting:\n    num_landmarks: 32\n    topk: 16\n    route_topk: 2\n"
+        "    shared_scale: official\n")
+
+
+SMALL_MARKDOWN = (
+    "Advisor: checkpoint ckpt/x, data generated (36 sequences, 100 < length < 300), cpu, dtype "
+    f"float32, backend torch, batch 1, p50 of 3, torch {torch.__version__}. Constraint: "
+    "accuracy drop ≤ 3.125 points. Drop = dense's accuracy minus the setting's, with its "
+    "paired standard error: a constraint tighter than ~2 SE is within noise. × = dense's p50 "
+    "over the setting's, both timed side by side (interleaved forwards).\n"
+    "\n"
+    "| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
+    "KL(dense‖MiTA) | retention | p50 ms N=512 (× dense) | p50 ms N=2048 (× dense) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "| dense | - | - | - | - | 75.0 % | - | 100.0 % | 0.0000 | 100.0 % | 8.0 | 32.0 |\n"
+    "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 62.5 % | +12.5 ± 5.0 | 87.5 % | 0.1250 | 83.3 % "
+    "| 2.0 (4.00×) | 4.0 (8.00×) |\n"
+    "| m16 k16 s2 official | 16 | 16 | 2 | official | 71.9 % | +3.1 ± 2.5 | 90.6 % | 0.0625 | "
+    "95.8 % | 5.0 (1.60×) | - |\n"
+    "\n"
+    "Recommendation (the largest speed-up over dense among the settings that meet the "
+    "constraint):\n"
+    "\n"
+    "- N = 512: m16 k16 s2 official — 1.60× dense's speed (5.0 ms vs 8.0 ms, timed side by "
+    "side), agreement 90.6 %, accuracy 71.9 % (dense 75.0 %, retention 95.8 %)\n"
+    "- no setting meets accuracy drop ≤ 3.125 points at N = 2048 (1 setting(s) meet it but "
+    "none was timed at N = 2048 within the budget)\n"
+    "- no setting meets accuracy drop ≤ 3.125 points and beats dense at every N in "
+    "[512, 2048]\n"
+    "\n"
+    "Noisy timings (slowest forward > 1.5× the fastest): dense at N = 2048. The machine was "
+    "busy or its clock unsteady: rerun with more --repeats on an idle machine.\n"
+    "\n"
+    "Not run (time budget): 1 units; run again to resume.\n")
+
+
+def test_advisor_markdown_whole_text():
+    rep = small_report()
+    assert advise.markdown(rep) == SMALL_MARKDOWN
+    # As read back from advise.json: N keys are strings.
+    assert advise.markdown(json.loads(json.dumps(rep))) == SMALL_MARKDOWN
+
+
+def test_advisor_markdown_with_a_snippet_file_data_and_many_noisy_points():
+    cfg = small_cfg(advise.Constraint("agreement", 0.5), ns=[64], grid=[M8])
+    cfg.data = "my.tsv"
+    done = {("quality", "dense"): quality(0.5, 1.0, 0.0, 0.0),
+            ("quality", M8.name): quality(0.25, 0.5, 0.5, 1.375),
+            ("latency", M8.name, 64): lat(2.0, 1.0, 2.0, 3.0)}
+    rep = advise.report(cfg, done, [], 2)
+    rep["noisy"] = [[f"s{i}", 64] for i in range(7)]
+    assert advise.markdown(rep) == (
+        "Advisor: checkpoint ckpt/x, data my.tsv (2 sequences), cpu, dtype float32, backend "
+        f"torch, batch 1, p50 of 3, torch {torch.__version__}. Constraint: agreement with dense "
+        "≥ 50.0 %. Drop = dense's accuracy minus the setting's, with its paired standard error: "
+        "a constraint tighter than ~2 SE is within noise. × = dense's p50 over the setting's, "
+        "both timed side by side (interleaved forwards).\n\n"
+        "| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
+        "KL(dense‖MiTA) | retention | p50 ms N=64 (× dense) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| dense | - | - | - | - | 50.0 % | - | 100.0 % | 0.0000 | 100.0 % | - |\n"
+        "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | +25.0 ± 1.4 | 50.0 % | 0.5000 | "
+        "50.0 % | 2.0 (1.50×) |\n\n"
+        "Recommendation (the largest speed-up over dense among the settings that meet the "
+        "constraint):\n\n"
+        "- N = 64: m8 k8 s1 paper — 1.50× dense's speed (2.0 ms vs 3.0 ms, timed side by "
+        "side), agreement 50.0 %, accuracy 25.0 % (dense 50.0 %, retention 50.0 %)\n"
+        "- for N in [64]: m8 k8 s1 paper\n\n"
+        "```yaml\n# deploy/serve_config.yaml: applications[0].args\nargs:\n  checkpoint: "
+        "ckpt/x\n  mita_setting:\n    num_landmarks: 8\n    topk: 8\n    route_topk: 1\n"
+        "    shared_scale: paper\n```\n\n"
+        "Noisy timings (slowest forward > 1.5× the fastest): s0 at N = 64, s1 at N = 64, s2 at "
+        "N = 64, s3 at N = 64, s4 at N = 64, s5 at N = 64 …. The machine was busy or its clock "
+        "unsteady: rerun with more --repeats on an idle machine.\n")
+    rep["noisy"] = rep["noisy"][:6]  # six: all shown, no ellipsis
+    assert "s5 at N = 64. The machine" in advise.markdown(rep)
+
+
+def test_advisor_files_hold_the_reports_numbers(tmp_path):
+    rep = small_report()
+    (tmp_path / "serve_snippet.yaml").write_text("an earlier run's recommendation")
+    files = advise.write_outputs(rep, tmp_path)
+    assert files == {k: tmp_path / f"{name}" for k, name in (
+        ("md", "advise.md"), ("json", "advise.json"), ("csv", "advise.csv"),
+        ("png", "frontier.png"))}
+    assert not (tmp_path / "serve_snippet.yaml").exists()  # never left to be deployed
+    assert files["json"].read_text().startswith('{\n  "config": {\n    "checkpoint": "ckpt/x",')
+    assert files["json"].read_text().endswith("\n}\n")
+    # Into a folder not there yet (parents too); no earlier snippet to remove: no error.
+    assert sorted(advise.write_outputs(rep, tmp_path / "a" / "b")) == ["csv", "json", "md",
+                                                                        "png"]
+    assert files["md"].read_text() == SMALL_MARKDOWN
+    back = json.loads(files["json"].read_text())
+    assert back["rows"][1]["latency"]["2048"]["speedup"] == 8.0
+    assert back["recommendations"][0]["speedup"] == 1.6
+    with open(files["csv"], newline="") as f:
+        table = list(csv.reader(f))
+    r8, r16 = 5 / 6, 23 / 24  # 0.625 / 0.75 and 0.71875 / 0.75
+    assert table == [
+        ["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement", "kl", "retention",
+         "n", "p50_ms", "min_ms", "max_ms", "dense_p50_ms", "speedup", "peak_memory_bytes"],
+        ["dense", "", "", "", "", "0.75", "1.0", "0.0", "1.0", "512", "8.0", "7.5", "8.5", "",
+         "", "1048576"],
+        ["dense", "", "", "", "", "0.75", "1.0", "0.0", "1.0", "2048", "32.0", "30.0", "50.0",
+         "", "", "4194304"],
+        ["m8 k8 s1 paper", "8", "8", "1", "paper", "0.625", "0.875", "0.125", str(r8), "512",
+         "2.0", "2.0", "2.0", "8.0", "4.0", ""],
+        ["m8 k8 s1 paper", "8", "8", "1", "paper", "0.625", "0.875", "0.125", str(r8), "2048",
+         "4.0", "4.0", "6.0", "32.0", "8.0", ""],
+        ["m16 k16 s2 official", "16", "16", "2", "official", "0.71875", "0.90625", "0.0625",
+         str(r16), "512", "5.0", "5.0", "5.0", "8.0", "1.6", "7"],
+        ["m16 k16 s2 official", "16", "16", "2", "official", "0.71875", "0.90625", "0.0625",
+         str(r16), "2048", "", "", "", "", "", ""]]
+    img = matplotlib.image.imread(files["png"])
+    assert img.shape[0] > 100 and img.shape[1] > 100
+    # A setting for every N: its snippet is written, with exactly the report's text.
+    cfg = small_cfg(advise.Constraint("agreement", 0.5), ns=[64], grid=[M8])
+    done = {("quality", "dense"): quality(0.5, 1.0, 0.0, 0.0),
+            ("quality", M8.name): quality(0.5, 0.5, 0.0, 0.0),
+            ("latency", M8.name, 64): lat(1.0, 1.0, 1.0, 2.0)}
+    files = advise.write_outputs(advise.report(cfg, done, []), tmp_path / "new")
+    assert files["yaml"] == tmp_path / "new" / "serve_snippet.yaml"
+    assert files["yaml"].read_text() == (
+        "# deploy/serve_config.yaml: applications[0].args\nargs:\n  checkpoint: ckpt/x\n"
+        "  mita_setting:\n    num_landmarks: 8\n    topk: 8\n    route_topk: 1\n"
+        "    shared_scale: paper\n")
+
+
+# --- sweep: settings, speed-ups, table, files --------------------------------------------------
+
+
+def test_landmarks_for_each_setting_form():
+    # fig5: m = k = the power of two nearest √(N/4): N = 1 → √0.25 = 0.5 → at least 1;
+    # 64 → 4; 255 → √63.75 = 7.98 → 8; 3000 → √750 = 27.4 → 32 (log2 4.78); 2^20 → 512.
+    for n, side in ((1, 1), (64, 4), (255, 8), (3000, 32), (1 << 20, 512)):
+        assert sweep.landmarks_for(n, "fig5") == (side, side)
+    assert sweep.landmarks_for(10, "32x128") == (32, 128)  # fixed: whatever N
+    assert sweep.landmarks_for(10, "16X4") == (16, 4)
+    assert sweep.landmarks_for(10, "1x1") == (1, 1)
+    for bad in ("0x4", "4x0", "-2x4"):
+        with pytest.raises(ValueError) as e:
+            sweep.landmarks_for(10, bad)
+        assert str(e.value) == f"setting {bad!r}: m and k must be at least 1"
+    for bad in ("lots", "4x4x4", "4x", "Fig5"):
+        with pytest.raises(ValueError) as e:
+            sweep.landmarks_for(10, bad)
+        assert str(e.value) == f"setting {bad!r} is neither 'fig5' nor 'MxK'"
+
+
+MITA_STAGES_MS = {"embed": 0.5, "qkv_proj": 1.0, "pool": 0.25, "landmark_scores": 0.5,
+                  "topk": 0.25, "shared_compress": 0.5, "route": 0.5, "gather": 0.25,
+                  "attention": 1.75, "ffn": 2.0}  # attention proper: 4.0 ms
+
+
+def sweep_row(n, variant, setting, m, k, s, status="ok", **ok):
+    row = {"n": n, "variant": variant, "setting": setting, "m": m, "k": k, "s": s, "batch": 1,
+           "depth": 1, "dim": 16, "heads": 2, "dtype": "float32", "device": "cpu",
+           "flops": 1000 * n + m, "stage_flops": {}, "mita_backend": "-", "status": status}
+    return row | ok
+
+
+def sweep_rows():
+    """N = 256: dense and two MiTA settings, all ok; N = 1024: dense skipped (so no ratio for
+    MiTA there); N = 512: MiTA skipped."""
+    skip = "skipped: predicted 99 s for warm-up + one forward exceeds the 60 s budget"
+    return [
+        sweep_row(256, "dense", "-", 0, 0, 0, e2e_ms=12.0, gflops_per_s=0.42,
+                  stages_ms={"embed": 0.5, "attention": 8.0, "ffn": 3.5},
+                  peak_memory_bytes=5 * 2**20 + 1, peak_memory_kind="cuda_max_allocated"),
+        sweep_row(256, "mita", "fig5", 8, 8, 1, e2e_ms=8.0, gflops_per_s=1.375,
+                  stages_ms=MITA_STAGES_MS, peak_memory_bytes=3 * 2**20,
+                  peak_memory_kind="cuda_max_allocated"),
+        # k = 512 > N: clamped to 256 in the pair count.
+        sweep_row(256, "mita", "4x512", 4, 512, 2, e2e_ms=24.0, gflops_per_s=0.5,
+                  stages_ms={"attention": 16.0, "ffn": 8.0}, peak_memory_bytes=2**21,
+                  peak_memory_kind="analytic_activation_estimate"),
+        sweep_row(512, "mita", "fig5", 8, 8, 1, status=skip),
+        sweep_row(1024, "dense", "-", 0, 0, 0, status=skip),
+        sweep_row(1024, "mita", "fig5", 16, 16, 1, e2e_ms=9.0, gflops_per_s=2.0,
+                  stages_ms={"attention": 4.0}, peak_memory_bytes=2**20,
+                  peak_memory_kind="cuda_max_allocated"),
+    ]
+
+
+def test_attention_ms_sums_only_the_attention_stages():
+    assert sweep.attention_ms({"stages_ms": MITA_STAGES_MS}) == 4.0  # not embed, qkv, ffn
+    assert sweep.attention_ms({"stages_ms": {"attention": 8.0, "ffn": 3.5}}) == 8.0
+    assert sweep.attention_ms({"stages_ms": {"ffn": 3.5}}) == 0.0
+
+
+def test_sweep_speedups_on_hand_made_rows():
+    # fig5: 12/8 = 1.5 forward, 8/4 = 2 attention, 256/(2·8 + 1·8) = 32/3 pairs.
+    # 4x512: 12/24 = 0.5, 8/16 = 0.5, 256/(2·4 + 2·256) = 256/520 = 32/65.
+    got = sweep.speedups(sweep_rows())
+    assert got == [
+        {"n": 256, "setting": "fig5", "m": 8, "k": 8, "s": 1, "e2e_speedup": 1.5,
+         "attention_speedup": 2.0, "flop_limit": pytest.approx(32 / 3, rel=REL)},
+        {"n": 256, "setting": "4x512", "m": 4, "k": 512, "s": 2, "e2e_speedup": 0.5,
+         "attention_speedup": 0.5, "flop_limit": pytest.approx(32 / 65, rel=REL)}]
+
+
+SWEEP_MARKDOWN = (
+    "| N | variant | m | k | s | forward ms | attention ms | GFLOP/s | peak bytes (kind) | status "
+    "|\n"
+    "|---|---|---|---|---|---|---|---|---|---|\n"
+    "| 256 | dense | 0 | 0 | 0 | 12.0 | 8.0 | 0.4 | 5 MiB (cuda_max_allocated) | ok |\n"
+    "| 256 | mita | 8 | 8 | 1 | 8.0 | 4.0 | 1.4 | 3 MiB (cuda_max_allocated) | ok |\n"
+    "| 256 | mita | 4 | 512 | 2 | 24.0 | 16.0 | 0.5 | 2 MiB (analytic_activation_estimate) | ok "
+    "|\n"
+    "| 512 | mita | 8 | 8 | 1 | - | - | - | - | skipped: predicted 99 s for warm-up + one forward "
+    "exceeds the 60 s budget |\n"
+    "| 1024 | dense | 0 | 0 | 0 | - | - | - | - | skipped: predicted 99 s for warm-up + one "
+    "forward exceeds the 60 s budget |\n"
+    "| 1024 | mita | 16 | 16 | 1 | 9.0 | 4.0 | 2.0 | 1 MiB (cuda_max_allocated) | ok |\n"
+    "\n"
+    "| N | setting | m | k | s | MiTA/dense forward speed-up | attention speed-up | FLOP limit "
+    "N/(2m+sk) |\n"
+    "|---|---|---|---|---|---|---|---|\n"
+    "| 256 | fig5 | 8 | 8 | 1 | 1.50× | 2.00× | 10.7× |\n"
+    "| 256 | 4x512 | 4 | 512 | 2 | 0.50× | 0.50× | 0.5× |\n")
+
+
+def test_sweep_markdown_whole_text():
+    assert sweep.markdown(sweep_rows()) == SWEEP_MARKDOWN
+    only_dense = sweep_rows()[:1]  # no MiTA row: no speed-up table at all
+    assert sweep.markdown(only_dense) == "".join(SWEEP_MARKDOWN.splitlines(True)[:3])
+
+
+def test_sweep_files_hold_the_rows_numbers(tmp_path):
+    cfg = sweep.SweepConfig(ns=[256], variants=["mita", "dense"], settings=["fig5"], depth=1,
+                            dim=16, num_heads=2, ffn_dim=32)
+    rows = sweep_rows()
+    files = sweep.write_outputs(rows, cfg, tmp_path / "new" / "sweep")  # parents made too
+    out = tmp_path / "new" / "sweep"
+    assert files == {"json": out / "sweep.json", "csv": out / "sweep.csv",
+                     "md": out / "sweep.md", "png0": out / "stages.png",
+                     "png1": out / "speedup.png", "png2": out / "time_vs_flops.png"}
+    assert files["json"].read_text().startswith('{\n  "config": {\n    "ns": [\n      256\n')
+    assert files["json"].read_text().endswith("\n}\n")
+    assert files["md"].read_text() == (
+        f"Sweep: depth 1, dim 16, heads 2, batch 1, s 1, float32, cpu, warm-up 1, median of 3, "
+        f"torch {torch.__version__}\n\n" + SWEEP_MARKDOWN)
+    data = json.loads(files["json"].read_text())
+    assert data["config"] == {"ns": [256], "variants": ["mita", "dense"], "settings": ["fig5"],
+                              "depth": 1, "dim": 16, "num_heads": 2, "ffn_dim": 32,
+                              "route_topk": 1, "batch": 1, "device": "cpu", "dtype": "float32",
+                              "warmup": 1, "repeats": 3, "budget_s": 60.0, "seed": 0,
+                              "mita_backend": "auto"}
+    assert data["rows"] == rows
+    assert [(x["setting"], x["e2e_speedup"], x["attention_speedup"]) for x in data["speedups"]
+            ] == [("fig5", 1.5, 2.0), ("4x512", 0.5, 0.5)]
+    with open(files["csv"], newline="") as f:
+        table = list(csv.reader(f))
+    stages = ["embed", "qkv_proj", "pool", "landmark_scores", "topk", "shared_compress",
+              "route", "gather", "attention", "ffn"]  # the forward's order
+    assert table[0] == ["n", "variant", "setting", "m", "k", "s", "batch", "depth", "dim",
+                        "heads", "dtype", "device", "status", "e2e_ms", "flops",
+                        "gflops_per_s", "peak_memory_bytes", "peak_memory_kind",
+                        *(f"{s}_ms" for s in stages)]
+    fixed = ["1", "1", "16", "2", "float32", "cpu"]
+    assert table[1] == ["256", "dense", "-", "0", "0", "0", *fixed, "ok", "12.0", "256000",
+                        "0.42", str(5 * 2**20 + 1), "cuda_max_allocated",
+                        "0.5", "", "", "", "", "", "", "", "8.0", "3.5"]
+    assert table[2][13:18] == ["8.0", "256008", "1.375", str(3 * 2**20), "cuda_max_allocated"]
+    assert table[2][18:] == [str(MITA_STAGES_MS[s]) for s in stages]
+    assert table[4] == ["512", "mita", "fig5", "8", "8", "1", *fixed,
+                        "skipped: predicted 99 s for warm-up + one forward exceeds the 60 s "
+                        "budget", "", "512008", "", "", "", *[""] * len(stages)]
+    assert len(table) == 1 + len(rows)
+    for key in ("png0", "png1", "png2"):
+        img = matplotlib.image.imread(files[key])
+        assert img.shape[0] > 100 and img.shape[1] > 100
