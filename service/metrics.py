@@ -36,7 +36,7 @@ def _one_two_five(lo_exp: int, hi: float) -> list[float]:
     while True:
         for m in (1, 2, 5):
             v = round(m * 10.0 ** e, 12)
-            if v > hi:
+            if v >= hi:  # hi on the 1-2-5 grid: listed once, not twice
                 return out + [hi]
             out.append(v)
         e += 1
