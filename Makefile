@@ -32,7 +32,7 @@ test-fast: lint
 
 # Mutation testing (README, "Mutation testing"), not part of `make test`: mutmut changes one
 # thing at a time in the functions below, the code that computes what users read, and runs the
-# fast tier against each change. Left out: network and process code (the load tester's sender,
+# fast tier against each change; then the hand-made mutants of tests/hand_mutants.py. Left out: network and process code (the load tester's sender,
 # the advisor's and sweep's model runs, the Prometheus client), which the fast tier does not run.
 MUTATE_SCOPE := \
 	'loadtest.engine.x_summarize*' 'loadtest.engine.x_check_loopback*' 'loadtest.report.*' \
@@ -50,9 +50,14 @@ MUTATE_SCOPE := \
 	'service.policy.*' 'service.config_file.*' 'service.inputs.*' 'service.schemas.*' \
 	'service.metrics.x_n_bucket*' 'service.metrics.x__one_two_five*'
 
+# mutants/ is mutmut's copy of the tree and its results: removed first, so every mutant is run
+# against the tests as they are now.
 mutate: $(STAMP)
+	rm -rf mutants
 	$(BIN)/mutmut run $(MUTATE_SCOPE) > /dev/null
 	$(BIN)/mutmut results --all true | awk -F': ' '$$2 != "not checked" {n[$$2]++; t++} \
-		$$2 == "survived" {print "survived:", $$1} \
-		END {k = n["killed"] + n["timeout"]; printf "mutation score: %d of %d killed (%.1f %%)\n", \
-		k, t, 100 * k / t}'
+		$$2 != "killed" && $$2 != "not checked" {print $$2 ":", $$1} \
+		END {k = n["killed"] + n["timeout"]; printf "mutation score: %d of %d mutants killed " \
+		"(%.1f %%; %d by a timeout), %d survived\n", k, t, 100 * k / t, n["timeout"], \
+		n["survived"]}'
+	$(BIN)/python -m tests.hand_mutants
