@@ -30,7 +30,7 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
 
-# Mutation testing (README, "Mutation testing"), not part of `make test`: mutmut changes one
+# Mutation testing (README, "Development: tests and mutation testing"), not part of `make test`: mutmut changes one
 # thing at a time in the functions below, the code that computes what users read, and runs the
 # fast tier against each change; then the hand-made mutants of tests/hand_mutants.py. Left out: network and process code (the load tester's sender,
 # the advisor's and sweep's model runs, the Prometheus client), which the fast tier does not run.

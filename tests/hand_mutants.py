@@ -4,8 +4,9 @@
 tree to a temporary folder, checks that the fast tier passes there, applies one mutant at a
 time and runs the fast tier (``-x``: it stops at the first failure), then prints a table: the
 mutant, what a user would read, and the first test that failed. Exit status 1 if any mutant
-survives. mutmut (the rest of ``make mutate``) cannot make these: it does not swap arguments,
-change a list comprehension's source or mutate pydantic bounds (class attributes).
+survives. These are the ten of issue 33; mutmut (the rest of ``make mutate``) makes two of them
+too (``-`` → ``+``, ``>=`` → ``>``) but not the other eight: it does not swap arguments, change
+a list comprehension's source or mutate pydantic bounds (class attributes).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MUTANTS = [
     ("service/config_file.py", "max_replicas: int = Field(1, ge=1,",
      "max_replicas: int = Field(1, ge=0,", "a config with no replicas accepted"),
     ("profiler/advise.py", "(b - c) ** 2 / n", "(b + c) ** 2 / n",
-     "a paired standard error of 0"),
+     "a paired standard error too small (0 when b + c = n)"),
     ("profiler/advise.py", 'row["agreement"] >= self.value', 'row["agreement"] > self.value',
      "a setting that meets the agreement constraint exactly refused"),
 ]

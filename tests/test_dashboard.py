@@ -118,7 +118,8 @@ def test_stats_match_metrics_endpoint(service):
     long_text, _ = generate_long(2048, seed=11)
     plan = ([(t, "mita") for t, _ in EXAMPLES[:4]] + [(t, "dense") for t, _ in EXAMPLES[4:7]]
             + [(long_text, "mita"), (long_text, "dense")])
-    # Each text's answer from each variant, asked before the window (shadow off): the KL
+    set_gateway(service)  # shadow off: no comparison of these reaches the window below
+    # Each text's answer from each variant, asked before the window: the KL
     # every comparison should record is KL(dense ‖ MiTA) of these, whichever was primary.
     probs = {(t, v): service.post("/v1/classify", json={"text": t, "variant": v}
                                   ).json()["probabilities"]
@@ -126,12 +127,14 @@ def test_stats_match_metrics_endpoint(service):
     want_kl = [sum(d * math.log(d / m) for d, m in zip(probs[t, "dense"], probs[t, "mita"],
                                                          strict=True) if d > 0)
                for t, _ in plan]
-    # the two directions differ on these texts (means 0.27 % apart on the shipped checkpoint),
-    # by more than 10× the 1e-4 tolerance below, so a swapped KL cannot pass for this one
+    # The old meaning, KL(primary ‖ shadow), is KL(MiTA ‖ dense) on the MiTA-primary texts:
+    # their two directions differ by more than 10× the 1e-4 tolerance below (of the mean),
+    # so the old meaning cannot pass for this one.
     back_kl = [sum(m * math.log(m / d) for d, m in zip(probs[t, "dense"], probs[t, "mita"],
                                                          strict=True) if m > 0)
                for t, _ in plan]
-    assert abs(sum(back_kl) - sum(want_kl)) > 1e-3 * sum(want_kl), (want_kl, back_kl)
+    gap = sum(b - w for b, w, (_, v) in zip(back_kl, want_kl, plan, strict=True) if v == "mita")
+    assert abs(gap) > 1e-3 * sum(want_kl), (want_kl, back_kl)
     set_gateway(service, shadow=True)
     try:
         before = settled(service)
@@ -237,7 +240,10 @@ def test_stats_match_metrics_endpoint(service):
         got = {float(dict(k)["le"]): v for k, v in by_labels(
             delta(before, after, "ray_mita_serve_shadow_kl_divergence_bucket", True),
             primary=primary).items()}
-        assert got == {e: sum(kl <= e for kl in mine) for e in got}, (primary, mine, got)
+        # each value within 1e-4 relative (as above), so one by a bucket edge may fall either side
+        for e, count in got.items():
+            assert (sum(kl * (1 + 1e-4) <= e for kl in mine) <= count
+                    <= sum(kl * (1 - 1e-4) <= e for kl in mine)), (primary, e, mine, got)
     lo, hi = sum_bounds(hist)
     assert lo / len(plan) <= stats["shadow"]["kl_mean"] <= hi / len(plan), (stats, hist)
     lo, hi = quantile_bounds(hist, 0.5)

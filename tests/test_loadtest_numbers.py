@@ -25,6 +25,8 @@ from loadtest.engine import LoadConfig, Sample, check_loopback, run_load, summar
 from loadtest.report import markdown, stage_table, write
 from mita.hooks import MIN_STAGE_SAMPLES, VARIANT_COLORS
 
+# Tolerances: pytest.approx's default (1e-6 relative) and rel=1e-12 cover only float rounding
+# (seconds × 1e3 to ms, numpy's interpolation); every expected value is exact in decimal.
 CFG = LoadConfig(url="http://127.0.0.1:8000", ns=[256], variants=["mita"])
 FEW = MIN_STAGE_SAMPLES - 1  # the largest count marked "(few)"
 
@@ -185,7 +187,6 @@ def test_mita_over_dense_ratios_worked_by_hand():
                                   "p50_ratio_mita_over_dense": pytest.approx(2.0),
                                   "p99_ratio_mita_over_dense": pytest.approx(49.8 / 29.8),
                                   "throughput_ratio_mita_over_dense": pytest.approx(0.25)}]
-    assert 49.8 / 29.8 == pytest.approx(1.67114, abs=1e-5)
     # Rows in (N, requested variant) order.
     assert [(r["n"], r["variant"]) for r in summary["rows"]] == [
         (256, "dense"), (256, "mita"), (1024, "ab"), (1024, "dense"), (1024, "mita"),
@@ -531,7 +532,8 @@ def test_open_loop_sends_poisson_arrivals_at_the_rate():
     count = len(samples)
     assert abs(count - rate * duration) <= 4 * (rate * duration) ** 0.5, count
     starts = sorted(s.start_s for s in samples)
-    assert 0 <= starts[0] and starts[-1] <= duration
+    # the last arrival is due at 1.96 s; 0.1 s for a loaded machine's event loop to send it
+    assert 0 <= starts[0] and starts[-1] <= duration + 0.1
     mean_gap = (starts[-1] - starts[0]) / (count - 1)
     assert mean_gap == pytest.approx(1 / rate, rel=0.4), mean_gap
     # The server saw every one of them (and the warm-up), each answered and kept.
@@ -557,9 +559,10 @@ def test_open_loop_ends_when_its_requests_are_sent():
 
 
 def test_closed_loop_keeps_concurrency_requests_in_flight():
-    """3 workers, 7 timed requests, each answered after 50 ms: exactly 7 sent (after 2
+    """3 workers, 7 timed requests, each answered after 300 ms (long enough for all three to
+    connect on a loaded machine): exactly 7 sent (after 2
     warm-ups), at most 3 at once and 3 at some point; every 4th refused with its error kept."""
-    with _Service(delay_s=0.05, refuse_every=4) as srv:
+    with _Service(delay_s=0.3, refuse_every=4) as srv:
         cfg = LoadConfig(url=srv.url, ns=[16], variants=["dense"], concurrency=3, requests=7,
                          warmup=2, sequences_per_n=1)
         samples = asyncio.run(run_load(cfg))

@@ -66,7 +66,7 @@ def test_override_wins_and_a_random_split_follows_the_weights():
 
 def test_sticky_unit_is_the_first_64_bits_of_sha256():
     # SHA-256("abc") = ba7816bf8f01cfea… (the FIPS 180-2 example): 0xba7816bf8f01cfea / 2^64
-    assert sticky_unit("abc") == pytest.approx(0.7283949105904022, rel=1e-15)
+    assert sticky_unit("abc") == 0xBA7816BF8F01CFEA / 2**64  # exact: both are 53-bit rounded
     cfg = GatewayConfig(weights={"mita": 0.7, "dense": 0.3})  # 0.728 ≥ 0.7: dense
     assert choose_variant(cfg, None, "abc", FixedDraw()) == ("dense", None)
     cfg = GatewayConfig(weights={"mita": 0.73, "dense": 0.27})

@@ -42,8 +42,8 @@ README_COMMANDS = {
     "make test": ("test", ".ci/run: CI's own command"),
     "make test-fast": ("test", "a subset of make test (-m 'not service and not slow')"),
     "make serve TORCH_SPEC=": ("no", "a GPU host with its own CUDA torch"),
-    "make mutate": ("run", "mutation testing, ≈ 1 h; its score is in the README"),
-    "python -m tests.hand_mutants": ("run", "the last step of make mutate"),
+    "make mutate": ("no", "mutation testing (≈ 1 h), not part of make test"),
+    "python -m tests.hand_mutants": ("no", "the last step of make mutate"),
     "python -m service": ("run", "what make serve runs"),
     "python -m service --config FILE": (
         "test", "tests/test_reliability.py::test_ctrl_c_during_start_up_stops_ray_cleanly"),
