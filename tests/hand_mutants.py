@@ -1,6 +1,6 @@
 """Realistic one-line mistakes in the numbers users read; the fast tier must fail on each.
 
-``python -m tests.hand_mutants`` (part of ``make mutate``, ≈ 10 min on 2 cores) copies the
+``python -m tests.hand_mutants`` (part of ``make mutate``, ≈ 10–20 min on 2 cores) copies the
 tree to a temporary folder, checks that the fast tier passes there, applies one mutant at a
 time and runs the fast tier (``-x``: it stops at the first failure), then prints a table: the
 mutant, what a user would read, and the first test that failed. Exit status 1 if any mutant
