@@ -76,11 +76,40 @@ def _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh, s
 
 
 @triton.jit
+def _emit_topk(lm, K, KEY_VALID, out_row, kth, need, rmask, b, h, dd, dmask, N,
+               TOPK, stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE: tl.constexpr,
+               UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write each landmark's top-k given its k-th largest key ``kth`` and how many keys equal
+    to it are taken (``need``): a left-to-right pass over the keys writes every key above
+    ``kth`` and the first ``need`` keys equal to it to ``out_row`` (one pointer per landmark,
+    contiguous k slots), so the indices come out ascending with the lowest-index tie rule.
+    Stores are bounded by k (a landmark that would take more never writes past its row) and
+    masked by ``rmask``. Returns how many keys each landmark took (k when the scores are the
+    ones ``kth`` came from)."""
+    cols = tl.arange(0, BLOCK_N)
+    taken = tl.zeros([BLOCK_L], tl.int32)
+    ties = tl.zeros([BLOCK_L], tl.int32)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        key = _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
+                          stride_kn, stride_kd, scale, IEEE, UPCAST)
+        eq = (key == kth[:, None]).to(tl.int32)
+        eq_before = ties[:, None] + tl.cumsum(eq, 1) - eq
+        sel = ((key > kth[:, None]) | ((eq != 0) & (eq_before < need[:, None]))).to(tl.int32)
+        pos = taken[:, None] + tl.cumsum(sel, 1) - sel
+        tl.store(out_row[:, None] + pos, c[None, :].to(tl.int64),
+                 mask=(sel != 0) & (pos < TOPK) & rmask[:, None])
+        taken += tl.sum(sel, 1)
+        ties += tl.sum(eq, 1)
+    return taken
+
+
+@triton.jit
 def _landmark_topk_kernel(
-    LM, K, KEY_VALID, IDX,
+    LM, K, KEY_VALID, IDX, FLAG,
     stride_lb, stride_lh, stride_lm, stride_ld,
     stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_ib, stride_ih, stride_im, stride_ik,
+    stride_ib, stride_ih, stride_im,
     H, N, M, TOPK, D, scale,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -120,21 +149,13 @@ def _landmark_topk_kernel(
 
     # Pass 2: the same scores again, left to right: every key above T and the first `need`
     # keys equal to T, written in ascending index order.
-    taken = tl.zeros([BLOCK_L], tl.int32)
-    ties = tl.zeros([BLOCK_L], tl.int32)
     out_row = IDX + b * stride_ib + h * stride_ih + lrows * stride_im
-    for start in range(0, N, BLOCK_N):
-        c = start + cols
-        key = _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
-                          stride_kn, stride_kd, scale, IEEE, UPCAST)
-        eq = (key == kth[:, None]).to(tl.int32)
-        eq_before = ties[:, None] + tl.cumsum(eq, 1) - eq
-        sel = ((key > kth[:, None]) | ((eq != 0) & (eq_before < need[:, None]))).to(tl.int32)
-        pos = taken[:, None] + tl.cumsum(sel, 1) - sel
-        tl.store(out_row[:, None] + pos * stride_ik, c[None, :].to(tl.int64),
-                 mask=(sel != 0) & lmask[:, None])
-        taken += tl.sum(sel, 1)
-        ties += tl.sum(eq, 1)
+    taken = _emit_topk(lm, K, KEY_VALID, out_row, kth, need, lmask, b, h, dd, dmask, N, TOPK,
+                       stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE, UPCAST,
+                       BLOCK_L, BLOCK_N)
+    # Exactly k taken unless pass 2's scores differ from pass 1's (they are computed by the
+    # same code on the same tiles): such a landmark goes to the bisection fallback.
+    tl.store(FLAG + bh * M + lrows, (taken != TOPK).to(tl.int8), mask=lmask)
 
 
 @triton.jit
@@ -195,6 +216,16 @@ def _route_shared_kernel(
              mask=rmask[:, None] & dvmask[None, :])
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, which holds B·H here
+
+
+def check_grid(bh: int) -> None:
+    """Raise ValueError when B·H passes CUDA's grid limit on the second axis."""
+    if bh > MAX_GRID_Y:
+        raise ValueError(f"batch × heads = {bh} is over CUDA's grid limit of {MAX_GRID_Y} "
+                         "programs on the second axis; split the batch")
+
+
 def _key_valid(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tensor:
     """``(B, N)`` int8, 1 = a real key; all ones without a mask (a runtime vector, so a mask
     is not a compile-time specialisation)."""
@@ -222,7 +253,7 @@ def _check(q: Tensor, k: Tensor) -> None:
 
 def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
                        key_padding_mask: Tensor | None = None,
-                       interpreter: bool | None = None):
+                       interpreter: bool | None = None, key_valid: Tensor | None = None):
     """Validate ``landmark_topk``'s arguments and build its launch: ``(grid, args, meta, out)``
     (``mita.kernels.aot`` compiles the same args/meta ahead of time). Arguments and errors as
     ``landmark_topk``. Specialisations: dtype × ``BLOCK_D`` ∈ {64, 128} × ``K_PAD`` ∈
@@ -237,11 +268,15 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
         raise ValueError(f"landmark_topk needs 1 ≤ k ≤ min(N, {MAX_TOPK}), got k = {topk}, "
                          f"N = {N}")
     lm = landmarks.to(k.dtype)
-    # zeros, not empty: a slot pass 2 did not fill would otherwise index out of bounds
-    out = torch.zeros(B, H, m, topk, dtype=torch.int64, device=k.device)
+    check_grid(B * H)
+    # empty: every slot is written — by pass 2, or for a flagged landmark by the fallback
+    out = torch.empty(B, H, m, topk, dtype=torch.int64, device=k.device)
+    flag = torch.empty(B, H, m, dtype=torch.int8, device=k.device)
     kp = k_pad(topk)
-    args = (lm, k, _key_valid(key_padding_mask, B, N, k.device), out,
-            *lm.stride(), *k.stride(), *out.stride(), H, N, m, topk, d, float(scale))
+    if key_valid is None:
+        key_valid = _key_valid(key_padding_mask, B, N, k.device)
+    args = (lm, k, key_valid, out, flag, *lm.stride(), *k.stride(), *out.stride()[:3],
+            H, N, m, topk, d, float(scale))
     meta = dict(IEEE=k.dtype == torch.float32, UPCAST=_upcast(k, interpreter),
                 BLOCK_L=BLOCK_L, BLOCK_N=TOPK_BLOCK_N, K_PAD=kp,
                 # 64 or 128: the score product is small next to the sort, and every BLOCK_D
@@ -252,7 +287,8 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
 
 
 def landmark_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
-                  key_padding_mask: Tensor | None = None) -> Tensor:
+                  key_padding_mask: Tensor | None = None,
+                  key_valid: Tensor | None = None) -> Tensor:
     """Stages ``landmark_scores`` + ``topk`` (eqs. 6-7) fused: each landmark's k best keys by
     s_ij = q̃_i·k_j/√d, without the m × N scores.
 
@@ -263,15 +299,23 @@ def landmark_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
         k: ``(B, H, N, d)`` float16 / bfloat16 / float32 keys, d ≤ 128.
         topk: 1 ≤ k ≤ min(N, 512).
         key_padding_mask: optional ``(B, N)`` bool, True = padding (score -inf).
+        key_valid: optional ``(B, N)`` int8 (1 = a real key) built once per forward by the
+            caller; replaces ``key_padding_mask`` when given.
     Returns:
         ``(B, H, m, k)`` int64 key indices in ascending order; ties broken by the lowest index
         (padded keys fill a row that has fewer than k real ones, lowest index first) — the
-        contract of ``mita.attention.topk_tokens``.
+        contract of ``mita.attention.topk_tokens``. A landmark whose second pass did not take
+        exactly k keys is redone by ``topk._bisect_topk_kernel`` (a second launch that returns
+        at once when no landmark is flagged; no host synchronisation).
     Raises:
-        ValueError: dtype, shapes, d > 128, or k outside [1, min(N, 512)].
+        ValueError: dtype, shapes, d > 128, k outside [1, min(N, 512)], B·H > 65,535.
     """
-    grid, args, meta, out = landmark_topk_plan(landmarks, k, topk, scale, key_padding_mask)
+    from .topk import bisect_fallback
+
+    grid, args, meta, out = landmark_topk_plan(landmarks, k, topk, scale, key_padding_mask,
+                                               key_valid=key_valid)
     _landmark_topk_kernel[grid](*args, **meta)
+    bisect_fallback(*args[:3], args[4], out, topk, scale, meta["UPCAST"])
     return out
 
 
@@ -289,6 +333,7 @@ def route_shared_plan(q: Tensor, landmarks: Tensor, shared_values: Tensor,
     if dv > MAX_HEAD_DIM:
         raise ValueError(f"Triton routing kernels take head dims up to {MAX_HEAD_DIM}, got "
                          f"dv = {dv}")
+    check_grid(B * H)
     lm = landmarks.to(q.dtype)
     sv = shared_values.to(q.dtype)
     f32 = dict(dtype=torch.float32, device=q.device)
