@@ -68,7 +68,8 @@ class Classifier:
     def info(self) -> dict:
         return self.info_dict | {"deterministic": self.deterministic,
                                  "staged_profile_every": self.engine.staged_every,
-                                 "config_update": self.live.status()}
+                                 "config_update": self.live.status(),
+                                 "topk": self.engine.topk_report()}  # decided as shapes come
 
     async def classify(self, ids: np.ndarray, staged: bool = False) -> dict:
         """Classify one validated id sequence; returns label, probabilities, n, model_id,

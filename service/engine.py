@@ -17,6 +17,7 @@ buckets), each group padded with the model's key padding mask and run as one for
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import threading
 import time
@@ -27,11 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mita.kernels import MAX_HEAD_DIM, choose
 from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from profiler.cost import profile_forward
 
 from . import PROJECT_ROOT
 from .graphs import GraphCache
+from .schemas import TopkReport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -121,6 +124,14 @@ class ClassifierEngine:
         capturable = attention == "dense" or mita_backend != "torch"
         self.graphs = (GraphCache(self.model)
                        if cuda_graphs and capturable and self.device.type == "cuda" else None)
+        # mita.attention's choice for inference: the Triton launcher, whose top-k path is
+        # chosen per shape (mita.kernels.choose), or else the PyTorch / CPU stages
+        cfg = self.model.config
+        self.triton = attention == "mita" and (mita_backend == "triton" or (
+            mita_backend == "auto" and self.device.type == "cuda"
+            and cfg.dim // cfg.num_heads <= MAX_HEAD_DIM
+            and importlib.util.find_spec("triton") is not None))
+        self._graph_topk: dict[tuple, str] = {}  # top-k path captured in each shape's graph
         # Every staged_every-th forward (0: none) runs the PyTorch stages, each timed apart, so
         # dashboards see all seven MiTA stages while the rest run fused.
         self.staged_every = 0
@@ -144,6 +155,31 @@ class ClassifierEngine:
         kernels or the Triton kernel); a staged forward then times every stage apart."""
         return self.variant == "mita" and self.backend != "torch"
 
+    def topk_report(self) -> dict | None:
+        """MiTA's top-k paths, for ``/v1/models`` (``schemas.TopkReport``): ``triton``
+        (whether the Triton launcher serves the unstaged forwards; otherwise the PyTorch or
+        compiled CPU stages, with no choice to make), ``forced`` and ``decisions`` (this
+        process's ``mita.kernels.choose.CHOOSER``: per shape, the path, timed or in the fixed
+        order, with the timings in ms). None for dense."""
+        if self.variant != "mita":
+            return None
+        return TopkReport.model_validate({"triton": self.triton} | choose.CHOOSER.report()
+                                         ).model_dump()
+
+    def _topk_path(self, shape: tuple, graph: bool) -> str | None:
+        """The top-k path of the forward just run (of input ``shape`` = (batch, N, masked)):
+        what the chooser served it, or for a CUDA-graph replay, where no Python runs, the path
+        captured in that shape's graph. None: no Triton top-k ran."""
+        path = choose.CHOOSER.take_served()
+        if self.graphs is None:
+            return path
+        if path is not None and shape in self.graphs.graphs:
+            self._graph_topk[shape] = path
+        elif graph:
+            path = self._graph_topk.get(shape)
+        self._graph_topk = {s: p for s, p in self._graph_topk.items() if s in self.graphs.graphs}
+        return path
+
     @contextmanager
     def _stages(self, staged: bool):
         """Run the forward inside with the PyTorch MiTA stages when ``staged`` (one forward at
@@ -165,12 +201,15 @@ class ClassifierEngine:
         softmax of the logits, as a list), ``n``, ``variant``, ``model_id`` and ``profile``
         (the ``ForwardProfile`` of the forward it was part of, plus ``batch_size``,
         ``padded_n``, ``flops_total``, ``dtype``, ``started_at`` — the forward's start in
-        Unix seconds — and ``cuda_graph``: whether it was a CUDA-graph replay, timed as a whole,
-        no stages), and ``staged``: whether every stage was timed apart (for dense and for
-        MiTA on ``backend="torch"`` unless replayed; for a fused MiTA backend when the forward was
-        sampled — every ``staged_every``-th — or asked for: ``staged[i]`` True for a sequence
-        in it). A sequence whose logits are not all finite gets no ``label`` or
-        ``probabilities`` but ``error`` (the Serve gateway answers it with a JSON 500).
+        Unix seconds — ``cuda_graph``: whether it was a CUDA-graph replay, timed as a whole,
+        no stages — and ``topk_path``: the Triton top-k path that served it, ``"select"`` |
+        ``"bitonic"`` | ``"torch"`` (``mita.kernels.choose``), None when the PyTorch or CPU
+        stages did, and for dense), and ``staged``: whether every stage was timed apart (for
+        dense and for MiTA on ``backend="torch"`` unless replayed; for a fused MiTA backend
+        when the forward was sampled — every ``staged_every``-th — or asked for:
+        ``staged[i]`` True for a sequence in it). A sequence whose logits are not all finite
+        gets no ``label`` or ``probabilities`` but ``error`` (the Serve gateway answers it with
+        a JSON 500).
         The sequences of one forward share one profile dict (``batch_size`` of them).
 
         ``abandoned[i]()`` is True once sequence i's caller has gone (client disconnect,
@@ -209,17 +248,19 @@ class ClassifierEngine:
                 self.staged_every and self._forwards % self.staged_every == 0)
             started_at = time.time()
             replays = self.graphs.replays if self.graphs is not None else 0
+            choose.CHOOSER.take_served()  # forget a call made outside this forward
             with self._stages(want):
                 logits, prof = profile_forward(
                     self.model, ids.to(self.device), mask,
                     replay=None if want or self.graphs is None else self.graphs.run)
             graph = self.graphs is not None and self.graphs.replays > replays
+            topk_path = self._topk_path((len(group), n_max, mask is not None), graph)
             probs = torch.softmax(logits.double(), -1).cpu()
             profile = prof.as_dict() | {"batch_size": len(group), "padded_n": n_max,
                                         "flops_total": sum(prof.flops.values()),
                                         "dtype": self.dtype_name, "started_at": started_at,
                                         "staged": (want or not self.fused()) and not graph,
-                                        "cuda_graph": graph}
+                                        "cuda_graph": graph, "topk_path": topk_path}
             finite = torch.isfinite(probs).all(-1).tolist()
             for row, i in enumerate(group):
                 results[i] = {"label": int(probs[row].argmax()),

@@ -23,6 +23,11 @@ Variant = Literal["mita", "dense"]
 VARIANTS: tuple[str, ...] = get_args(Variant)
 
 
+# The top-k paths of MiTA's Triton launcher (mita.kernels.choose.PATHS, the same names;
+# tests/test_topk_choice.py keeps them equal).
+TopkPath = Literal["select", "bitonic", "torch"]
+
+
 class ClassifyRequest(BaseModel):
     """One sequence: ListOps ``text`` (space-separated tokens; LRA's ``(``/``)`` are ignored)
     or token ``ids`` — exactly one of them."""
@@ -72,6 +77,10 @@ class StageProfile(BaseModel):
         description="arrival at the gateway → start of this forward: body parsing, validation, "
                     "transfer to the classifier, batching wait and queueing (wall clocks of the "
                     "gateway's and the classifier's nodes: across nodes, their skew adds in)")
+    topk_path: TopkPath | None = Field(
+        None, description="the top-k path of MiTA's Triton kernels that served this forward "
+                          "(a CUDA-graph replay: the one captured); absent (null) when the "
+                          "PyTorch or compiled CPU stages served it, and for dense")
 
 
 class ClassifyResponse(BaseModel):
@@ -226,6 +235,34 @@ class VariantInfo(BaseModel):
     m: int | None = Field(None, description="landmarks (MiTA only)")
     k: int | None = Field(None, description="routed keys per landmark (MiTA only)")
     s: int | None = Field(None, description="landmarks each query routes to (MiTA only)")
+
+
+class TopkDecision(BaseModel):
+    """The top-k path chosen for one shape (``mita.kernels.choose.TopkChooser``)."""
+
+    dtype: str = Field(description="the keys' dtype")
+    d: int = Field(description="head dim")
+    m: int
+    k: int
+    n_bucket: int = Field(description="N rounded up to a power of two")
+    path: TopkPath
+    basis: Literal["timed", "fixed_order"] = Field(
+        description="timed: the fastest on this device (CUDA events); fixed_order: the first "
+                    "that worked of select, bitonic, torch (no timing off CUDA)")
+    timings_ms: dict[str, float] | None = Field(
+        description="ms per call of each path timed; null for fixed_order")
+    dropped: list[TopkPath] = Field(description="paths that failed for this shape")
+
+
+class TopkReport(BaseModel):
+    """The MiTA classifier's top-k paths, in ``/v1/models`` (``variants.mita.topk``)."""
+
+    triton: bool = Field(description="the Triton kernels serve the unstaged forwards (CUDA); "
+                                     "false: the PyTorch or compiled CPU stages, whose top-k "
+                                     "has no choice")
+    forced: str | None = Field(description="the path MITA_TOPK_PATH forces; null: chosen")
+    decisions: list[TopkDecision] = Field(description="one per shape this replica has seen "
+                                                      "on the Triton kernels")
 
 
 class ABSplit(BaseModel):

@@ -72,6 +72,7 @@ def test_ids_input_and_profile(service):
     assert 0 < sum(prof["stages_ms"].values()) <= prof["total_ms"]
     assert prof["flops_total"] == sum(prof["flops"].values()) > 0
     assert prof["peak_memory_kind"] == "analytic_activation_estimate"
+    assert "topk_path" not in prof  # null, left out: no Triton top-k on this CPU host
     r = service.post("/v1/classify", json={"ids": encode(text), "variant": "dense"})
     assert "profile" not in r.json()
 
@@ -217,6 +218,10 @@ def test_models_health_ready(service):
     mita = m["variants"]["mita"]["config"]
     assert (mita["attention"], mita["num_landmarks"], mita["topk"]) == ("mita", 16, 16)
     assert m["variants"]["dense"]["model_id"] == m["variants"]["mita"]["model_id"]
+    # CPU host: MiTA serves on the CPU kernels (staged forwards: the PyTorch stages), so no
+    # forward of its replica reaches the Triton top-k chooser
+    assert m["variants"]["mita"]["topk"] == {"triton": False, "forced": None, "decisions": []}
+    assert m["variants"]["dense"]["topk"] is None
     assert service.client.get("/healthz").json() == {"status": "ok"}
     assert service.client.get("/readyz").status_code == 200
     spec = service.client.get("/openapi.json").json()

@@ -13,8 +13,8 @@ from torch import Tensor
 # what runs.
 from .. import attention as A
 from ..hooks import StageHook
+from . import choose, routing
 from . import mita_attention as fused
-from . import routing
 
 
 def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
@@ -23,8 +23,9 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     """``mita_attention`` on the Triton kernels (``mita/kernels``), q, k, v in their own dtype
     (no float32 copies; matrix products in the input dtype with fp32 accumulation):
     ``pool`` (PyTorch, float32 landmarks); ``landmark_scores`` also does ``topk``
-    (``routing.landmark_topk``: one streaming pass, exact top-k, no m × N scores; for
-    k > 512 the PyTorch stages on float32 scores); ``shared_compress`` as one SDPA call
+    (``choose.CHOOSER``: the fastest exact path for the shape — a threshold select,
+    ``routing.landmark_topk``'s streaming pass with no m × N scores for k ≤ 512, or the
+    PyTorch stages on float32 scores); ``shared_compress`` as one SDPA call
     (``shared_compress_sdpa``); ``route`` — for s = 1 ``routing.route_shared``, which also
     computes the shared half of the joint softmax, for s > 1 the PyTorch stage; ``attention``
     (``fused_attention``: gather fused, routed keys read by index). No host synchronisation.
@@ -36,14 +37,9 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     c = A.shared_logit_scale(d, shared_scale)
     with hook.stage("pool"):
         landmarks, landmark_valid = A.pool(q, m, key_padding_mask, landmark_grid)
-    with hook.stage("landmark_scores"):  # + topk, streamed
-        if topk <= routing.MAX_TOPK:
-            expert_index = routing.landmark_topk(landmarks, k, topk, d ** -0.5,
-                                                 key_padding_mask)
-        else:
-            scores = A.landmark_scores(landmarks, k.float(), key_padding_mask)
-            expert_index = A.topk_tokens(scores, topk)
-            del scores
+    with hook.stage("landmark_scores"):  # + topk
+        # several exact paths: the fastest for the shape on this device (timed once)
+        expert_index = choose.CHOOSER(landmarks, k, topk, d ** -0.5, key_padding_mask)
     with hook.stage("shared_compress"):
         shared_values = A.shared_compress_sdpa(landmarks, k, v, key_padding_mask)
     with hook.stage("route"):
