@@ -15,8 +15,9 @@ One prepared script for a short GPU lease (it must finish within 6 minutes on on
       largest output. The error against the float64 loop reference (``mita/reference.py``)
       is reported beside it.
    b. The routing kernels vs the PyTorch stages on small-integer inputs (exact scores, ties
-      everywhere): top-k indices equal (lowest-index ties) up to k = 512, N = 20000; route's
-      experts equal, the shared half within the dtype's tolerance.
+      everywhere): the bitonic top-k's and the threshold select's indices equal (lowest-index
+      ties) up to k = 512, N = 20000; route's experts equal, the shared half within the
+      dtype's tolerance.
    c. The fused path (float32, IEEE products) vs the PyTorch path in float64 on the GPU at
       N = 8192, m = k = 64, s = 1 and 2, masked: 1e-5.
    d. The 3-layer bfloat16 model at N = 16K: fused vs unfused (``backend="torch"``) logits.
@@ -28,7 +29,9 @@ One prepared script for a short GPU lease (it must finish within 6 minutes on on
 3. Whole model: the Fig. 5 setting — 3 layers, dim 128, 2 heads (d = 64), FFN 256, batch 1,
    bfloat16, m = k = √(N/4) (m·k = N/4), s = 1, random weights and token ids — at N = 16K,
    64K, 256K, 1M. Forward (no grad) timed with CUDA events (``profiler.StageTimer``), median
-   of repeats after a warm-up (which compiles the kernels); dense with
+   of repeats after a warm-up (which compiles the kernels and times the top-k paths: the
+   table names the one chosen); at N ≤ 64K also replayed from a CUDA graph
+   (``service.graphs.cuda_capture``, as the service does), with the ratio; dense with
    ``F.scaled_dot_product_attention`` restricted to the flash backend. Prints the ratio next
    to the paper's Fig. 5 ratio (RTX 4090: 4.7×, 19×, 56×, 159×) and the pair-count limit
    N/(2m + sk); peak memory per forward (``torch.cuda.max_memory_allocated``). Then one
@@ -61,11 +64,13 @@ import torch  # noqa: E402
 
 from mita import attention as A  # noqa: E402
 from mita.cost import fig5_setting  # noqa: E402
+from mita.kernels import choose  # noqa: E402
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
 from mita.reference import reference_mita  # noqa: E402
 from profiler.timer import StageTimer  # noqa: E402
 
 PAPER_FIG5 = {16384: 4.7, 65536: 19.0, 262144: 56.0, 1 << 20: 159.0}
+GRAPH_MAX_N = 65536  # whole forwards also replayed from a CUDA graph up to this N
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 
 
@@ -156,6 +161,7 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
     ``landmark_topk`` indices equal ``topk(landmark_scores(...))`` (lowest-index ties), and
     ``route_shared``'s experts equal ``route``'s, its shared partials within 1e-5."""
     from mita.kernels import routing
+    from mita.kernels import topk as topk_kernels
 
     # d a power of 4: 1/√d is a power of two, so scaling before or after the sum is exact
     cases = [(1, 2, 150, 64, 9, 7)]  # B, H, N, d, m, k
@@ -169,13 +175,15 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
             mask = rand_mask(B, N, gen, device)
             landmarks, landmark_valid = A.pool(q, m, mask)
             landmarks = landmarks.round()  # integer landmarks: exact scores again
-            got = routing.landmark_topk(landmarks, k, topk, d ** -0.5, mask)
             want = A.topk_tokens(A.landmark_scores(landmarks, k.float(), mask), topk)
             shape = f"B{B} H{H} N{N} d{d} m{m} k{topk} masked"
-            same = int((got != want).any(-1).sum())
-            rows.append({"check": "landmark_topk == topk(landmark_scores), ties lowest index",
-                         "dtype": str(dtype), "shape": shape, "rel_err": float(same),
-                         "tol": 0.0, "ok": same == 0})
+            for name, fn in (("landmark_topk", routing.landmark_topk),
+                             ("threshold_topk", topk_kernels.threshold_topk)):
+                got = fn(landmarks, k, topk, d ** -0.5, mask)
+                same = int((got != want).any(-1).sum())  # landmarks with another choice
+                rows.append({"check": f"{name} == topk(landmark_scores), ties lowest index",
+                             "dtype": str(dtype), "shape": shape, "rel_err": float(same),
+                             "tol": 0.0, "ok": same == 0})
             sv = torch.randn(B, H, m, d, generator=gen).to(device)
             experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, landmark_valid, d ** -0.5)
             ref_experts = A.route(q.float(), landmarks, 1, landmark_valid)
@@ -251,6 +259,23 @@ def time_forward(model, ids, device, repeats: int) -> tuple[float, int | None, l
     return float(np.median(times)), peak, times
 
 
+def graph_ms(model, ids, repeats: int) -> float:
+    """Median ms of one forward replayed from a CUDA graph (``service.graphs.cuda_capture``,
+    as the service replays short sequences), CUDA events around each replay."""
+    from service.graphs import cuda_capture
+
+    captured = cuda_capture(model, ids, None)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        captured.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
 def stage_breakdown(model, ids, device) -> dict[str, float]:
     timer = StageTimer(device)
     with timer.forward():
@@ -271,9 +296,13 @@ def speed(device, dtype, ns, repeats: int, budget_s: float,
         row = {"N": n, "m": m, "k": k, "s": 1, "batch": 1, "dtype": str(dtype),
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
         with torch.no_grad():
-            mita(ids)  # warm-up: Triton compile, cuBLAS handles
+            choose.CHOOSER.take_served()
+            mita(ids)  # warm-up: Triton compile, cuBLAS handles, the top-k path chosen
+            row["topk_path"] = choose.CHOOSER.take_served()
             row["mita_ms"], row["mita_peak_bytes"], row["mita_all_ms"] = time_forward(
                 mita, ids, device, repeats)
+            if device.type == "cuda" and n <= GRAPH_MAX_N:
+                row["mita_graph_ms"] = graph_ms(mita, ids, repeats)
             left = budget_s - (time.perf_counter() - start)
             with flash_only(device):
                 t0 = time.perf_counter()
@@ -283,6 +312,8 @@ def speed(device, dtype, ns, repeats: int, budget_s: float,
                 if left - 30 > one:
                     row["dense_ms"], row["dense_peak_bytes"], row["dense_all_ms"] = (
                         time_forward(dense, ids, device, reps))
+                    if device.type == "cuda" and n <= GRAPH_MAX_N:
+                        row["dense_graph_ms"] = graph_ms(dense, ids, reps)
             stages.append({"N": n, "backend": "triton (fused)",
                            **stage_breakdown(mita, ids, device)})
             if n == ns[0]:
@@ -386,9 +417,10 @@ def markdown(checks, rows, stages, header: str, attention_rows=()) -> str:
         out.append(f"| {c['check']} | {c['dtype'].replace('torch.', '')} | {c['shape']} | "
                    f"{c['rel_err']:.2e} | {c['tol']:.1e} | {'yes' if c['ok'] else 'NO'} |")
     out += ["", "### Speed: 3 layers, dim 128, 2 heads, batch 1, m·k = N/4, s = 1", "",
-            "| N | m | k | dtype | MiTA ms | dense (flash) ms | dense / MiTA | paper Fig. 5 | "
-            "limit N/(2m+sk) | MiTA peak GiB | dense peak GiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| N | m | k | dtype | top-k path | MiTA ms | dense (flash) ms | dense / MiTA | "
+            "paper Fig. 5 | limit N/(2m+sk) | MiTA peak GiB | dense peak GiB | MiTA graph ms | "
+            "dense graph ms | graph ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gib = 2 ** 30
     for r in rows:
         dense = r.get("dense_ms")
@@ -396,9 +428,13 @@ def markdown(checks, rows, stages, header: str, attention_rows=()) -> str:
         paper = f"{PAPER_FIG5[r['N']]}×" if r["N"] in PAPER_FIG5 else "-"
         mp = f"{r['mita_peak_bytes'] / gib:.2f}" if r.get("mita_peak_bytes") else "-"
         dp = f"{r['dense_peak_bytes'] / gib:.2f}" if r.get("dense_peak_bytes") else "-"
+        mg, dg = r.get("mita_graph_ms"), r.get("dense_graph_ms")
+        graphs = (f"{mg:.2f} | {dg:.2f} | {dg / mg:.1f}×" if mg and dg
+                  else f"{f'{mg:.2f}' if mg else '-'} | - | -")
         out.append(f"| {r['N']} | {r['m']} | {r['k']} | {r['dtype'].replace('torch.', '')} | "
+                   f"{r.get('topk_path') or '-'} | "
                    f"{r['mita_ms']:.2f} | {f'{dense:.2f}' if dense else '-'} | {ratio} | "
-                   f"{paper} | {r['N'] / (2 * r['m'] + r['k']):.0f}× | {mp} | {dp} |")
+                   f"{paper} | {r['N'] / (2 * r['m'] + r['k']):.0f}× | {mp} | {dp} | {graphs} |")
     names = []
     for st in stages:
         names += [k for k in st if k not in ("N", "backend") and k not in names]

@@ -32,6 +32,40 @@ finally:
 CHECKPOINT = "checkpoints/listops-default"
 
 
+def numpy_sort(x, dim=None, descending=False):
+    """``tl.sort`` for the interpreter, by numpy. Triton's own runs its bitonic network one
+    interpreted op at a time, ~4 ms per element here (a [16, 128] sort takes ~8 s), which
+    made the top-k kernels' tests take most of the suite. Same contract: the last dimension,
+    ascending unless ``descending``; ``test_topk_select.py`` checks it against Triton's."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    descending = getattr(descending, "value", descending)
+    dim = getattr(dim, "value", dim)
+    if dim not in (None, len(x.shape) - 1, -1):
+        raise ValueError("tl.sort sorts the last dimension only")
+    out = np.sort(x.handle.data, axis=-1, kind="stable")
+    if descending:
+        out = np.ascontiguousarray(np.flip(out, -1))
+    return tl.tensor(TensorHandle(out, x.handle.dtype), x.type)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fast_interpreter_sort():
+    """Every interpreted kernel in this process sorts with ``numpy_sort``; compiled kernels
+    (``test_kernel_compile.py``'s spawned processes, a GPU) keep Triton's."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        yield None
+        return
+    original = tl.sort
+    tl.sort = numpy_sort
+    yield original
+    tl.sort = original
+
+
 def run_smoke(script: str, out) -> dict:
     """Run ``benchmarks/<script>.py --smoke --out <out>`` in a fresh interpreter (the GPU
     scripts' own code path on the CPU) and return the JSON it wrote; fails the test with the
@@ -45,6 +79,24 @@ def run_smoke(script: str, out) -> dict:
     done = subprocess.run([sys.executable, str(path), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((Path(out) / f"{script}.json").read_text())
+
+
+def run_smoke_here(script: str, out, monkeypatch) -> object:
+    """``run_smoke`` in this process: for the GPU scripts whose smoke run is mostly the
+    interpreted Triton kernels, which here sort with ``numpy_sort`` (a fresh process would
+    run Triton's interpreted sort: minutes). Returns the JSON the script wrote."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [path.name, "--smoke", "--out", str(out)])
+    assert module.main() == 0
     return json.loads((Path(out) / f"{script}.json").read_text())
 
 

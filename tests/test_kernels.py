@@ -29,7 +29,7 @@ from mita import mita_attention
 from mita.hooks import MITA_STAGES
 from mita.reference import reference_mita
 
-from .conftest import run_smoke
+from .conftest import run_smoke_here
 from .helpers import rand_qkv, random_mask
 
 pytestmark = pytest.mark.slow  # the Triton interpreter: minutes on 2 cores
@@ -188,13 +188,16 @@ def test_cpu_without_interpreter_refused(kernel, monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") is None
 
 
-def test_gpu_benchmark_script_dry_run(tmp_path):
+def test_gpu_benchmark_script_dry_run(kernel, tmp_path, monkeypatch):
     """``benchmarks/gpu_mita.py --smoke``: the GPU script's own code path (checks, timing,
     table) on the CPU interpreter, so the prepared GPU run is not its first run."""
-    result = run_smoke("gpu_mita", tmp_path)
-    assert len(result["checks"]) == 9 and all(c["ok"] for c in result["checks"])
+    result = run_smoke_here("gpu_mita", tmp_path, monkeypatch)
+    assert len(result["checks"]) == 11 and all(c["ok"] for c in result["checks"])
     assert sum("landmark_topk ==" in c["check"] for c in result["checks"]) == 2
+    assert sum("threshold_topk ==" in c["check"] for c in result["checks"]) == 2
     assert [r["N"] for r in result["speed"]] == [128]
+    # the interpreter has no timer: the chooser's fixed order serves the select
+    assert result["speed"][0]["topk_path"] == "select"
     assert result["speed"][0]["mita_ms"] > 0 and result["speed"][0]["dense_ms"] > 0
     fused = result["stages"][0]
     assert fused["backend"] == "triton (fused)" and "gather" not in fused

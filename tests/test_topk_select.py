@@ -23,10 +23,13 @@ import numpy as np
 import pytest
 import torch
 
+from .conftest import run_smoke_here
 from .helpers import random_mask
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
-_routing = None  # the interpreted routing module, for a test kernel (jit code sees globals)
+# Set by tests for their test kernels (jit code reaches other modules as globals).
+_routing = None  # the interpreted routing module
+_triton_sort = None  # Triton's own tl.sort
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,31 @@ def kernels():
                 or topk._score_keys is not routing._score_keys:
             topk = importlib.reload(topk)
         yield routing, topk
+
+
+def test_interpreter_sort_equals_tritons(kernels, fast_interpreter_sort):
+    """The tests' numpy ``tl.sort`` (conftest) equals Triton's own on the interpreter, both
+    directions, int64 with repeats and int32."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sort_rows(X, Y, Z, DESC: tl.constexpr):
+        r = tl.arange(0, 4)
+        c = tl.arange(0, 64)
+        x = tl.load(X + r[:, None] * 64 + c[None, :])
+        tl.store(Y + r[:, None] * 64 + c[None, :], tl.sort(x, dim=1, descending=DESC))
+        tl.store(Z + r[:, None] * 64 + c[None, :], _triton_sort(x, dim=1, descending=DESC))
+
+    globals()["_triton_sort"] = fast_interpreter_sort
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.int64, torch.int32):
+        x = torch.randint(-9, 9, (4, 64), generator=g, dtype=dtype)
+        for desc in (False, True):
+            y, z = torch.empty_like(x), torch.empty_like(x)
+            sort_rows[(1,)](x, y, z, desc)
+            assert torch.equal(y, z)
+            assert torch.equal(y, x.sort(1, descending=desc).values)
 
 
 def reference(landmarks, k, topk, dtype, mask=None):
@@ -242,3 +270,16 @@ def test_select_refuses_bad_k(kernels):
         topk_module.threshold_topk(lm, k, 2049, 0.25)
     with pytest.raises(ValueError, match="k ≤ min"):
         topk_module.threshold_topk(lm, k[:, :, :10], 11, 0.25)
+
+
+def test_gpu_topk_script_dry_run(kernels, tmp_path, monkeypatch):
+    """``benchmarks/gpu_topk.py --smoke``: the GPU script's own code path on the interpreter
+    (N = 128, m = k = round(√(128/4)) = 6): both Triton paths equal the torch path on integer
+    inputs, no landmark overflowed on normal inputs, every path timed, the table written. Run
+    in this process (its kernels are the interpreted ones already imported)."""
+    (row,) = run_smoke_here("gpu_topk", tmp_path, monkeypatch)
+    assert (row["N"], row["m"], row["k"], row["d"]) == (128, 6, 6, 64)
+    assert row["exact_vs_torch"] == {"select": True, "bitonic": True}
+    assert row["select_overflow_landmarks"] == 0
+    assert all(row[f"{p}_ms"] > 0 for p in ("select", "bitonic", "torch"))
+    assert "| 128 | 6 |" in (tmp_path / "gpu_topk.md").read_text()

@@ -33,6 +33,7 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the "
                          "CPU interpreter); use backend='torch' on CPU")
+    routing._check(q, k)  # dtype and head dim, before a top-k path could take the blame
     d = q.shape[-1]
     c = A.shared_logit_scale(d, shared_scale)
     with hook.stage("pool"):
