@@ -98,14 +98,14 @@ def rand_mask(B, N, gen, device, p=0.3):
 def fused_decisions(q, k, v, m, topk, s, mask):
     """The routing decisions the fused path makes — its own (deterministic) kernels on the
     same inputs: ``(expert_index (B, H, m, k), experts (B, H, N, s))``."""
-    from mita.kernels import routing
+    from mita.kernels import pooling, routing
 
     d = q.shape[-1]
-    landmarks, landmark_valid = A.pool(q, m, mask)
-    index = routing.landmark_topk(landmarks, k, topk, d ** -0.5, mask)
+    landmarks, lm, landmark_valid, _, _ = pooling.pool_landmarks(q, m, mask)
+    index = routing.landmark_topk(lm, k, topk, d ** -0.5, mask)
     if s == 1:
-        shared = A.shared_compress_sdpa(landmarks, k, v, mask)
-        experts = routing.route_shared(q, landmarks, shared, landmark_valid, d ** -0.5)[0]
+        shared = A.shared_compress_sdpa(lm, k, v, mask)
+        experts = routing.route_shared(q, lm, shared, landmark_valid, d ** -0.5)[0]
     else:
         experts = A.route(q, landmarks, s, landmark_valid)
     return index, experts

@@ -245,10 +245,14 @@ def shared_compress_sdpa(landmarks: Tensor, k: Tensor, v: Tensor,
 
     Args: ``landmarks`` ``(B, H, m, d)`` (cast to k's dtype: 16-bit products with fp32
     accumulation for 16-bit k, v), ``k`` ``(B, H, N, d)``, ``v`` ``(B, H, N, dv)``, optional
-    ``(B, N)`` bool mask (True = padding; padded keys get no weight).
+    ``(B, N)`` bool mask (True = padding; padded keys get no weight) — or that mask already as
+    SDPA's additive bias, ``(B, 1, 1, N)`` in k's dtype, 0 / -inf (the Triton path builds it
+    once; SDPA would turn a bool mask into it with a few launches of its own).
     Returns: ``(B, H, m, dv)`` in k's dtype.
     """
-    mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+    mask = key_padding_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mask = ~mask[:, None, None, :]
     return F.scaled_dot_product_attention(landmarks.to(k.dtype), k, v, attn_mask=mask)
 
 

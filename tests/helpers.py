@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+from contextlib import contextmanager
+
+import pytest
 import torch
 
 from mita.data.listops import ListOpsConfig, generate
@@ -36,6 +40,30 @@ def random_mask(B, N, seed, suffix=True):
             mask[b] = torch.rand(N, generator=g) < 0.4
             mask[b, int(torch.randint(0, N, (1,), generator=g))] = False
     return mask
+
+
+# The Triton kernel modules and one kernel of each: Triton decides at decoration whether a
+# kernel is interpreted, so a module first imported without TRITON_INTERPRET is reloaded.
+KERNEL_MODULES = (("mita.kernels.routing", "_landmark_topk_kernel"),
+                  ("mita.kernels.topk", "_select_kernel"),  # after routing: imports from it
+                  ("mita.kernels.pooling", "_pool_kernel"))
+
+
+@contextmanager
+def triton_interpreter():
+    """``TRITON_INTERPRET=1`` with the Triton kernel modules (re)imported under it, for a
+    module-scoped fixture; yields ``mita.kernels.mita_attention``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        module = importlib.import_module("mita.kernels.mita_attention")
+        if type(module._mita_fused_kernel).__name__ != "InterpretedFunction":
+            module = importlib.reload(module)
+            importlib.reload(importlib.import_module("mita.kernels"))
+        for name, kernel in KERNEL_MODULES:
+            other = importlib.import_module(name)
+            if type(getattr(other, kernel)).__name__ != "InterpretedFunction":
+                importlib.reload(other)
+        yield module
 
 
 JSON = {"content-type": "application/json"}

@@ -28,14 +28,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("tri
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():
-    """All 84 specialisations × 2 targets compile to a cubin whose shared memory fits. The cases
-    reach every constexpr set the launchers can pick: for the attention kernel each (dtype,
-    SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, num_stages 2 exactly for float32 with
-    BLOCK_D = 128 (also for route_shared); for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
-    K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4. (Compiled in
-    spawned processes: this pytest process may hold the interpreter's version of the kernels.)"""
+    """All 100 specialisations × 2 targets compile to a cubin whose shared memory fits. The
+    cases reach every constexpr set the launchers can pick: for the attention kernel each
+    (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, num_stages 2 exactly for float32
+    with BLOCK_D = 128 (also for route_shared); for landmark_topk each (dtype, BLOCK_D ∈ {64,
+    128}, K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4; for
+    the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK), 3 × 2 × 2; for the tile table each
+    (s = 1 or not, HAS_MASK), 2 × 2. (Compiled in spawned processes: this pytest process may
+    hold the interpreter's version of the kernels.)"""
     results = aot.check_all()
-    assert len(results) == 168
+    assert len(results) == 200
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
@@ -43,6 +45,12 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     seen = {kernel: set() for kernel in aot.KERNELS}
     for r in results:
         meta, dtype = r["meta"], r["case"].split("-")[1]
+        if r["kernel"] == "pool":
+            seen["pool"].add((dtype, meta["BLOCK_D"], meta["HAS_MASK"]))
+            continue
+        if r["kernel"] == "tile_table":  # the case name's second field: s1 or s3
+            seen["tile_table"].add((dtype == "s1", meta["HAS_MASK"]))
+            continue
         assert meta["IEEE"] == (dtype == "float32") and meta["UPCAST"] is False
         if r["kernel"] == "attention":
             seen["attention"].add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"],
@@ -57,7 +65,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128)
                                           else 3)
     assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
-                                                     "route_shared": 12}
+                                                     "route_shared": 12, "pool": 12,
+                                                     "tile_table": 4}
     assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
     assert {k[2] for k in seen["landmark_topk"]} == {64, 128, 256, 512}
 

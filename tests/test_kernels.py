@@ -30,7 +30,7 @@ from mita.hooks import MITA_STAGES
 from mita.reference import reference_mita
 
 from .conftest import run_smoke_here
-from .helpers import rand_qkv, random_mask
+from .helpers import rand_qkv, random_mask, triton_interpreter
 
 pytestmark = pytest.mark.slow  # the Triton interpreter: minutes on 2 cores
 
@@ -38,15 +38,7 @@ pytestmark = pytest.mark.slow  # the Triton interpreter: minutes on 2 cores
 @pytest.fixture(scope="module")
 def kernel():
     """The kernel module, (re)imported with the interpreter on: Triton decides at decoration."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        module = importlib.import_module("mita.kernels.mita_attention")
-        routing = importlib.import_module("mita.kernels.routing")
-        if type(module._mita_fused_kernel).__name__ != "InterpretedFunction":
-            module = importlib.reload(module)
-            importlib.reload(importlib.import_module("mita.kernels"))
-        if type(routing._landmark_topk_kernel).__name__ != "InterpretedFunction":
-            importlib.reload(routing)
+    with triton_interpreter() as module:
         yield module
 
 
@@ -339,3 +331,95 @@ def test_triton_refuses_autograd_and_auto_trains_on_torch(kernel, monkeypatch):
     assert not A._use_triton("auto", q, v, k)  # as on a GPU: is_cuda, float32, d ≤ 128
     with torch.no_grad():
         assert A._use_triton("auto", q, v, k)
+
+
+# --- pool and tile table (mita/kernels/pooling.py, mita_attention._tile_table_kernel) -------
+
+
+@pytest.fixture(scope="module")
+def pooling(kernel):
+    return importlib.import_module("mita.kernels.pooling")
+
+
+def pooled_by_rank(q, m, mask):
+    """Eq. 5's 1-D rule written out token by token in float64: the valid token of rank r (of
+    L in its row) goes to landmark ⌊r·m/L⌋; returns the means (zero when empty) and counts."""
+    B, H, N, d = q.shape
+    sums = torch.zeros(B, H, m, d, dtype=torch.float64)
+    counts = torch.zeros(B, m, dtype=torch.int64)
+    for b in range(B):
+        real = [n for n in range(N) if mask is None or not mask[b, n]]
+        for r, n in enumerate(real):
+            sums[b, :, r * m // len(real)] += q[b, :, n].double()
+            counts[b, r * m // len(real)] += 1
+    return sums / counts.clamp_min(1)[:, None, :, None], counts
+
+
+@pytest.mark.parametrize("B,H,N,d,m,mask", [
+    (2, 2, 100, 32, 7, "suffix"),     # N % m ≠ 0, padding at the end
+    (2, 1, 90, 48, 6, "scattered"),   # padding anywhere: positions found by binary search
+    (2, 1, 64, 32, 8, None),          # the common case: N/m tokens per landmark
+    (1, 2, 5, 16, 8, None),           # N < m: empty landmarks
+    (2, 2, 50, 32, 9, "short"),       # a row with 3 real tokens: 6 of its 9 landmarks empty
+])
+def test_pool_landmarks_follow_the_rank_rule(pooling, B, H, N, d, m, mask):
+    """Small-integer queries: every fp32 sum is exact, so each landmark is one rounding of the
+    exact mean (within one float32 ulp, 2^-23 relative, of the float64 mean rounded)."""
+    g = torch.Generator().manual_seed(N + m)
+    q = torch.randint(-3, 4, (B, H, N, d), generator=g).float()
+    km = None
+    if mask == "short":
+        km = torch.zeros(B, N, dtype=torch.bool)
+        km[0, 3:] = True
+    elif mask is not None:
+        km = random_mask(B, N, seed=N, suffix=mask == "suffix")
+    want, counts = pooled_by_rank(q, m, km)
+    assert (counts == 0).any() == (N < m or mask == "short")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # small integers: exact
+        landmarks, lm, valid, key_valid, key_bias = pooling.pool_landmarks(q.to(dtype), m, km)
+        torch.testing.assert_close(landmarks, want.float(), rtol=2 ** -23, atol=0)
+        assert lm.dtype == dtype and torch.equal(lm, landmarks.to(dtype))
+        assert torch.equal(valid, counts > 0)
+        if km is None:
+            assert key_bias is None and torch.equal(key_valid, torch.ones(B, N, dtype=torch.int8))
+        else:
+            assert torch.equal(key_valid, (~km).to(torch.int8))
+            assert key_bias.dtype == dtype and tuple(key_bias.shape) == (B, 1, 1, N)
+            assert torch.equal(key_bias[:, 0, 0].isinf(), km) and (key_bias <= 0).all()
+            assert (key_bias[:, 0, 0][~km] == 0).all()
+
+
+@pytest.mark.parametrize("s,masked", [(1, True), (3, False), (2, True)])
+def test_tile_table_groups_entries_by_expert(kernel, s, masked):
+    """Every real (query, expert) entry appears once in ``order``, in its expert's run (runs in
+    expert order, lengths = the entry counts); each run is cut into tiles of ≤ BLOCK_M entries
+    in order; padded queries' entries get no slot; spare tiles are -1."""
+    B, H, N, m = 2, 2, 150, 9
+    g = torch.Generator().manual_seed(s)
+    experts = torch.randint(0, 4, (B, H, N, s), generator=g)  # experts 4..8 stay empty
+    experts[0, 1, :100] = 5  # one expert over BLOCK_M = 64 entries: two tiles
+    mask = random_mask(B, N, seed=3, suffix=False) if masked else None
+    key_valid = None if mask is None else (~mask).to(torch.int8)
+    grid, args, meta, (order, tile_e, tile_lo, tile_hi) = kernel.tile_table_plan(
+        experts, key_valid, m, kernel.BLOCK_M)
+    kernel._tile_table_kernel[grid](*args, **meta)
+    T = -(-N * s // kernel.BLOCK_M) + m  # cdiv(N·s, BLOCK_M) + m
+    assert tuple(tile_e.shape) == (B * H, T)
+    for bh in range(B * H):
+        b, h = divmod(bh, H)
+        real = [(n * s + j, int(experts[b, h, n, j])) for n in range(N) for j in range(s)
+                if mask is None or not mask[b, n]]
+        start, used = 0, 0
+        for e in range(m):
+            entries = sorted(r for r, x in real if x == e)
+            run = order[bh, start:start + len(entries)]
+            assert sorted(run.tolist()) == entries, (bh, e)
+            n_tiles = -(-len(entries) // kernel.BLOCK_M)
+            tiles = slice(used, used + n_tiles)
+            assert (tile_e[bh, tiles] == e).all()
+            lo = [start + t * kernel.BLOCK_M for t in range(n_tiles)]
+            assert tile_lo[bh, tiles].tolist() == lo
+            assert tile_hi[bh, tiles].tolist() == [min(x + kernel.BLOCK_M,
+                                                       start + len(entries)) for x in lo]
+            start, used = start + len(entries), used + n_tiles
+        assert start == len(real) and (tile_e[bh, used:] == -1).all()

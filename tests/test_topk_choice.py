@@ -63,7 +63,7 @@ def fakes(calls, fail=()):
               "torch": RuntimeError("out of memory")}
 
     def make(name):
-        def path(landmarks, k, topk, scale, key_padding_mask=None):
+        def path(landmarks, k, topk, scale, key_padding_mask=None, key_valid=None):
             calls.append(name)
             if name in fail:
                 raise errors[name]

@@ -17,14 +17,13 @@ Tolerances, and why:
 from __future__ import annotations
 
 import importlib
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from .conftest import run_smoke_here
-from .helpers import random_mask
+from .helpers import random_mask, triton_interpreter
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
 # Set by tests for their test kernels (jit code reaches other modules as globals).
@@ -35,17 +34,9 @@ _triton_sort = None  # Triton's own tl.sort
 @pytest.fixture(scope="module")
 def kernels():
     """``(routing, topk)`` defined under the interpreter (Triton decides at decoration)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        routing = importlib.import_module("mita.kernels.routing")
-        if type(routing._landmark_topk_kernel).__name__ != "InterpretedFunction":
-            routing = importlib.reload(routing)
-            sys.modules.pop("mita.kernels.topk", None)
-        topk = importlib.import_module("mita.kernels.topk")
-        if type(topk._select_kernel).__name__ != "InterpretedFunction" \
-                or topk._score_keys is not routing._score_keys:
-            topk = importlib.reload(topk)
-        yield routing, topk
+    with triton_interpreter():
+        yield (importlib.import_module("mita.kernels.routing"),
+               importlib.import_module("mita.kernels.topk"))
 
 
 def test_interpreter_sort_equals_tritons(kernels, fast_interpreter_sort):

@@ -27,14 +27,16 @@ CAPABILITIES = (80, 90)  # A100, H100/H200
 MAX_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}
 
 
-KERNELS = ("attention", "landmark_topk", "route_shared")
+KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_table")
 
 
 @dataclass(frozen=True)
 class Case:
     """One launcher choice of one kernel. ``attention`` (``_mita_fused_kernel``): dtype,
     s = 1 or not, mask or not, BLOCK_D from the head dim. ``landmark_topk``: dtype, BLOCK_D,
-    K_PAD from ``topk``. ``route_shared``: dtype, BLOCK_D."""
+    K_PAD from ``topk``. ``route_shared``: dtype, BLOCK_D. ``pool`` (``pooling._pool_kernel``):
+    dtype, BLOCK_D, mask or not. ``tile_table`` (``_tile_table_kernel``, no float inputs: its
+    dtype is the attention case's it is planned with): s = 1 or not, mask or not."""
 
     kernel: str
     dtype: str  # "float16" | "bfloat16" | "float32"
@@ -49,6 +51,10 @@ class Case:
                     f"-d{self.d}")
         if self.kernel == "landmark_topk":
             return f"landmark_topk-{self.dtype}-d{self.d}-k{self.topk}"
+        if self.kernel == "pool":
+            return f"pool-{self.dtype}-{'mask' if self.masked else 'nomask'}-d{self.d}"
+        if self.kernel == "tile_table":
+            return f"tile_table-s{self.s}-{'mask' if self.masked else 'nomask'}"
         return f"route_shared-{self.dtype}-d{self.d}"
 
 
@@ -60,13 +66,18 @@ def cases() -> list[Case]:
     (s = 1, s > 1) × (mask, none) × BLOCK_D ∈ {16, 32, 64, 128} (head dims 8, 32, 48, 128
     reach each one) = 48. ``landmark_topk``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
     K_PAD ∈ {64, 128, 256, 512} (k 40, 100, 200, 512) = 24. ``route_shared``: 3 dtypes ×
-    BLOCK_D ∈ {16, 32, 64, 128} = 12."""
+    BLOCK_D ∈ {16, 32, 64, 128} = 12. ``pool``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
+    (mask, none) = 12. ``tile_table``: (s = 1, s > 1) × (mask, none) = 4."""
     out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
         DTYPE_NAMES, (1, 3), (False, True), (8, 32, 48, 128))]
     out += [Case("landmark_topk", dt, d, topk=topk) for dt, d, topk in itertools.product(
         DTYPE_NAMES, (48, 128), (40, 100, 200, 512))]
     out += [Case("route_shared", dt, d) for dt, d in itertools.product(
         DTYPE_NAMES, (8, 32, 48, 128))]
+    out += [Case("pool", dt, d, masked=masked) for dt, d, masked in itertools.product(
+        DTYPE_NAMES, (48, 128), (False, True))]
+    out += [Case("tile_table", "float32", 32, s, masked) for s, masked in itertools.product(
+        (1, 3), (False, True))]
     return out
 
 
@@ -75,8 +86,8 @@ def example_plan(case: Case) -> tuple:
     (B = 2, H = 2, N = 600, m = 6, k = 8 unless the case sets k), planned as for CUDA
     (``interpreter=False``): the same arguments and constexprs a CUDA launch of that case
     passes. Returns ``(kernel, args, meta)``."""
-    from . import routing
-    from .mita_attention import _mita_fused_kernel, launch_plan
+    from . import pooling, routing
+    from .mita_attention import _mita_fused_kernel, _tile_table_kernel, launch_plan
 
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
@@ -93,6 +104,9 @@ def example_plan(case: Case) -> tuple:
         _, args, meta, _ = routing.landmark_topk_plan(landmarks, k, topk, case.d ** -0.5, mask,
                                                       interpreter=False)
         return routing._landmark_topk_kernel, args, meta
+    if case.kernel == "pool":
+        _, args, meta, _ = pooling.pool_plan(q, m, mask)
+        return pooling._pool_kernel, args, meta
     if case.kernel == "route_shared":
         _, args, meta, _ = routing.route_shared_plan(q, landmarks, shared_values, landmark_valid,
                                                      case.d ** -0.5, interpreter=False)
@@ -105,6 +119,8 @@ def example_plan(case: Case) -> tuple:
                    torch.randn(B, H, N, case.d, generator=g))
     plan = launch_plan(q, k, v, landmarks, shared_values, landmark_valid, index, experts, mask,
                        interpreter=False, shared_partial=partial)
+    if case.kernel == "tile_table":
+        return _tile_table_kernel, plan.tiles[1], plan.tiles[2]
     return _mita_fused_kernel, plan.args, plan.meta
 
 
@@ -165,7 +181,7 @@ def check_all(capabilities=CAPABILITIES, workers: int | None = None) -> list[dic
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    # slowest first (the large top-k sorts), so the pool ends evenly
+    # slowest first (the large top-k sorts), so the process pool ends evenly
     jobs = sorted(((c, cap) for cap in capabilities for c in cases()),
                   key=lambda job: (job[0].kernel != "landmark_topk", -job[0].topk, job[1]))
     saved = os.environ.pop("TRITON_INTERPRET", None)

@@ -42,29 +42,34 @@ TIMING_REPEATS = 5  # launches timed per path, after one warm-up (compile, autot
 
 
 def select_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
-                key_padding_mask: Tensor | None = None) -> Tensor:
+                key_padding_mask: Tensor | None = None,
+                key_valid: Tensor | None = None) -> Tensor:
     """Path ``"select"``: ``mita.kernels.topk.threshold_topk`` (arguments as
-    ``bitonic_topk``). Raises ImportError where that kernel module is absent."""
-    from .topk import threshold_topk
+    ``bitonic_topk``; k ≤ 2,048)."""
+    from . import topk as kernels  # the module: a reloaded kernel module is what runs
 
-    return threshold_topk(landmarks, k, topk, scale, key_padding_mask=key_padding_mask)
+    return kernels.threshold_topk(landmarks, k, topk, scale, key_padding_mask, key_valid)
 
 
 def bitonic_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
-                 key_padding_mask: Tensor | None = None) -> Tensor:
+                 key_padding_mask: Tensor | None = None,
+                 key_valid: Tensor | None = None) -> Tensor:
     """Path ``"bitonic"``: ``routing.landmark_topk``, scores streamed, no m × N matrix.
 
     Args: ``landmarks`` ``(B, H, m, d)``, ``k`` ``(B, H, N, d)`` float16 / bfloat16 / float32
     keys, ``1 ≤ topk ≤ min(N, 512)``, ``scale`` 1/√d, optional ``(B, N)`` bool mask
-    (True = padding). Returns ``(B, H, m, topk)`` int64. Raises ValueError for k > 512.
+    (True = padding) and the same mask as the kernels' ``(B, N)`` int8 (1 = a real key), when
+    the caller built it once for the forward. Returns ``(B, H, m, topk)`` int64. Raises
+    ValueError for k > 512.
     """
     from . import routing  # the module, not the name: a reloaded kernel module is what runs
 
-    return routing.landmark_topk(landmarks, k, topk, scale, key_padding_mask)
+    return routing.landmark_topk(landmarks, k, topk, scale, key_padding_mask, key_valid)
 
 
 def torch_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
-               key_padding_mask: Tensor | None = None) -> Tensor:
+               key_padding_mask: Tensor | None = None,
+               key_valid: Tensor | None = None) -> Tensor:
     """Path ``"torch"``: ``topk_tokens(landmark_scores(landmarks, k.float(), mask), topk)`` —
     float32 scores (cuBLAS on CUDA), any k ≤ N. Arguments as ``bitonic_topk``; ``scale`` must
     be 1/√d, which ``landmark_scores`` applies itself. Raises ValueError for another scale."""
@@ -74,7 +79,7 @@ def torch_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     if not math.isclose(scale, k.shape[-1] ** -0.5, rel_tol=1e-12):
         raise ValueError(f"the torch top-k path scales by 1/√d = {k.shape[-1] ** -0.5}, got "
                          f"scale = {scale}")
-    scores = A.landmark_scores(landmarks, k.float(), key_padding_mask)
+    scores = A.landmark_scores(landmarks.float(), k.float(), key_padding_mask)
     return A.topk_tokens(scores, topk)
 
 
@@ -169,8 +174,9 @@ class TopkChooser:
         return name
 
     def __call__(self, landmarks: Tensor, k: Tensor, topk: int, scale: float,
-                 key_padding_mask: Tensor | None = None) -> Tensor:
-        args = (landmarks, k, topk, scale, key_padding_mask)
+                 key_padding_mask: Tensor | None = None,
+                 key_valid: Tensor | None = None) -> Tensor:
+        args = (landmarks, k, topk, scale, key_padding_mask, key_valid)
         name = self.forced()
         if name is not None:
             return self._serve(name, self.candidates[name](*args))

@@ -4,10 +4,12 @@ The authors' code runs two flash-attn varlen calls (shared, routed) and merges t
 log-sum-exp. Here one kernel reads each (query, expert) entry's query once and streams both
 key sets through one online (flash-style) softmax in fp32:
 
-1. Dispatch, as in MoE: the N·s (query, expert) entries of each (batch, head) are sorted by
-   expert id (``torch.sort``, stable). Each expert's run of entries is cut into tiles of
-   ``BLOCK_M`` entries; a tile table (expert, first entry, end) is built on the device, so
-   nothing synchronises with the host and the grid size is the bound cdiv(N·s, BLOCK_M) + m.
+1. Dispatch, as in MoE: the N·s (query, expert) entries of each (batch, head) are grouped by
+   expert id (``_tile_table_kernel``, one program per (batch, head): a counting sort with an
+   atomic cursor per expert). Each expert's run of entries is cut into tiles of ``BLOCK_M``
+   entries; the tile table (expert, first entry, end) is built on the device, so nothing
+   synchronises with the host and the grid size is the bound cdiv(N·s, BLOCK_M) + m.
+   Padded queries get no entry and no tile.
 2. Kernel, one program per tile: load the tile's queries (gathered by query index), then
    - s = 1: start from the shared half of the joint softmax that ``routing.route_shared``
      computed per query (max, sum of exp, weighted ṽ: the m shared keys were scored there,
@@ -175,46 +177,119 @@ def _mita_fused_kernel(
         tl.store(PART_L + part, l_i, mask=in_tile)
 
 
-def _tile_table(experts: Tensor, key_padding_mask: Tensor | None, m: int, block_m: int):
-    """Sort each (b, h)'s N·s entries by expert and cut each expert's run into tiles.
+def as_int8(flags: Tensor) -> Tensor:
+    """A bool (or integer 0/1) flag tensor as contiguous int8 for a kernel: a bool tensor is
+    reinterpreted (the same bytes, no launch), anything else converted."""
+    flags = flags.contiguous()
+    return flags.view(torch.int8) if flags.dtype == torch.bool else flags.to(torch.int8)
 
-    Returns ``order`` ``(B·H, N·s)`` int32 (entry ids r = n·s + j in expert order) and
-    ``tile_e``, ``tile_lo``, ``tile_hi`` ``(B·H, T)`` int32 with T = cdiv(N·s, block_m) + m;
-    unused tiles have ``tile_e = -1``. Padded queries go to a dummy expert m that gets no tile.
-    All on the device, no host synchronisation.
+
+TILE_BLOCK = 1024  # entries per step of the tile-table kernel
+TILE_BLOCK_E = 128  # experts per step
+
+
+@triton.jit
+def _tile_table_kernel(
+    EXPERTS, KEY_VALID, COUNT, SLOT, START, ORDER, TILE_E, TILE_LO, TILE_HI,
+    H, N, S, M, T,
+    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    # One program per (batch, head), in four phases a CTA barrier apart.
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    NS = N * S
+    ent = tl.arange(0, BLOCK)
+    exps = tl.arange(0, BLOCK_E)
+    for e0 in range(0, M, BLOCK_E):
+        ee = e0 + exps
+        tl.store(COUNT + bh * M + ee, tl.zeros([BLOCK_E], tl.int32), mask=ee < M)
+    tl.debug_barrier()
+    # Each entry's slot within its expert from an atomic cursor per expert. Which entry of an
+    # expert gets which slot is not deterministic on a GPU, and need not be: an output row
+    # depends only on its own query, its expert and the shared partial (rows of a tile never
+    # mix), so the outputs are bit-identical whatever the order within an expert.
+    for r0 in range(0, NS, BLOCK):
+        r = r0 + ent
+        ok = r < NS
+        if HAS_MASK:  # padded queries get no slot, so no tile
+            ok = ok & (tl.load(KEY_VALID + b * N + r // S, mask=ok, other=0) != 0)
+        e = tl.load(EXPERTS + bh * NS + r, mask=ok, other=0)
+        slot = tl.atomic_add(COUNT + bh * M + e, 1, mask=ok)
+        tl.store(SLOT + bh * NS + r, slot, mask=ok)
+    tl.debug_barrier()
+    # Experts in order: each one's run of entries starts after the previous ones' and is cut
+    # into tiles of BLOCK_M entries.
+    seg_base = 0
+    tile_base = 0
+    for e0 in range(0, M, BLOCK_E):
+        ee = e0 + exps
+        em = ee < M
+        # volatile: the counts were written by atomics (in L2), not by this SM's L1
+        c = tl.load(COUNT + bh * M + ee, mask=em, other=0, volatile=True)
+        tiles = (c + BLOCK_M - 1) // BLOCK_M
+        start = seg_base + tl.cumsum(c, 0) - c
+        first = tile_base + tl.cumsum(tiles, 0) - tiles
+        tl.store(START + bh * M + ee, start, mask=em)
+        for j in range(0, tl.max(tiles, 0)):
+            has = j < tiles
+            lo = start + j * BLOCK_M
+            t = bh * T + first + j
+            tl.store(TILE_E + t, ee, mask=has)
+            tl.store(TILE_LO + t, lo, mask=has)
+            tl.store(TILE_HI + t, tl.minimum(lo + BLOCK_M, start + c), mask=has)
+        seg_base += tl.sum(c, 0)
+        tile_base += tl.sum(tiles, 0)
+    for t0 in range(tile_base, T, BLOCK):  # the grid's spare tiles
+        t = t0 + ent
+        tl.store(TILE_E + bh * T + t, tl.full([BLOCK], -1, tl.int32), mask=t < T)
+    tl.debug_barrier()
+    for r0 in range(0, NS, BLOCK):
+        r = r0 + ent
+        ok = r < NS
+        if HAS_MASK:
+            ok = ok & (tl.load(KEY_VALID + b * N + r // S, mask=ok, other=0) != 0)
+        e = tl.load(EXPERTS + bh * NS + r, mask=ok, other=0)
+        slot = tl.load(SLOT + bh * NS + r, mask=ok, other=0)
+        first = tl.load(START + bh * M + e, mask=ok, other=0)
+        tl.store(ORDER + bh * NS + first + slot, r, mask=ok)
+
+
+def tile_table_plan(experts: Tensor, key_valid: Tensor | None, m: int, block_m: int = BLOCK_M):
+    """The launch of ``_tile_table_kernel``: group each (b, h)'s N·s (query, expert) entries by
+    expert and cut each expert's run into tiles of ``block_m`` entries, on the device (no host
+    synchronisation), as ``(grid, args, meta, (order, tile_e, tile_lo, tile_hi))``.
+
+    Args: ``experts`` ``(B, H, N, s)`` int64 expert ids in [0, m); ``key_valid`` ``(B, N)``
+    int8 (1 = a real query) or None without padding; ``m`` experts; ``block_m`` entries per tile.
+    Outputs (written by the launch): ``order`` ``(B·H, N·s)`` int32, the entry ids
+    r = n·s + j grouped by expert (expert 0's first; any order within an expert), padded
+    queries' entries left out (the slots past the real entries are not written);
+    ``tile_e``, ``tile_lo``, ``tile_hi`` ``(B·H, T)`` int32 with T = cdiv(N·s, block_m) + m
+    (an upper bound on the tiles: each expert's last tile may be partial): tile t holds the
+    entries ``order[lo:hi]`` of expert ``tile_e``; unused tiles have ``tile_e = -1``.
     """
     B, H, N, s = experts.shape
-    flat = experts.reshape(B * H, N * s)
-    if key_padding_mask is not None:
-        pad = key_padding_mask.repeat_interleave(s, dim=1)  # (B, N·s)
-        flat = flat.masked_fill(pad.repeat_interleave(H, dim=0), m)
-    _, order = torch.sort(flat, dim=1, stable=True)
-    counts = torch.zeros(B * H, m + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(1, flat, torch.ones_like(flat))
-    counts = counts[:, :m]
-    seg_start = counts.cumsum(1) - counts
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = tiles.cumsum(1)  # tiles of experts 0..e, inclusive
     T = triton.cdiv(N * s, block_m) + m
-    t = torch.arange(T, device=flat.device).expand(B * H, T).contiguous()
-    e = torch.searchsorted(tile_end, t, right=True)  # expert owning tile t (m: unused)
-    used = e < m
-    e_c = e.clamp(max=m - 1)
-    first_tile = tile_end.gather(1, e_c) - tiles.gather(1, e_c)
-    lo = seg_start.gather(1, e_c) + (t - first_tile) * block_m
-    hi = seg_start.gather(1, e_c) + counts.gather(1, e_c)
-    tile_e = torch.where(used, e, -1)
-    return (order.to(torch.int32), tile_e.to(torch.int32), lo.to(torch.int32),
-            torch.minimum(hi, lo + block_m).to(torch.int32))
+    i32 = dict(dtype=torch.int32, device=experts.device)
+    order, slot = torch.empty(B * H, N * s, **i32), torch.empty(B * H, N * s, **i32)
+    count, start = torch.empty(B * H, m, **i32), torch.empty(B * H, m, **i32)
+    tile_e, tile_lo, tile_hi = (torch.empty(B * H, T, **i32) for _ in range(3))
+    args = (experts.contiguous(), order if key_valid is None else key_valid, count, slot, start,
+            order, tile_e, tile_lo, tile_hi, H, N, s, m, T)
+    meta = dict(HAS_MASK=key_valid is not None, BLOCK_M=block_m, BLOCK=TILE_BLOCK,
+                BLOCK_E=TILE_BLOCK_E)
+    return (B * H,), args, meta, (order, tile_e, tile_lo, tile_hi)
 
 
 @dataclass
 class LaunchPlan:
     """Everything one ``_mita_fused_kernel`` launch needs: ``grid``, the positional ``args``
     and ``meta`` (the constexprs and ``num_stages``), plus the buffers the epilogue reads.
-    ``fused_attention`` launches it; ``mita.kernels.aot`` (run by
-    ``tests/test_kernel_compile.py``) compiles the same (args, meta) ahead of time for sm_80 /
-    sm_90 through Triton's own launch-time specialisation."""
+    ``tiles`` is the ``tile_table_plan`` launch ``(grid, args, meta, outputs)`` that must run
+    first (it writes the tile table ``args`` reads). ``fused_attention`` launches both;
+    ``mita.kernels.aot`` (run by ``tests/test_kernel_compile.py``) compiles the same (args,
+    meta) ahead of time for sm_80 / sm_90 through Triton's own launch-time specialisation."""
 
     grid: tuple[int, int]
     args: tuple
@@ -223,13 +298,15 @@ class LaunchPlan:
     target: Tensor
     part_m: Tensor
     part_l: Tensor
+    tiles: tuple
 
 
-def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_values: Tensor,
-                landmark_valid: Tensor, expert_index: Tensor, experts: Tensor,
-                key_padding_mask: Tensor | None = None, out: Tensor | None = None,
-                interpreter: bool | None = None,
-                shared_partial: tuple[Tensor, Tensor, Tensor] | None = None) -> LaunchPlan:
+def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
+                shared_values: Tensor, landmark_valid: Tensor, expert_index: Tensor,
+                experts: Tensor, key_padding_mask: Tensor | None = None,
+                out: Tensor | None = None, interpreter: bool | None = None,
+                shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
+                key_valid: Tensor | None = None) -> LaunchPlan:
     """Validate ``fused_attention``'s arguments and build its launch (tile table, buffers,
     kernel arguments, constexpr specialisation). Arguments, returns and errors as
     ``fused_attention``; works on CPU tensors (no launch happens here). ``interpreter``: plan
@@ -256,17 +333,26 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
     if max(d, dv) > MAX_HEAD_DIM:
         raise ValueError(f"the fused MiTA kernel takes head dims up to {MAX_HEAD_DIM}, got "
                          f"d = {d}, dv = {dv}; use backend='torch'")
-    if tuple(shared_keys.shape) != (B, H, m, d) or tuple(shared_values.shape) != (B, H, m, dv):
-        raise ValueError("shared keys/values must be (B, H, m, d) / (B, H, m, dv)")
+    if shared_keys is None:
+        if s != 1 or shared_partial is None:
+            raise ValueError("shared_keys may be None only for s = 1 with shared_partial")
+        shared_keys = shared_values  # unread: SINGLE_SLOT starts from the shared partial
+    elif tuple(shared_keys.shape) != (B, H, m, d):
+        raise ValueError("shared keys must be (B, H, m, d)")
+    if tuple(shared_values.shape) != (B, H, m, dv):
+        raise ValueError("shared values must be (B, H, m, dv)")
     if tuple(experts.shape[:3]) != (B, H, N):
         raise ValueError(f"experts must be (B, H, N, s), got {tuple(experts.shape)}")
 
     shared_keys = shared_keys.to(q.dtype)
     shared_values = shared_values.to(q.dtype)
-    landmark_valid_i8 = landmark_valid.to(torch.int8).contiguous()
-    key_valid = (~key_padding_mask).to(torch.int8).contiguous() \
-        if key_padding_mask is not None else landmark_valid_i8  # unused placeholder: no mask
-    order, tile_e, tile_lo, tile_hi = _tile_table(experts, key_padding_mask, m, BLOCK_M)
+    landmark_valid_i8 = as_int8(landmark_valid)
+    if key_padding_mask is None:
+        key_valid = None
+    elif key_valid is None:
+        key_valid = (~key_padding_mask).view(torch.int8)
+    tiles = tile_table_plan(experts, key_valid, m, BLOCK_M)
+    order, tile_e, tile_lo, tile_hi = tiles[3]
     T = tile_e.shape[1]
     if out is None:
         out = q.new_empty(B, H, N, dv)
@@ -285,8 +371,10 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
         part_m = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         part_l = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         shared_acc = part_l  # unused for s > 1
-    args = (q, k, v, shared_keys, shared_values, expert_index, key_valid, landmark_valid_i8, order,
-            tile_e, tile_lo, tile_hi, target, part_m, part_l, shared_acc,
+    args = (q, k, v, shared_keys, shared_values, expert_index,
+            landmark_valid_i8 if key_valid is None else key_valid,  # unread without a mask
+            landmark_valid_i8, order, tile_e, tile_lo, tile_hi, target, part_m, part_l,
+            shared_acc,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),
             H, N, m, topk, d, dv, T, s, d ** -0.5)
@@ -299,23 +387,28 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor, shared_val
                 # float32 tiles of 128 columns, software-pipelined 3 deep, need 176 KiB of
                 # shared memory: over sm_80's 163 KiB (the launch would fail). 2 stages: 112 KiB.
                 num_stages=2 if q.element_size() * block_d >= 512 else 3)
-    return LaunchPlan((T, B * H), args, meta, out, target, part_m, part_l)
+    return LaunchPlan((T, B * H), args, meta, out, target, part_m, part_l, tiles)
 
 
-def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
                     shared_values: Tensor, landmark_valid: Tensor, expert_index: Tensor,
                     experts: Tensor, key_padding_mask: Tensor | None = None,
                     out: Tensor | None = None,
-                    shared_partial: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-    """Fused stages ``gather`` + ``attention`` (eqs. 10-12) with one Triton kernel.
+                    shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
+                    key_valid: Tensor | None = None) -> Tensor:
+    """Fused stages ``gather`` + ``attention`` (eqs. 10-12): the tile table
+    (``_tile_table_kernel``) and one attention kernel (plus, with a mask, zeroing the padded
+    rows; for s > 1 the merge of the slots).
 
     Args:
         q, k: ``(B, H, N, d)``; v: ``(B, H, N, dv)``; float16, bfloat16 or float32 (one dtype);
             d, dv ≤ 128.
         shared_keys: ``(B, H, m, d)`` landmarks **already multiplied by the shared scale c**
-            (1/√d paper, 1/d official); cast to q's dtype.
+            (1/√d paper, 1/d official); cast to q's dtype. None for s = 1 with
+            ``shared_partial`` (the kernel then reads no shared keys).
         shared_values: ``(B, H, m, dv)`` from ``shared_compress``; cast to q's dtype.
-        landmark_valid: ``(B, m)`` bool, False for empty landmarks (masked everywhere).
+        landmark_valid: ``(B, m)`` bool (or int8 0/1), False for empty landmarks (masked
+            everywhere).
         expert_index: ``(B, H, m, k)`` int key indices from ``topk``.
         experts: ``(B, H, N, s)`` int expert ids from ``route``.
         key_padding_mask: optional ``(B, N)`` bool, True = padding.
@@ -323,6 +416,8 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
         shared_partial: s = 1 only, optional: the shared half of the joint softmax per query
             from ``routing.route_shared`` (max, sum of exp, weighted ṽ); computed here from
             ``shared_keys`` when not given.
+        key_valid: optional ``(B, N)`` int8, 1 = a real key: ``key_padding_mask`` as the
+            kernels read it (``pooling.pool_landmarks`` writes it), built here when not given.
     Returns:
         ``(B, H, N, dv)`` in q's dtype; rows of padded queries are **zero**. Routed logits use
         1/√d. fp32 accumulation throughout.
@@ -338,7 +433,10 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor,
 
         shared_partial = route_shared(q, shared_keys, shared_values, landmark_valid, 1.0)[1:]
     plan = launch_plan(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
-                       experts, key_padding_mask, out, shared_partial=shared_partial)
+                       experts, key_padding_mask, out, shared_partial=shared_partial,
+                       key_valid=key_valid)
+    tile_grid, tile_args, tile_meta, _ = plan.tiles
+    _tile_table_kernel[tile_grid](*tile_args, **tile_meta)
     _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
     out = plan.out
     if not plan.meta["SINGLE_SLOT"]:

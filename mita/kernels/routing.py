@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import MAX_HEAD_DIM
-from .mita_attention import _NEG_INIT, DTYPES, _dot
+from .mita_attention import _NEG_INIT, DTYPES, _dot, as_int8
 
 BLOCK_L = 16  # landmarks per top-k program (tl.dot needs ≥ 16 rows)
 TOPK_BLOCK_N = 64  # keys per score tile; K_PAD // TOPK_BLOCK_N tiles form one merge
@@ -231,7 +231,7 @@ def _key_valid(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tenso
     is not a compile-time specialisation)."""
     if key_padding_mask is None:
         return torch.ones(B, N, dtype=torch.int8, device=device)
-    return (~key_padding_mask).to(torch.int8).contiguous()
+    return (~key_padding_mask).view(torch.int8)  # the bool bytes as 0/1, no second launch
 
 
 def _block_d(*dims: int) -> int:
@@ -340,7 +340,7 @@ def route_shared_plan(q: Tensor, landmarks: Tensor, shared_values: Tensor,
     experts = torch.empty(B, H, N, 1, dtype=torch.int64, device=q.device)
     part_m, part_l = torch.empty(B, H, N, **f32), torch.empty(B, H, N, **f32)
     part_acc = torch.empty(B, H, N, dv, **f32)
-    args = (q, lm, sv, landmark_valid.to(torch.int8).contiguous(), experts, part_m, part_l,
+    args = (q, lm, sv, as_int8(landmark_valid), experts, part_m, part_l,
             part_acc, *q.stride(), *lm.stride(), *sv.stride(), H, N, m, d, dv,
             float(shared_scale))
     block_d = _block_d(d, dv)
@@ -362,8 +362,8 @@ def route_shared(q: Tensor, landmarks: Tensor, shared_values: Tensor, landmark_v
         q: ``(B, H, N, d)`` float16 / bfloat16 / float32, d ≤ 128.
         landmarks: ``(B, H, m, d)`` unscaled landmark queries (cast to q's dtype).
         shared_values: ``(B, H, m, dv)`` from ``shared_compress`` (cast to q's dtype).
-        landmark_valid: ``(B, m)`` bool; empty landmarks are never routed to and get no
-            shared weight (at least one per row is valid).
+        landmark_valid: ``(B, m)`` bool (or int8 0/1); empty landmarks are never routed to
+            and get no shared weight (at least one per row is valid).
         shared_scale: c of the shared logit c·q·q̃_i (1/√d paper, 1/d official).
     Returns:
         ``experts`` ``(B, H, N, 1)`` int64 (argmax of q·q̃_i, lowest index on ties) and the
