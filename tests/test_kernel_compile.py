@@ -28,16 +28,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("tri
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():
-    """All 100 specialisations × 2 targets compile to a cubin whose shared memory fits. The
+    """All 124 specialisations × 2 targets compile to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, num_stages 2 exactly for float32
     with BLOCK_D = 128 (also for route_shared); for landmark_topk each (dtype, BLOCK_D ∈ {64,
     128}, K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4; for
     the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK), 3 × 2 × 2; for the tile table each
-    (s = 1 or not, HAS_MASK), 2 × 2. (Compiled in spawned processes: this pytest process may
-    hold the interpreter's version of the kernels.)"""
+    (s = 1 or not, HAS_MASK), 2 × 2; for the threshold select's group max, filter and bisection
+    fallback each (dtype, BLOCK_D ∈ {64, 128}), 3 × 2 each, and for its select each (CAP,
+    ROWS) from (128, 16) to (4096, 1), with 8 warps from CAP 2048. (Compiled in spawned
+    processes: this pytest process may hold the interpreter's version of the kernels.)"""
     results = aot.check_all()
-    assert len(results) == 200
+    assert len(results) == 248
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
@@ -51,12 +53,19 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
         if r["kernel"] == "tile_table":  # the case name's second field: s1 or s3
             seen["tile_table"].add((dtype == "s1", meta["HAS_MASK"]))
             continue
+        if r["kernel"] == "select":  # no float inputs: the second field is k
+            seen["select"].add((meta["CAP"], meta["ROWS"], meta["num_warps"]))
+            continue
+        if r["kernel"] in ("groupmax", "filter", "bisect"):
+            seen[r["kernel"]].add((dtype, meta["BLOCK_D"]))
         assert meta["IEEE"] == (dtype == "float32") and meta["UPCAST"] is False
         if r["kernel"] == "attention":
             seen["attention"].add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"],
                                    meta["BLOCK_D"]))
             assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128)
                                           else 3)
+        elif r["kernel"] in ("groupmax", "filter", "bisect"):
+            pass
         elif r["kernel"] == "landmark_topk":
             seen["landmark_topk"].add((dtype, meta["BLOCK_D"], meta["K_PAD"]))
             assert meta["num_warps"] == (8 if meta["K_PAD"] >= 256 else 4)
@@ -66,7 +75,10 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
                                           else 3)
     assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
                                                      "route_shared": 12, "pool": 12,
-                                                     "tile_table": 4}
+                                                     "tile_table": 4, "groupmax": 6,
+                                                     "filter": 6, "select": 6, "bisect": 6}
+    assert seen["select"] == {(128, 16, 4), (256, 8, 4), (512, 4, 4), (1024, 2, 4),
+                              (2048, 1, 8), (4096, 1, 8)}
     assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
     assert {k[2] for k in seen["landmark_topk"]} == {64, 128, 256, 512}
 

@@ -27,7 +27,10 @@ CAPABILITIES = (80, 90)  # A100, H100/H200
 MAX_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}
 
 
-KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_table")
+KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_table", "groupmax",
+           "filter", "select", "bisect")
+# threshold_topk's launches by case name (the second, torch.topk, is no Triton kernel)
+SELECT_LAUNCH = {"groupmax": 0, "filter": 2, "select": 3, "bisect": 4}
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class Case:
             return f"pool-{self.dtype}-{'mask' if self.masked else 'nomask'}-d{self.d}"
         if self.kernel == "tile_table":
             return f"tile_table-s{self.s}-{'mask' if self.masked else 'nomask'}"
+        if self.kernel == "select":
+            return f"select-k{self.topk}"
+        if self.kernel in SELECT_LAUNCH:
+            return f"{self.kernel}-{self.dtype}-d{self.d}"
         return f"route_shared-{self.dtype}-d{self.d}"
 
 
@@ -67,7 +74,10 @@ def cases() -> list[Case]:
     reach each one) = 48. ``landmark_topk``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
     K_PAD ∈ {64, 128, 256, 512} (k 40, 100, 200, 512) = 24. ``route_shared``: 3 dtypes ×
     BLOCK_D ∈ {16, 32, 64, 128} = 12. ``pool``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
-    (mask, none) = 12. ``tile_table``: (s = 1, s > 1) × (mask, none) = 4."""
+    (mask, none) = 12. ``tile_table``: (s = 1, s > 1) × (mask, none) = 4. The threshold
+    select (``topk.threshold_topk``): ``groupmax``, ``filter`` and ``bisect`` 3 dtypes ×
+    BLOCK_D ∈ {64, 128} = 6 each; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100,
+    200, 512, 600, 2048) = 6."""
     out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
         DTYPE_NAMES, (1, 3), (False, True), (8, 32, 48, 128))]
     out += [Case("landmark_topk", dt, d, topk=topk) for dt, d, topk in itertools.product(
@@ -78,6 +88,9 @@ def cases() -> list[Case]:
         DTYPE_NAMES, (48, 128), (False, True))]
     out += [Case("tile_table", "float32", 32, s, masked) for s, masked in itertools.product(
         (1, 3), (False, True))]
+    out += [Case(kernel, dt, d, topk=8) for kernel, dt, d in itertools.product(
+        ("groupmax", "filter", "bisect"), DTYPE_NAMES, (48, 128))]
+    out += [Case("select", "float32", 32, topk=topk) for topk in (40, 100, 200, 512, 600, 2048)]
     return out
 
 
@@ -87,11 +100,13 @@ def example_plan(case: Case) -> tuple:
     (``interpreter=False``): the same arguments and constexprs a CUDA launch of that case
     passes. Returns ``(kernel, args, meta)``."""
     from . import pooling, routing
+    from . import topk as select
     from .mita_attention import _mita_fused_kernel, _tile_table_kernel, launch_plan
 
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
-    B, H, N, m, topk = 2, 2, 600, 6, case.topk or 8
+    B, H, m, topk = 2, 2, 6, case.topk or 8
+    N = max(600, topk)
     q, k, v = (torch.randn(B, H, N, case.d, generator=g).to(dtype) for _ in range(3))
     landmarks = torch.randn(B, H, m, case.d, generator=g)
     shared_values = torch.randn(B, H, m, case.d, generator=g)
@@ -104,6 +119,11 @@ def example_plan(case: Case) -> tuple:
         _, args, meta, _ = routing.landmark_topk_plan(landmarks, k, topk, case.d ** -0.5, mask,
                                                       interpreter=False)
         return routing._landmark_topk_kernel, args, meta
+    if case.kernel in SELECT_LAUNCH:
+        launches, _ = select.threshold_topk_plans(landmarks, k, topk, case.d ** -0.5, mask,
+                                                  interpreter=False)
+        kernel, _, args, meta = launches[SELECT_LAUNCH[case.kernel]]
+        return kernel, args, meta
     if case.kernel == "pool":
         _, args, meta, _ = pooling.pool_plan(q, m, mask)
         return pooling._pool_kernel, args, meta
