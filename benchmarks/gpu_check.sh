@@ -55,9 +55,10 @@ step() {  # step NAME LIMIT_S TABLE_FILE COMMAND...
   } >> "$REPORT"
 }
 
-step aot 120 "" $PY -m mita.kernels.aot --table
-step topk 75 "$OUT_DIR/gpu_topk.md" $PY benchmarks/gpu_topk.py --out "$OUT_DIR"
-step mita 210 "$OUT_DIR/gpu_mita.md" $PY benchmarks/gpu_mita.py --out "$OUT_DIR" --budget-s 170
-step serving 120 "$OUT_DIR/gpu_serving.md" $PY benchmarks/gpu_serving.py --out "$OUT_DIR" --budget-s 90
+# limits: 150 + 60 + 170 + 100 s = 8 min
+step aot 150 "$OUT_DIR/aot.log" $PY -m mita.kernels.aot --table
+step topk 60 "$OUT_DIR/gpu_topk.md" $PY benchmarks/gpu_topk.py --out "$OUT_DIR"
+step mita 170 "$OUT_DIR/gpu_mita.md" $PY benchmarks/gpu_mita.py --out "$OUT_DIR" --budget-s 140
+step serving 100 "$OUT_DIR/gpu_serving.md" $PY benchmarks/gpu_serving.py --out "$OUT_DIR" --budget-s 70
 cat "$REPORT"
 exit $status

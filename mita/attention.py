@@ -24,6 +24,8 @@ as flash attention).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import operator
 
@@ -484,12 +486,13 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
             ``"triton"`` (the Triton kernels, ``kernels.triton_mita.mita_triton``:
             ``landmark_scores`` includes ``topk``, ``route`` the shared half for s = 1,
             ``attention`` the gather; head dims ≤ 128; no backward), or ``"auto"``: triton
-            for CUDA float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton imports
-            and no gradient is needed; on CPU the compiled
-            kernels when no gradient is needed and they build here (else the PyTorch stages, logged
-            once). The triton path computes in q, k, v's own dtype (16-bit matrix products, fp32
-            accumulation; landmarks averaged in float32, rounded to the input dtype for the
-            products); the other paths compute 16-bit inputs in float32.
+            for CUDA float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton ≥ 3.4
+            imports (older: the PyTorch stages, one warning) and no gradient is needed; on CPU
+            the compiled kernels when no gradient is needed and they build here (else the
+            PyTorch stages, logged once). The triton path computes in q, k, v's own dtype
+            (16-bit matrix products, fp32 accumulation; landmarks averaged in float32, rounded
+            to the input dtype for the products); the other paths compute 16-bit inputs in
+            float32.
         hook: stage hook; each stage runs inside ``hook.stage(name)``.
     Returns:
         ``(B, H, N, dv)`` in the input dtype.
@@ -497,7 +500,8 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         ValueError: shape mismatch, m/k/s < 1, s > m, unknown ``shared_scale``, bad grid,
             a bad mask or an all-padding row, an unknown ``backend``, ``"cpu"`` for CUDA
             tensors, with autograd or where the kernels do not build, or ``"triton"`` for
-            CPU tensors (unless ``TRITON_INTERPRET=1``), float64 or with autograd.
+            CPU tensors (unless ``TRITON_INTERPRET=1``), float64, with autograd, or without
+            Triton ≥ 3.4 (``kernels.triton_supported``).
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k (B, H, N, d) and v (B, H, N, dv) with equal B, H, N; "
@@ -603,29 +607,43 @@ def shared_logit_scale(d: int, shared_scale: str) -> float:
 
 def _use_triton(backend: str, q: Tensor, v: Tensor, k: Tensor | None = None) -> bool:
     """Whether ``mita_attention`` runs the Triton kernels. They have no backward: with autograd
-    on, ``"auto"`` takes the PyTorch stages (training on a GPU) and ``"triton"`` is refused."""
+    on, ``"auto"`` takes the PyTorch stages (training on a GPU) and ``"triton"`` is refused.
+    Without a Triton the kernels can run on (``kernels.triton_supported``: not installed, or
+    older than ``kernels.TRITON_FLOOR``) ``"auto"`` takes the PyTorch stages and logs one
+    warning per process; ``"triton"`` raises ValueError naming the installed version and the
+    floor."""
     if backend in ("torch", "cpu"):
         return False
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v))
+    from .kernels import MAX_HEAD_DIM, triton_supported  # neither imports the kernels
+
     if backend == "triton":
         if needs_grad:
             raise ValueError("backend='triton' has no backward; use backend='torch' (or "
                              "'auto') for training")
+        reason = triton_supported()
+        if reason is not None:
+            raise ValueError(f"backend='triton': {reason}")
         return True
     if needs_grad:
         return False
-    from .kernels import MAX_HEAD_DIM  # no Triton import
-
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    reason = triton_supported()
+    if reason is not None:
+        _warn_no_triton(reason)
         return False
     return True
+
+
+@functools.cache
+def _warn_no_triton(reason: str) -> None:
+    """One warning per process (per reason) that ``"auto"`` takes the PyTorch stages on CUDA."""
+    logging.getLogger(__name__).warning("mita_attention backend='auto' runs the PyTorch "
+                                        "stages on CUDA: %s", reason)
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor,

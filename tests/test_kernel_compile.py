@@ -5,8 +5,10 @@ reads a plain module global passed every interpreter test and failed on the firs
 (``NameError: Cannot access global variable _NEG_INIT``). ``mita.kernels.aot`` compiles the
 kernel through Triton's launch-time specialisation with the launcher's own arguments, for every
 specialisation the launcher can choose, to a cubin, and checks its shared memory fits the
-target. The first run takes ~5 min on 2 cores; Triton's cache (``~/.triton/cache``, keyed by
-source, options and compiler) makes later runs of unchanged kernels fast.
+target; ptxas (``-v``) and cuobjdump give its registers, spills, stack and blocks per SM, and
+no specialisation may spill. The first run takes ~25 min on 2 cores; Triton's cache
+(``~/.triton/cache``, keyed by source, options and compiler) skips the compile of unchanged
+kernels, but ptxas -v runs again for each (~13 min).
 """
 
 from __future__ import annotations
@@ -27,18 +29,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("tri
                                                     reason="Triton is not installed")]
 
 
-def test_every_kernel_compiles_for_sm80_and_sm90():
+@pytest.fixture(scope="module")
+def results():
+    """``aot.check_all()`` once for this module: every specialisation × sm_80 / sm_90 compiled,
+    with ptxas's and cuobjdump's resource numbers (minutes on 2 cores)."""
+    return aot.check_all()
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(results):
     """All 124 specialisations × 2 targets compile to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
-    (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, num_stages 2 exactly for float32
-    with BLOCK_D = 128 (also for route_shared); for landmark_topk each (dtype, BLOCK_D ∈ {64,
-    128}, K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4; for
-    the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK), 3 × 2 × 2; for the tile table each
-    (s = 1 or not, HAS_MASK), 2 × 2; for the threshold select's group max, filter and bisection
-    fallback each (dtype, BLOCK_D ∈ {64, 128}), 3 × 2 each, and for its select each (CAP,
-    ROWS) from (128, 16) to (4096, 1), with 8 warps from CAP 2048. (Compiled in spawned
-    processes: this pytest process may hold the interpreter's version of the kernels.)"""
-    results = aot.check_all()
+    (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
+    32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 64 × 64, 8 warps,
+    3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128}, K_PAD ∈ {64 … 512}),
+    3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32 16 × 32 with 2 stages,
+    16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK),
+    3 × 2 × 2; for the tile table each (s = 1 or not, HAS_MASK), 2 × 2; for the threshold
+    select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64, 128}), 3 × 2
+    each, and for its select each (CAP, ROWS) from (128, 16) to (4096, 1), with 8 warps from
+    CAP 2048. (Compiled in spawned processes: this pytest process may hold the interpreter's
+    version of the kernels.)"""
     assert len(results) == 248
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
@@ -47,6 +57,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     seen = {kernel: set() for kernel in aot.KERNELS}
     for r in results:
         meta, dtype = r["meta"], r["case"].split("-")[1]
+        f32 = dtype == "float32"
+        assert r["num_warps"] == meta.get("num_warps", 4)  # Triton's default: 4
         if r["kernel"] == "pool":
             seen["pool"].add((dtype, meta["BLOCK_D"], meta["HAS_MASK"]))
             continue
@@ -56,23 +68,24 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
         if r["kernel"] == "select":  # no float inputs: the second field is k
             seen["select"].add((meta["CAP"], meta["ROWS"], meta["num_warps"]))
             continue
+        assert meta["IEEE"] == f32 and meta["UPCAST"] is False
         if r["kernel"] in ("groupmax", "filter", "bisect"):
             seen[r["kernel"]].add((dtype, meta["BLOCK_D"]))
-        assert meta["IEEE"] == (dtype == "float32") and meta["UPCAST"] is False
-        if r["kernel"] == "attention":
+            assert (meta["BLOCK_L"], meta["BLOCK_N"]) == (
+                (16 if r["kernel"] == "bisect" else 64), 64), r["case"]
+        elif r["kernel"] == "attention":
             seen["attention"].add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"],
                                    meta["BLOCK_D"]))
-            assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128)
-                                          else 3)
-        elif r["kernel"] in ("groupmax", "filter", "bisect"):
-            pass
+            want = (16, 32 if meta["BLOCK_D"] <= 64 else 16, 4, 2) if f32 else (64, 64, 8, 3)
+            assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"],
+                    meta["num_stages"]) == want, r["case"]
         elif r["kernel"] == "landmark_topk":
             seen["landmark_topk"].add((dtype, meta["BLOCK_D"], meta["K_PAD"]))
-            assert meta["num_warps"] == (8 if meta["K_PAD"] >= 256 else 4)
+            assert meta["K_PAD"] % meta["BLOCK_N"] == 0 and meta["BLOCK_L"] == 16
         else:
             seen["route_shared"].add((dtype, meta["BLOCK_D"]))
-            assert meta["num_stages"] == (2 if (dtype, meta["BLOCK_D"]) == ("float32", 128)
-                                          else 3)
+            assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_stages"]) == (
+                (16, 32, 2) if f32 else (64, 64, 3)), r["case"]
     assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
                                                      "route_shared": 12, "pool": 12,
                                                      "tile_table": 4, "groupmax": 6,
@@ -81,6 +94,80 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
                               (2048, 1, 8), (4096, 1, 8)}
     assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
     assert {k[2] for k in seen["landmark_topk"]} == {64, 128, 256, 512}
+
+
+def _inputs(r) -> str:
+    """A record's input dtype; ``"int"`` for the kernels with integer inputs only."""
+    return "int" if r["kernel"] in ("tile_table", "select") else r["case"].split("-")[1]
+
+
+@pytest.mark.parametrize("dtypes,records", [(("float16", "bfloat16"), 152), (("float32",), 76),
+                                            (("int",), 20)])
+def test_no_specialisation_spills_registers(results, dtypes, records):
+    """No case of ``aot.cases()`` — every specialisation the service can pick — spills
+    registers to local memory on sm_80 or sm_90 (ptxas's spill store and spill load bytes
+    are 0): 38 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, and the
+    threshold select's group max, filter and fallback 2 each) and 10 with integer inputs only
+    (tile table 4, select 6), × 2 targets. float32 too: its IEEE products are FMA loops over
+    registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
+    mine = [r for r in results if _inputs(r) in dtypes]
+    assert len(mine) == records
+    spilled = [f"sm_{r['sm']} {r['case']}: {r['registers']} registers, "
+               f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads"
+               for r in mine if r["spill_store_bytes"] or r["spill_load_bytes"]]
+    assert not spilled, "\n".join(spilled)
+
+
+def test_resources_within_the_sm_limits(results):
+    """Each record's numbers against the hardware limits, checked from the record alone (not
+    through ``resident_blocks``): blocks_per_sm resident blocks fit the SM's 64 warps, 65,536
+    registers (32 threads × registers per warp, in units of 256) and shared memory (per block
+    + 1 KiB reserved, in units of 128 B, of 164 / 228 KiB); one more block would not fit one
+    of them (or 32)."""
+    sm_shared = {80: 164 * 1024, 90: 228 * 1024}
+    for r in results:
+        regs_per_warp = -(-r["registers"] * 32 // 256) * 256
+        assert 1 <= r["registers"] <= 255 and r["local_bytes"] == 0, r["case"]
+        if r["spill_store_bytes"]:
+            assert r["stack_bytes"] > 0, r["case"]  # spilled values live in the stack frame
+
+        def fits(blocks, r=r, regs_per_warp=regs_per_warp):
+            return (blocks * r["num_warps"] <= 64 and blocks <= 32
+                    # registers go to 4 sub-partitions of 16,384, whole warps each
+                    and blocks * r["num_warps"] <= 4 * (16384 // regs_per_warp)
+                    and blocks * -(-(r["shared_bytes"] + 1024) // 128) * 128
+                    <= sm_shared[r["sm"]])
+
+        assert r["blocks_per_sm"] >= 1 and fits(r["blocks_per_sm"]), r
+        assert not fits(r["blocks_per_sm"] + 1), r
+
+
+@pytest.mark.parametrize("registers,shared,warps,sm,want", [
+    # 32 regs: 1,024 per warp, 16 warps per sub-partition; 114,944 + 1,024 B of 164 KiB: 1
+    (32, 114944, 4, 80, (1, "shared")),
+    # 255 regs: 8,160 → 8,192 per warp, 2 warps per sub-partition, 8 warps: 2 blocks of 4
+    (255, 0, 4, 80, (2, "registers")),
+    # 168 regs: 5,376 per warp (a multiple of 256), 3 per sub-partition: 12 warps, 3 blocks
+    (168, 20000, 4, 90, (3, "registers")),
+    # 128 regs, 8 warps: 4 warps per sub-partition, 16 warps: 2 blocks
+    (128, 40960, 8, 90, (2, "registers")),
+    # 16 regs, 16 warps: registers allow 8 blocks, warps 64 / 16 = 4
+    (16, 0, 16, 80, (4, "warps")),
+    # 1 warp, 16 regs, 2 KiB: 32 blocks at most (shared would allow 164 KiB / 3 KiB = 54)
+    (16, 2048, 1, 80, (32, "blocks")),
+    # 200 KiB: over sm_80's 163 KiB per block, one block on sm_90 (201 KiB of 228)
+    (64, 200 * 1024, 4, 80, (0, "shared")),
+    (64, 200 * 1024, 4, 90, (1, "shared")),
+])
+def test_resident_blocks_by_the_occupancy_rules(registers, shared, warps, sm, want):
+    assert aot.resident_blocks(registers, shared, warps, sm) == want
+
+
+def test_table_has_one_row_per_result(results):
+    lines = aot.table(results).splitlines()
+    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 168
+    assert all(line.count("|") == len(aot.COLUMNS) + 1 and "FAILED" not in line
+               for line in lines[2:])
 
 
 BAD_KERNEL = textwrap.dedent('''

@@ -113,7 +113,8 @@ def test_ragged_experts_and_poisoned_output(kernel, s):
         q, k, v, 12, 10, s, mask)
     counts = torch.bincount(experts[0, 0][~mask[0]].flatten(), minlength=12)
     assert (counts == 0).sum() >= 3, counts  # experts no query selects
-    assert counts.max() > kernel.BLOCK_M, counts  # an expert spanning several tiles
+    block_m = kernel._blocks(torch.float32, 32)[0]
+    assert counts.max() > 2 * block_m, counts  # an expert spanning several tiles
     out = torch.full_like(q, float("nan"))
     kernel.fused_attention(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
                            experts, mask, out=out)
@@ -393,7 +394,9 @@ def test_pool_landmarks_follow_the_rank_rule(pooling, B, H, N, d, m, mask):
 def test_tile_table_groups_entries_by_expert(kernel, s, masked):
     """Every real (query, expert) entry appears once in ``order``, in its expert's run (runs in
     expert order, lengths = the entry counts); each run is cut into tiles of ≤ BLOCK_M entries
-    in order; padded queries' entries get no slot; spare tiles are -1."""
+    in order; padded queries' entries get no slot; spare tiles are -1. BLOCK_M = 64, the 16-bit
+    attention tile (the plan takes it as an argument)."""
+    BLOCK_M = 64
     B, H, N, m = 2, 2, 150, 9
     g = torch.Generator().manual_seed(s)
     experts = torch.randint(0, 4, (B, H, N, s), generator=g)  # experts 4..8 stay empty
@@ -401,9 +404,9 @@ def test_tile_table_groups_entries_by_expert(kernel, s, masked):
     mask = random_mask(B, N, seed=3, suffix=False) if masked else None
     key_valid = None if mask is None else (~mask).to(torch.int8)
     grid, args, meta, (order, tile_e, tile_lo, tile_hi) = kernel.tile_table_plan(
-        experts, key_valid, m, kernel.BLOCK_M)
+        experts, key_valid, m, BLOCK_M)
     kernel._tile_table_kernel[grid](*args, **meta)
-    T = -(-N * s // kernel.BLOCK_M) + m  # cdiv(N·s, BLOCK_M) + m
+    T = -(-N * s // BLOCK_M) + m  # cdiv(N·s, BLOCK_M) + m
     assert tuple(tile_e.shape) == (B * H, T)
     for bh in range(B * H):
         b, h = divmod(bh, H)
@@ -414,12 +417,12 @@ def test_tile_table_groups_entries_by_expert(kernel, s, masked):
             entries = sorted(r for r, x in real if x == e)
             run = order[bh, start:start + len(entries)]
             assert sorted(run.tolist()) == entries, (bh, e)
-            n_tiles = -(-len(entries) // kernel.BLOCK_M)
+            n_tiles = -(-len(entries) // BLOCK_M)
             tiles = slice(used, used + n_tiles)
             assert (tile_e[bh, tiles] == e).all()
-            lo = [start + t * kernel.BLOCK_M for t in range(n_tiles)]
+            lo = [start + t * BLOCK_M for t in range(n_tiles)]
             assert tile_lo[bh, tiles].tolist() == lo
-            assert tile_hi[bh, tiles].tolist() == [min(x + kernel.BLOCK_M,
+            assert tile_hi[bh, tiles].tolist() == [min(x + BLOCK_M,
                                                        start + len(entries)) for x in lo]
             start, used = start + len(entries), used + n_tiles
         assert start == len(real) and (tile_e[bh, used:] == -1).all()

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+|\.venv/bin/[^`]+|PYTHONPATH=[^`]+|make [^`]+"
                     r"|docker [^`]+|kubectl [^`]+|serve (?:run|deploy|config|status)[^`]*"
-                    r"|ray [^`]+|curl [^`]+|prometheus [^`]+|promtool [^`]+)`")
+                    r"|ray [^`]+|curl [^`]+|prometheus [^`]+|promtool [^`]+|bash [^`]+)`")
 SHELL_FENCES = ("bash", "sh", "shell", "console")
 OTHER_FENCES = ("python", "yaml", "promql", "json")
 TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
@@ -93,6 +93,8 @@ README_COMMANDS = {
         "test", "tests/test_dashboard.py::test_readme_screenshot_command_draws_the_data"),
     "PYTHONPATH=. .venv/bin/python benchmarks/gpu_serving.py --smoke": (
         "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
+    "bash benchmarks/gpu_check.sh [OUT_DIR]": (
+        "no", "needs a CUDA GPU (its steps' --smoke forms run in CI)"),
     "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
         "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
     ".venv/bin/python benchmarks/request_overhead.py": (

@@ -5,9 +5,32 @@ access to ``fused_attention``: Triton reads ``TRITON_INTERPRET`` when a kernel i
 importing ``mita.kernels.cpu`` must not define the Triton kernels early.
 """
 
-__all__ = ["MAX_HEAD_DIM", "fused_attention"]
+import re
+
+__all__ = ["MAX_HEAD_DIM", "TRITON_FLOOR", "fused_attention", "triton_supported"]
 
 MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
+# routing._landmark_topk_kernel calls tl.sort(dim=1) on a 2-D tensor and tl.bitonic_merge. The
+# latter came with Triton 3.4 (triton-lang/triton#6461, with tl.topk): the 3.3.1 wheel's
+# triton/language/standard.py has sort(x, dim, descending) but no bitonic_merge, 3.4.0's has it.
+TRITON_FLOOR = (3, 4)
+
+
+def triton_supported() -> str | None:
+    """None when the installed Triton can run the Triton MiTA kernels, else the reason (not
+    installed, or ``triton.__version__`` older than ``TRITON_FLOOR``). Reads the version only:
+    the kernels are not imported (nor defined)."""
+    try:
+        import triton
+    except ImportError:
+        return "Triton is not installed"
+    version = getattr(triton, "__version__", "")
+    found = re.match(r"(\d+)\.(\d+)", version)
+    floor = ".".join(map(str, TRITON_FLOOR))
+    if found is None or (int(found[1]), int(found[2])) < TRITON_FLOOR:
+        return (f"Triton {version or '(no version)'} is installed; the Triton MiTA kernels "
+                f"need triton>={floor} (tl.bitonic_merge)")
+    return None
 
 
 def __getattr__(name):

@@ -8,15 +8,23 @@ specialisation (argument types, ``== 1`` integers, 16-byte alignment) to ttir �
 cubin — for a chosen ``GPUTarget``, without a GPU (Triton ships ``ptxas``).
 
     python -m mita.kernels.aot            # every specialisation, sm_80 and sm_90
+    python -m mita.kernels.aot --table    # and a Markdown table of their resources
 
-``tests/test_kernel_compile.py`` runs it in ``make test``.
+Each record also gives the resources a GPU would allocate, read on this machine: registers per
+thread, spill and stack bytes from the ptxas that produced the cubin (``ptxas -v`` on Triton's
+PTX with Triton's flags: only ptxas reports spills), cross-checked against ``cuobjdump
+--dump-resource-usage`` of the cubin itself; shared memory; and blocks per SM by the CUDA
+occupancy rules (``resident_blocks``). ``tests/test_kernel_compile.py`` runs it in ``make test``.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +33,10 @@ CAPABILITIES = (80, 90)  # A100, H100/H200
 # Largest dynamic shared memory one block may use (CUDA programming guide, "Compute
 # Capabilities"): 163 KB on sm_80, 227 KB on sm_90. A kernel over it compiles but fails to launch.
 MAX_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}
+SM_SHARED_BYTES = {80: 164 * 1024, 90: 228 * 1024}  # largest shared-memory carveout of one SM
+SM_REGISTERS = 65536  # 32-bit registers per SM (sm_80 and sm_90), in 4 sub-partitions
+SM_WARPS = 64
+SM_BLOCKS = 32
 
 
 KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_table", "groupmax",
@@ -77,7 +89,9 @@ def cases() -> list[Case]:
     (mask, none) = 12. ``tile_table``: (s = 1, s > 1) × (mask, none) = 4. The threshold
     select (``topk.threshold_topk``): ``groupmax``, ``filter`` and ``bisect`` 3 dtypes ×
     BLOCK_D ∈ {64, 128} = 6 each; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100,
-    200, 512, 600, 2048) = 6."""
+    200, 512, 600, 2048) = 6. Tiles, warps and stages follow from (dtype, BLOCK_D) or (dtype,
+    K_PAD) (``mita_attention._blocks``, ``routing._route_blocks``, ``routing._topk_blocks``:
+    float32 takes smaller tiles than 16-bit), so they add no cases."""
     out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
         DTYPE_NAMES, (1, 3), (False, True), (8, 32, 48, 128))]
     out += [Case("landmark_topk", dt, d, topk=topk) for dt, d, topk in itertools.product(
@@ -171,24 +185,122 @@ def compile_launch(fn, args: tuple, meta: dict, capability: int):
                           options=options.__dict__)
 
 
+def resident_blocks(registers: int, shared_bytes: int, num_warps: int,
+                    capability: int) -> tuple[int, str]:
+    """Blocks (CTAs) of one kernel resident on one SM at once, and the resource that limits
+    them: ``"registers"``, ``"shared"``, ``"warps"`` or ``"blocks"`` (0 blocks: it cannot
+    launch). The rules of CUDA's occupancy calculator (``cuda_occupancy.h``,
+    ``cudaOccMaxBlocksPerSMRegsLimit`` / ``…SmemLimit`` / ``…WarpsLimit``) for sm_80 / sm_90:
+
+    - registers: per warp ``registers · 32`` rounded up to 256 (the allocation unit); they are
+      allocated in each of the 4 sub-partitions (16,384 registers each), so blocks =
+      ⌊⌊16384 / regs per warp⌋ · 4 / num_warps⌋; none if regs per warp × num_warps (rounded up
+      to a multiple of 4) exceeds 65,536;
+    - shared memory: ``shared_bytes`` (static + dynamic, bytes) + the 1 KiB the driver reserves
+      per block, rounded up to 128 bytes, against the SM's largest carveout (164 KiB sm_80,
+      228 KiB sm_90); none above the per-block limit (163 / 227 KiB, + the reserved 1 KiB);
+    - warps: ⌊64 / num_warps⌋; blocks: at most 32 per SM.
+    """
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    if regs_per_warp * (-(-num_warps // 4) * 4) > SM_REGISTERS or registers > 255:
+        by_regs = 0
+    else:
+        by_regs = (SM_REGISTERS // 4 // max(regs_per_warp, 256)) * 4 // num_warps
+    smem = -(-(shared_bytes + 1024) // 128) * 128
+    by_shared = 0 if shared_bytes > MAX_SHARED_BYTES[capability] else \
+        SM_SHARED_BYTES[capability] // smem
+    limits = {"registers": by_regs, "shared": by_shared, "warps": SM_WARPS // num_warps,
+              "blocks": SM_BLOCKS}
+    limiter = min(limits, key=limits.get)
+    return limits[limiter], limiter
+
+
+def _ptxas_path(capability: int) -> str:
+    """The ptxas Triton itself compiles with for this target (Triton 3.9 takes its newer
+    ``ptxas-blackwell`` for sm_90 and up, the older one below)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(capability).path
+
+
+def ptxas_usage(ptx: str, capability: int) -> dict:
+    """``ptxas -v`` on Triton's PTX with the flags Triton's ``make_cubin`` passes
+    (``-lineinfo``, ``--regAllocOptLevel=2``, ``--gpu-name`` sm_80 / sm_90a): registers per
+    thread, spill store / spill load bytes and stack-frame bytes, per thread. Raises
+    RuntimeError with ptxas's log when it fails or prints no usage line."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([_ptxas_path(capability), "-v", "-lineinfo",
+                               "--regAllocOptLevel=2",
+                               f"--gpu-name={sm_arch_from_capability(capability)}", src,
+                               "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True)
+    log = done.stderr + done.stdout
+    regs = re.search(r"Used (\d+) registers", log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                      r"(\d+) bytes spill loads", log)
+    if done.returncode or not regs or not frame:
+        raise RuntimeError(f"ptxas -v gave no resource usage:\n{log[-1500:]}")
+    return {"registers": int(regs[1]), "stack_bytes": int(frame[1]),
+            "spill_store_bytes": int(frame[2]), "spill_load_bytes": int(frame[3])}
+
+
+def cubin_usage(cubin: bytes) -> dict:
+    """``cuobjdump --dump-resource-usage`` of a one-kernel cubin: ``REG`` (registers per thread),
+    ``STACK``, ``SHARED`` (static shared memory), ``LOCAL`` (bytes). Raises RuntimeError when
+    cuobjdump prints no resource line."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
+                              capture_output=True, text=True)
+    usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", done.stdout))
+    if set(usage) != {"REG", "STACK", "SHARED", "LOCAL"}:
+        raise RuntimeError(f"cuobjdump gave no resource usage:\n{done.stdout}{done.stderr}")
+    return {key: int(value) for key, value in usage.items()}
+
+
 def check(case: Case, capability: int) -> dict:
     """``compile_launch`` of the case's kernel with its launcher's arguments, as a record: the
-    kernel, the launcher's ``meta`` for the case, ``ok``, the error text if not, shared memory
-    bytes and whether they fit the target."""
+    kernel, the launcher's ``meta`` for the case, ``ok``, the error text if not; and the
+    resources: ``registers`` (per thread), ``spill_store_bytes`` / ``spill_load_bytes`` and
+    ``stack_bytes`` (per thread, from ``ptxas -v``), ``local_bytes`` (cuobjdump),
+    ``shared_bytes`` (Triton's dynamic shared memory ``metadata.shared`` + static, per block),
+    ``num_warps``, ``blocks_per_sm`` and its ``limiter`` (``resident_blocks``). ``ok`` needs
+    the shared memory to fit the target, at least one resident block, and the re-run ptxas
+    to agree with the cubin on registers and stack (the numbers are the cubin's)."""
     fn, args, meta = example_plan(case)
+    record = {"case": str(case), "kernel": case.kernel, "sm": capability, "meta": meta}
     try:
         kernel = compile_launch(fn, args, meta, capability)
+        ptxas = ptxas_usage(kernel.asm["ptx"], capability)
+        cubin = cubin_usage(kernel.asm["cubin"])
     except Exception as e:  # report every failing specialisation, not only the first
-        return {"case": str(case), "kernel": case.kernel, "sm": capability, "meta": meta,
-                "ok": False,
-                "error": f"{type(e).__name__}: {e}"[-1500:]}
-    shared = int(kernel.metadata.shared)
-    return {"case": str(case), "kernel": case.kernel, "sm": capability, "meta": meta,
-            "ok": shared <= MAX_SHARED_BYTES[capability],
-            "shared_bytes": shared, "cubin_bytes": len(kernel.asm["cubin"]),
-            "error": None if shared <= MAX_SHARED_BYTES[capability] else
-            f"needs {shared} bytes of shared memory, sm_{capability} allows "
-            f"{MAX_SHARED_BYTES[capability]}"}
+        return record | {"ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]}
+    shared = int(kernel.metadata.shared) + cubin["SHARED"]
+    num_warps = int(kernel.metadata.num_warps)
+    blocks, limiter = resident_blocks(cubin["REG"], shared, num_warps, capability)
+    record |= {"shared_bytes": shared, "cubin_bytes": len(kernel.asm["cubin"]),
+               "registers": cubin["REG"], "spill_store_bytes": ptxas["spill_store_bytes"],
+               "spill_load_bytes": ptxas["spill_load_bytes"], "stack_bytes": cubin["STACK"],
+               "local_bytes": cubin["LOCAL"], "num_warps": num_warps,
+               "blocks_per_sm": blocks, "limiter": limiter}
+    errors = []
+    if shared > MAX_SHARED_BYTES[capability]:
+        errors.append(f"needs {shared} bytes of shared memory, sm_{capability} allows "
+                      f"{MAX_SHARED_BYTES[capability]}")
+    if blocks == 0:
+        errors.append(f"no block fits an SM ({limiter})")
+    if (ptxas["registers"], ptxas["stack_bytes"]) != (cubin["REG"], cubin["STACK"]):
+        errors.append(f"ptxas -v ({ptxas}) disagrees with the cubin ({cubin})")
+    return record | {"ok": not errors, "error": "; ".join(errors) or None}
 
 
 def _check_args(args):
@@ -214,9 +326,44 @@ def check_all(capabilities=CAPABILITIES, workers: int | None = None) -> list[dic
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def main() -> int:
+COLUMNS = ("case", "sm", "tiles", "num_warps", "num_stages", "registers", "spill_store_bytes",
+           "spill_load_bytes", "stack_bytes", "local_bytes", "shared_bytes", "blocks_per_sm",
+           "limiter")
+
+
+def table(results: list[dict]) -> str:
+    """A Markdown table of ``check`` records, one row per specialisation × target: the
+    ``BLOCK_*`` constexprs (``tiles``, in ``meta`` order), ``num_warps``, ``num_stages`` and the
+    resources (bytes; registers and spills per thread, shared memory per block)."""
+    rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in sorted(results, key=lambda r: (r["kernel"], r["case"], r["sm"])):
+        cells = dict(r, sm=f"sm_{r['sm']}", num_stages=r["meta"].get("num_stages", "-"),
+                     tiles="×".join(str(v) for k, v in r["meta"].items()
+                                    if k.startswith("BLOCK_") or k == "K_PAD"))
+        rows.append("| " + " | ".join(str(cells.get(c, "FAILED")) for c in COLUMNS) + " |")
+    return "\n".join(rows)
+
+
+def versions() -> str:
+    """Triton's version and the ptxas release it compiles each target with."""
+    import triton
+
+    out = [f"triton {triton.__version__}"]
+    for cap in CAPABILITIES:
+        text = subprocess.run([_ptxas_path(cap), "--version"], capture_output=True,
+                              text=True).stdout
+        found = re.search(r"release [\d.]+, V[\d.]+", text)
+        out.append(f"sm_{cap}: {os.path.basename(_ptxas_path(cap))} "
+                   f"{found[0] if found else '?'}")
+    return "; ".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     results = check_all()
     bad = [r for r in results if not r["ok"]]
+    if "--table" in argv:
+        print(f"{versions()}\n\n{table(results)}\n")
     for r in bad:
         print(f"FAIL sm_{r['sm']} {r['case']}: {r['error']}")
     print(f"{len(results) - len(bad)} passed, {len(bad)} failed "

@@ -42,13 +42,32 @@ from torch import Tensor
 
 from . import MAX_HEAD_DIM  # BLOCK_D ≤ 128: the tiles fit sm_80's registers and shared memory
 
-BLOCK_M = 64  # entries (queries) per tile; an expert holds ~N·s/m entries (256+ at N ≥ 16K)
-BLOCK_N = 64  # keys per inner step (flash-attention-like tile for d ≤ 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Running-max start: finite, so fully masked blocks give exp(-inf) = 0. A module global read
 # inside @jit must be a tl.constexpr: the GPU compiler rejects plain globals (the interpreter
 # does not), tests/test_kernel_compile.py compiles every specialisation to catch that class.
 _NEG_INIT = tl.constexpr(-1.0e30)
+
+
+def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``_mita_fused_kernel``: BLOCK_M entries
+    (queries) per tile — also the tile size of the dispatch table — and BLOCK_N keys per inner
+    step, for q's dtype and ``BLOCK_D``. Chosen so that no specialisation spills registers on
+    sm_80 or sm_90 (``python -m mita.kernels.aot --table``, benchmarks/RESULTS.md):
+
+    - float32: IEEE products (``input_precision="ieee"``; TF32 would miss the 1e-5 the float32
+      path keeps) lower to FMA loops over operands held in registers. 64 × 64 tiles spilled
+      13-49 KB (stores) / 19-88 KB (loads) per thread at BLOCK_D ≥ 64, where ptxas fell back to
+      32 registers, and 52-384 bytes at 255 registers at BLOCK_D 16-32. 16 × 32 tiles (16 × 16
+      at BLOCK_D 128, where 16 × 32 still spilled 0.3-0.7 KB for s > 1 on sm_90) spill nothing.
+      2 stages.
+    - float16 / bfloat16 (tensor cores): 64 × 64 with 8 warps. With 4 warps, BLOCK_D 128 used
+      255 registers and spilled up to 64 bytes, and at BLOCK_D 16-64 ptxas held registers to 128
+      or 168 (for occupancy) and spilled 4-44 bytes. 3 stages.
+    """
+    if dtype == torch.float32:
+        return 16, (32 if block_d <= 64 else 16), 4, 2
+    return 64, 64, 8, 3
 
 
 @triton.jit
@@ -255,7 +274,7 @@ def _tile_table_kernel(
         tl.store(ORDER + bh * NS + first + slot, r, mask=ok)
 
 
-def tile_table_plan(experts: Tensor, key_valid: Tensor | None, m: int, block_m: int = BLOCK_M):
+def tile_table_plan(experts: Tensor, key_valid: Tensor | None, m: int, block_m: int = 64):
     """The launch of ``_tile_table_kernel``: group each (b, h)'s N·s (query, expert) entries by
     expert and cut each expert's run into tiles of ``block_m`` entries, on the device (no host
     synchronisation), as ``(grid, args, meta, (order, tile_e, tile_lo, tile_hi))``.
@@ -316,8 +335,8 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
     The constexprs it can choose, and so the specialisations a GPU compiles: dtype
     (float16 / bfloat16 / float32, ``IEEE`` iff float32), ``SINGLE_SLOT`` (s = 1),
     ``HAS_MASK``, ``BLOCK_D`` ∈ {16, 32, 64, 128} (``max(d, dv)`` rounded up to a power of two);
-    ``UPCAST`` only for bfloat16 on the CPU interpreter, never on CUDA; ``num_stages`` 2 for
-    float32 with ``BLOCK_D`` = 128 (shared memory), else 3.
+    ``UPCAST`` only for bfloat16 on the CPU interpreter, never on CUDA; ``BLOCK_M``,
+    ``BLOCK_N``, ``num_warps``, ``num_stages`` from the dtype and ``BLOCK_D`` (``_blocks``).
     """
     if q.dtype not in DTYPES:
         raise ValueError(f"fused MiTA kernel takes float16/bfloat16/float32, got {q.dtype}")
@@ -351,7 +370,9 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         key_valid = None
     elif key_valid is None:
         key_valid = (~key_padding_mask).view(torch.int8)
-    tiles = tile_table_plan(experts, key_valid, m, BLOCK_M)
+    block_d = max(16, triton.next_power_of_2(max(d, dv)))
+    block_m, block_n, num_warps, num_stages = _blocks(q.dtype, block_d)
+    tiles = tile_table_plan(experts, key_valid, m, block_m)
     order, tile_e, tile_lo, tile_hi = tiles[3]
     T = tile_e.shape[1]
     if out is None:
@@ -378,15 +399,12 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),
             H, N, m, topk, d, dv, T, s, d ** -0.5)
-    block_d = max(16, triton.next_power_of_2(max(d, dv)))
     meta = dict(SINGLE_SLOT=s == 1, HAS_MASK=key_padding_mask is not None,
                 IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and (
                     not q.is_cuda if interpreter is None else interpreter),
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-                # float32 tiles of 128 columns, software-pipelined 3 deep, need 176 KiB of
-                # shared memory: over sm_80's 163 KiB (the launch would fail). 2 stages: 112 KiB.
-                num_stages=2 if q.element_size() * block_d >= 512 else 3)
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+                num_stages=num_stages)
     return LaunchPlan((T, B * H), args, meta, out, target, part_m, part_l, tiles)
 
 

@@ -41,10 +41,8 @@ from . import MAX_HEAD_DIM
 from .mita_attention import _NEG_INIT, DTYPES, _dot, as_int8
 
 BLOCK_L = 16  # landmarks per top-k program (tl.dot needs ≥ 16 rows)
-TOPK_BLOCK_N = 64  # keys per score tile; K_PAD // TOPK_BLOCK_N tiles form one merge
+MIN_K_PAD = 64  # shortest running list; K_PAD // BLOCK_N score tiles form one merge
 MAX_TOPK = 512  # K_PAD ≤ 512: two [16, 512] int64 lists per program already fill 128 KiB
-ROUTE_BLOCK_M = 64  # queries per route program
-ROUTE_BLOCK_N = 64  # landmarks per route step
 # Sort key of an out-of-range column: below every real key (a -inf score maps to
 # 0x807FFFFF), so it is never chosen while k ≤ N real keys exist.
 _NO_KEY = tl.constexpr(-(2 ** 31))
@@ -52,7 +50,28 @@ _NO_KEY = tl.constexpr(-(2 ** 31))
 
 def k_pad(k: int) -> int:
     """Running-list length for top-k: k rounded up to a power of two, at least one tile."""
-    return max(TOPK_BLOCK_N, triton.next_power_of_2(k))
+    return max(MIN_K_PAD, triton.next_power_of_2(k))
+
+
+def _topk_blocks(dtype: torch.dtype, kp: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of ``_landmark_topk_kernel`` for ``K_PAD`` = ``kp``: keys per
+    score tile and warps, chosen so that no specialisation spills registers on sm_80 or sm_90
+    (``python -m mita.kernels.aot --table``). 64-key tiles, with 8 warps from K_PAD 256 on,
+    spilled where ptxas held registers to 128 or 168 (for occupancy): float32 at K_PAD 64,
+    BLOCK_D 128 on sm_80 (4 bytes), 16-bit at K_PAD 128-256 on sm_90 (4-16 bytes); 16-key
+    tiles for float32 at K_PAD 64, and 32-key tiles with 4 warps for 16-bit at K_PAD 128-256,
+    do not. 8 warps at K_PAD 512 (two [16, 512] lists)."""
+    if dtype == torch.float32:
+        return (16 if kp == 64 else 64), (8 if kp >= 256 else 4)
+    return (32 if kp in (128, 256) else 64), (8 if kp == 512 else 4)
+
+
+def _route_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_stages)`` of ``_route_shared_kernel``: queries per program and
+    landmarks per step. float32 (IEEE FMA loops, operands in registers): 16 × 32, 2 stages; its
+    64 × 64 tiles spilled 12-22 KB (stores) per thread at BLOCK_D ≥ 64 and 404 bytes at 32.
+    16-bit: 64 × 64, 3 stages, no spills (``python -m mita.kernels.aot --table``)."""
+    return (16, 32, 2) if dtype == torch.float32 else (64, 64, 3)
 
 
 @triton.jit
@@ -257,7 +276,8 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     """Validate ``landmark_topk``'s arguments and build its launch: ``(grid, args, meta, out)``
     (``mita.kernels.aot`` compiles the same args/meta ahead of time). Arguments and errors as
     ``landmark_topk``. Specialisations: dtype × ``BLOCK_D`` ∈ {64, 128} × ``K_PAD`` ∈
-    {64, 128, 256, 512}; ``num_warps`` 8 for ``K_PAD`` ≥ 256 (two [16, K_PAD] int32 lists)."""
+    {64, 128, 256, 512}; ``BLOCK_N`` and ``num_warps`` from dtype and ``K_PAD``
+    (``_topk_blocks``)."""
     _check(k, k)
     B, H, N, d = k.shape
     m = landmarks.shape[2]
@@ -273,16 +293,17 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     out = torch.empty(B, H, m, topk, dtype=torch.int64, device=k.device)
     flag = torch.empty(B, H, m, dtype=torch.int8, device=k.device)
     kp = k_pad(topk)
+    block_n, num_warps = _topk_blocks(k.dtype, kp)
     if key_valid is None:
         key_valid = _key_valid(key_padding_mask, B, N, k.device)
     args = (lm, k, key_valid, out, flag, *lm.stride(), *k.stride(), *out.stride()[:3],
             H, N, m, topk, d, float(scale))
     meta = dict(IEEE=k.dtype == torch.float32, UPCAST=_upcast(k, interpreter),
-                BLOCK_L=BLOCK_L, BLOCK_N=TOPK_BLOCK_N, K_PAD=kp,
+                BLOCK_L=BLOCK_L, BLOCK_N=block_n, K_PAD=kp,
                 # 64 or 128: the score product is small next to the sort, and every BLOCK_D
                 # is one more specialisation to compile (tests/test_kernel_compile.py)
                 BLOCK_D=max(64, _block_d(d)),
-                num_warps=8 if kp >= 256 else 4)
+                num_warps=num_warps)
     return (triton.cdiv(m, BLOCK_L), B * H), args, meta, out
 
 
@@ -323,8 +344,8 @@ def route_shared_plan(q: Tensor, landmarks: Tensor, shared_values: Tensor,
                       landmark_valid: Tensor, shared_scale: float,
                       interpreter: bool | None = None):
     """Validate ``route_shared``'s arguments and build its launch: ``(grid, args, meta,
-    outputs)``. Specialisations: dtype × ``BLOCK_D`` ∈ {16, 32, 64, 128}; ``num_stages`` 2 for
-    float32 with ``BLOCK_D`` = 128, else 3."""
+    outputs)``. Specialisations: dtype × ``BLOCK_D`` ∈ {16, 32, 64, 128}; tiles and
+    ``num_stages`` from the dtype (``_route_blocks``)."""
     _check(q, q)
     B, H, N, d = q.shape
     m, dv = landmarks.shape[2], shared_values.shape[-1]
@@ -343,14 +364,11 @@ def route_shared_plan(q: Tensor, landmarks: Tensor, shared_values: Tensor,
     args = (q, lm, sv, as_int8(landmark_valid), experts, part_m, part_l,
             part_acc, *q.stride(), *lm.stride(), *sv.stride(), H, N, m, d, dv,
             float(shared_scale))
-    block_d = _block_d(d, dv)
+    block_m, block_n, num_stages = _route_blocks(q.dtype)
     meta = dict(IEEE=q.dtype == torch.float32, UPCAST=_upcast(q, interpreter),
-                BLOCK_M=ROUTE_BLOCK_M, BLOCK_N=ROUTE_BLOCK_N, BLOCK_D=block_d,
-                # float32 × 128 columns, 3 stages deep: 176 KiB of shared memory, over sm_80's
-                # 163 KiB (the AOT check found it); 2 stages fit
-                num_stages=2 if q.element_size() * block_d >= 512 else 3)
-    return (triton.cdiv(N, ROUTE_BLOCK_M), B * H), args, meta, (experts, part_m, part_l,
-                                                                 part_acc)
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d, dv),
+                num_stages=num_stages)
+    return (triton.cdiv(N, block_m), B * H), args, meta, (experts, part_m, part_l, part_acc)
 
 
 def route_shared(q: Tensor, landmarks: Tensor, shared_values: Tensor, landmark_valid: Tensor,
