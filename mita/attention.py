@@ -616,7 +616,7 @@ def _use_triton(backend: str, q: Tensor, v: Tensor, k: Tensor | None = None) -> 
         return False
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v))
-    from .kernels import MAX_HEAD_DIM, triton_supported  # neither imports the kernels
+    from .kernels import MAX_GRID_Y, MAX_HEAD_DIM, triton_supported  # no kernel import
 
     if backend == "triton":
         if needs_grad:
@@ -631,6 +631,8 @@ def _use_triton(backend: str, q: Tensor, v: Tensor, k: Tensor | None = None) -> 
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return False
+    if q.shape[0] * q.shape[1] > MAX_GRID_Y:  # the kernels' grids put B·H on CUDA's y axis
         return False
     reason = triton_supported()
     if reason is not None:

@@ -75,3 +75,11 @@ def test_triton_supported_does_not_import_the_kernels(monkeypatch):
     assert kernels.triton_supported() is None
     assert "mita.kernels.mita_attention" not in sys.modules
     assert "mita.kernels.routing" not in sys.modules
+
+
+def test_auto_takes_the_pytorch_stages_past_the_grid_limit(cuda_like):
+    """B·H = 65,536 is one over CUDA's 65,535 programs on a grid's second axis, where the
+    kernels put B·H: "auto" does not pick the Triton path; 65,535 it does."""
+    q = torch.randn(1, 65_536, 2, 16)
+    assert not A._use_triton("auto", q, q, q)
+    assert A._use_triton("auto", q[:, :65_535], q[:, :65_535], q[:, :65_535])

@@ -7,8 +7,9 @@ importing ``mita.kernels.cpu`` must not define the Triton kernels early.
 
 import re
 
-__all__ = ["MAX_HEAD_DIM", "TRITON_FLOOR", "fused_attention", "triton_supported"]
+__all__ = ["MAX_GRID_Y", "MAX_HEAD_DIM", "TRITON_FLOOR", "fused_attention", "triton_supported"]
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where most kernels put B·H
 MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
 # routing._landmark_topk_kernel calls tl.sort(dim=1) on a 2-D tensor and tl.bitonic_merge. The
 # latter came with Triton 3.4 (triton-lang/triton#6461, with tl.topk): the 3.3.1 wheel's

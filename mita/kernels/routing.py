@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import MAX_HEAD_DIM
+from . import MAX_GRID_Y, MAX_HEAD_DIM
 from .mita_attention import _NEG_INIT, DTYPES, _dot, as_int8
 
 BLOCK_L = 16  # landmarks per top-k program (tl.dot needs ≥ 16 rows)
@@ -233,9 +233,6 @@ def _route_shared_kernel(
     tl.store(PART_L + bh * N + rows, l_i, mask=rmask)
     tl.store(PART_ACC + (bh * N + rows[:, None]) * DV + dd[None, :], acc,
              mask=rmask[:, None] & dvmask[None, :])
-
-
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, which holds B·H here
 
 
 def check_grid(bh: int) -> None:

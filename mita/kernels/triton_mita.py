@@ -39,7 +39,8 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the "
                          "CPU interpreter); use backend='torch' on CPU")
     routing._check(q, k)  # dtype and head dim, before a top-k path could take the blame
-    B, _, N, d = q.shape
+    B, H, N, d = q.shape
+    routing.check_grid(B * H)
     c = A.shared_logit_scale(d, shared_scale)
     with hook.stage("pool"):
         if landmark_grid is None:
