@@ -486,7 +486,7 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
             ``"triton"`` (the Triton kernels, ``kernels.triton_mita.mita_triton``:
             ``landmark_scores`` includes ``topk``, ``route`` the shared half for s = 1,
             ``attention`` the gather; head dims ≤ 128; no backward), or ``"auto"``: triton
-            for CUDA float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton ≥ 3.4
+            for CUDA float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton ≥ 3.5
             imports (older: the PyTorch stages, one warning) and no gradient is needed; on CPU
             the compiled kernels when no gradient is needed and they build here (else the
             PyTorch stages, logged once). The triton path computes in q, k, v's own dtype
@@ -501,7 +501,7 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
             a bad mask or an all-padding row, an unknown ``backend``, ``"cpu"`` for CUDA
             tensors, with autograd or where the kernels do not build, or ``"triton"`` for
             CPU tensors (unless ``TRITON_INTERPRET=1``), float64, with autograd, or without
-            Triton ≥ 3.4 (``kernels.triton_supported``).
+            Triton ≥ 3.5 (``kernels.triton_supported``).
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k (B, H, N, d) and v (B, H, N, dv) with equal B, H, N; "

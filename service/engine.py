@@ -17,7 +17,6 @@ buckets), each group padded with the model's key padding mask and run as one for
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mita.kernels import MAX_HEAD_DIM, choose
+from mita.kernels import MAX_HEAD_DIM, choose, triton_supported
 from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from profiler.cost import profile_forward
 
@@ -130,7 +129,7 @@ class ClassifierEngine:
         self.triton = attention == "mita" and (mita_backend == "triton" or (
             mita_backend == "auto" and self.device.type == "cuda"
             and cfg.dim // cfg.num_heads <= MAX_HEAD_DIM
-            and importlib.util.find_spec("triton") is not None))
+            and triton_supported() is None))
         self._graph_topk: dict[tuple, str] = {}  # top-k path captured in each shape's graph
         # Every staged_every-th forward (0: none) runs the PyTorch stages, each timed apart, so
         # dashboards see all seven MiTA stages while the rest run fused.

@@ -37,7 +37,7 @@ def results():
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(results):
-    """All 124 specialisations × 2 targets compile to a cubin whose shared memory fits. The
+    """All 128 specialisations × 2 targets compile to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
     32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 64 × 64, 8 warps,
@@ -49,7 +49,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
     each, and for its select each (CAP, ROWS) from (128, 16) to (4096, 1), with 8 warps from
     CAP 2048. (Compiled in spawned processes: this pytest process may hold the interpreter's
     version of the kernels.)"""
-    assert len(results) == 248
+    assert len(results) == 256
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
@@ -63,7 +63,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
             seen["pool"].add((dtype, meta["BLOCK_D"], meta["HAS_MASK"]))
             continue
         if r["kernel"] == "tile_table":  # the case name's second field: s1 or s3
-            seen["tile_table"].add((dtype == "s1", meta["HAS_MASK"]))
+            seen["tile_table"].add((meta["BLOCK_M"], dtype == "s1", meta["HAS_MASK"]))
             continue
         if r["kernel"] == "select":  # no float inputs: the second field is k
             seen["select"].add((meta["CAP"], meta["ROWS"], meta["num_warps"]))
@@ -88,7 +88,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
                 (16, 32, 2) if f32 else (64, 64, 3)), r["case"]
     assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
                                                      "route_shared": 12, "pool": 12,
-                                                     "tile_table": 4, "groupmax": 6,
+                                                     "tile_table": 8, "groupmax": 6,
                                                      "filter": 6, "select": 6, "bisect": 6}
     assert seen["select"] == {(128, 16, 4), (256, 8, 4), (512, 4, 4), (1024, 2, 4),
                               (2048, 1, 8), (4096, 1, 8)}
@@ -102,13 +102,13 @@ def _inputs(r) -> str:
 
 
 @pytest.mark.parametrize("dtypes,records", [(("float16", "bfloat16"), 152), (("float32",), 76),
-                                            (("int",), 20)])
+                                            (("int",), 28)])
 def test_no_specialisation_spills_registers(results, dtypes, records):
     """No case of ``aot.cases()`` — every specialisation the service can pick — spills
     registers to local memory on sm_80 or sm_90 (ptxas's spill store and spill load bytes
     are 0): 38 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, and the
-    threshold select's group max, filter and fallback 2 each) and 10 with integer inputs only
-    (tile table 4, select 6), × 2 targets. float32 too: its IEEE products are FMA loops over
+    threshold select's group max, filter and fallback 2 each) and 14 with integer inputs only
+    (tile table 8, select 6), × 2 targets. float32 too: its IEEE products are FMA loops over
     registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
     mine = [r for r in results if _inputs(r) in dtypes]
     assert len(mine) == records

@@ -188,6 +188,25 @@ def test_capture_never_times(monkeypatch):
     assert timer.timed == 3 and calls == ["bitonic"]  # the cached choice
 
 
+def test_a_failure_under_capture_drops_nothing(monkeypatch, caplog):
+    """Inside a CUDA-graph capture a failing path is raised at once — the capture is void, so
+    no other path is tried inside it and nothing is dropped — and the torch path, whose tie
+    check may read the device, is never the untimed pick."""
+    calls = []
+    chooser = choose.TopkChooser(fakes(calls, fail=("select",)), timer=Timer(calls))
+    lm, k, _ = inputs(24)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ImportError):
+        chooser(lm, k, 5, SCALE)
+    assert calls == ["select"] and chooser.dropped == {} and not caplog.records
+    only_torch = choose.TopkChooser({"torch": fakes(calls)["torch"]}, timer=Timer(calls))
+    calls.clear()
+    with pytest.raises(RuntimeError, match="no top-k path"):
+        only_torch(lm, k, 5, SCALE)
+    assert calls == []
+
+
 def test_forced_path(monkeypatch):
     calls = []
     timer = Timer(calls)

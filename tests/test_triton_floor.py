@@ -1,4 +1,4 @@
-"""The Triton version floor (``mita.kernels.TRITON_FLOOR``, ``triton>=3.4`` in pyproject.toml):
+"""The Triton version floor (``mita.kernels.TRITON_FLOOR``, ``triton>=3.5`` in pyproject.toml):
 ``routing._landmark_topk_kernel`` calls ``tl.bitonic_merge``, which Triton 3.3 does not have.
 Below it, backend "auto" takes the PyTorch stages with one warning and "triton" is refused.
 Only the version string is patched: nothing is interpreted or compiled (fast tier)."""
@@ -29,7 +29,7 @@ def cuda_like(monkeypatch):
 
 
 @pytest.mark.parametrize("version,ok", [
-    ("3.4.0", True), ("3.9.0", True), ("4.0.0", True), ("3.10.1+git1234", True),
+    ("3.5.0", True), ("3.9.0", True), ("4.0.0", True), ("3.10.1+git1234", True), ("3.4.0", False),
     ("3.3.1", False), ("3.0.0", False), ("2.9.9", False), ("", False),
 ])
 def test_triton_supported_compares_major_minor(monkeypatch, version, ok):
@@ -38,32 +38,32 @@ def test_triton_supported_compares_major_minor(monkeypatch, version, ok):
     if ok:
         assert reason is None
     else:
-        assert "triton>=3.4" in reason and (version or "(no version)") in reason
+        assert "triton>=3.5" in reason and (version or "(no version)") in reason
 
 
 def test_floor_matches_pyproject():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert "\"triton>=3.4; platform_system == 'Linux'" in text
-    assert kernels.TRITON_FLOOR == (3, 4)
+    assert "\"triton>=3.5; platform_system == 'Linux'" in text
+    assert kernels.TRITON_FLOOR == (3, 5)
 
 
 def test_auto_falls_back_with_one_warning_below_the_floor(monkeypatch, cuda_like, caplog):
     q = cuda_like
     with torch.no_grad():
-        assert A._use_triton("auto", q, q, q)  # the installed Triton (≥ 3.4) is taken
+        assert A._use_triton("auto", q, q, q)  # the installed Triton (≥ 3.5) is taken
         monkeypatch.setattr(triton, "__version__", "3.3.1")
         with caplog.at_level(logging.WARNING, logger="mita.attention"):
             assert not A._use_triton("auto", q, q, q)
             assert not A._use_triton("auto", q, q, q)
     warned = [r.getMessage() for r in caplog.records if r.name == "mita.attention"]
     assert len(warned) == 1, warned
-    assert "Triton 3.3.1" in warned[0] and "triton>=3.4" in warned[0]
+    assert "Triton 3.3.1" in warned[0] and "triton>=3.5" in warned[0]
 
 
 def test_triton_backend_refuses_an_old_triton(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.2.0")
     q = torch.randn(1, 1, 4, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"Triton 3\.2\.0 .*triton>=3\.4"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"Triton 3\.2\.0 .*triton>=3\.5"):
         A._use_triton("triton", q, q, q)
     with torch.no_grad(), pytest.raises(ValueError, match=r"Triton 3\.2\.0"):
         A.mita_attention(q, q, q, num_landmarks=2, topk=2, backend="triton")

@@ -11,10 +11,13 @@ __all__ = ["MAX_GRID_Y", "MAX_HEAD_DIM", "TRITON_FLOOR", "fused_attention", "tri
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where most kernels put B·H
 MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
-# routing._landmark_topk_kernel calls tl.sort(dim=1) on a 2-D tensor and tl.bitonic_merge. The
-# latter came with Triton 3.4 (triton-lang/triton#6461, with tl.topk): the 3.3.1 wheel's
-# triton/language/standard.py has sort(x, dim, descending) but no bitonic_merge, 3.4.0's has it.
-TRITON_FLOOR = (3, 4)
+# routing._landmark_topk_kernel calls tl.sort(dim=1) on a 2-D tensor and tl.bitonic_merge, which
+# came with Triton 3.4 (triton-lang/triton#6461: the 3.3.1 wheel's standard.py has no
+# bitonic_merge, 3.4.0's has it); topk._filter_kernel uses the old value tl.atomic_add returns
+# for each landmark row, which reaches every thread holding that row only since
+# triton-lang/triton#7460 (fixing #7402: before it, threads but one read 0), after the 3.4.0
+# release (triton-lang/triton#7957): so 3.5.
+TRITON_FLOOR = (3, 5)
 
 
 def triton_supported() -> str | None:
@@ -30,7 +33,7 @@ def triton_supported() -> str | None:
     floor = ".".join(map(str, TRITON_FLOOR))
     if found is None or (int(found[1]), int(found[2])) < TRITON_FLOOR:
         return (f"Triton {version or '(no version)'} is installed; the Triton MiTA kernels "
-                f"need triton>={floor} (tl.bitonic_merge)")
+                f"need triton>={floor} (tl.bitonic_merge, atomic_add results)")
     return None
 
 

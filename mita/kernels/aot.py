@@ -69,7 +69,7 @@ class Case:
         if self.kernel == "pool":
             return f"pool-{self.dtype}-{'mask' if self.masked else 'nomask'}-d{self.d}"
         if self.kernel == "tile_table":
-            return f"tile_table-s{self.s}-{'mask' if self.masked else 'nomask'}"
+            return f"tile_table-s{self.s}-{'mask' if self.masked else 'nomask'}-{self.dtype}"
         if self.kernel == "select":
             return f"select-k{self.topk}"
         if self.kernel in SELECT_LAUNCH:
@@ -86,12 +86,13 @@ def cases() -> list[Case]:
     reach each one) = 48. ``landmark_topk``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
     K_PAD ∈ {64, 128, 256, 512} (k 40, 100, 200, 512) = 24. ``route_shared``: 3 dtypes ×
     BLOCK_D ∈ {16, 32, 64, 128} = 12. ``pool``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
-    (mask, none) = 12. ``tile_table``: (s = 1, s > 1) × (mask, none) = 4. The threshold
-    select (``topk.threshold_topk``): ``groupmax``, ``filter`` and ``bisect`` 3 dtypes ×
-    BLOCK_D ∈ {64, 128} = 6 each; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100,
-    200, 512, 600, 2048) = 6. Tiles, warps and stages follow from (dtype, BLOCK_D) or (dtype,
-    K_PAD) (``mita_attention._blocks``, ``routing._route_blocks``, ``routing._topk_blocks``:
-    float32 takes smaller tiles than 16-bit), so they add no cases."""
+    (mask, none) = 12. ``tile_table``: (16-bit, float32: their attention tiles) × (s = 1,
+    s > 1) × (mask, none) = 8. The threshold select (``topk.threshold_topk``): ``groupmax``,
+    ``filter`` and ``bisect`` 3 dtypes × BLOCK_D ∈ {64, 128} = 6 each; ``select`` (no float
+    inputs) CAP ∈ {128 … 4096} (k 40, 100, 200, 512, 600, 2048) = 6. Tiles, warps and stages
+    follow from (dtype, BLOCK_D) or (dtype, K_PAD) (``mita_attention._blocks``,
+    ``routing._route_blocks``, ``routing._topk_blocks``: float32 takes smaller tiles than
+    16-bit), so they add no other cases."""
     out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
         DTYPE_NAMES, (1, 3), (False, True), (8, 32, 48, 128))]
     out += [Case("landmark_topk", dt, d, topk=topk) for dt, d, topk in itertools.product(
@@ -100,8 +101,8 @@ def cases() -> list[Case]:
         DTYPE_NAMES, (8, 32, 48, 128))]
     out += [Case("pool", dt, d, masked=masked) for dt, d, masked in itertools.product(
         DTYPE_NAMES, (48, 128), (False, True))]
-    out += [Case("tile_table", "float32", 32, s, masked) for s, masked in itertools.product(
-        (1, 3), (False, True))]
+    out += [Case("tile_table", dt, 32, s, masked) for dt, s, masked in itertools.product(
+        ("bfloat16", "float32"), (1, 3), (False, True))]
     out += [Case(kernel, dt, d, topk=8) for kernel, dt, d in itertools.product(
         ("groupmax", "filter", "bisect"), DTYPE_NAMES, (48, 128))]
     out += [Case("select", "float32", 32, topk=topk) for topk in (40, 100, 200, 512, 600, 2048)]

@@ -3,9 +3,12 @@ implementations, and the fastest one depends on the shape and the device, so eac
 once per shape on the device and the fastest kept — as cuDNN's benchmark mode or Triton's
 autotune do for their kernels.
 
-Every path returns the same indices: each landmark's k best keys by s_ij = q̃_i·k_j/√d
-(eq. 6), lowest key index on ties, indices ascending (``mita.attention.topk_tokens``'s
-contract). The paths, in the order tried without timing:
+Every path keeps one contract: each landmark's k best keys by s_ij = q̃_i·k_j/√d (eq. 6),
+lowest key index on ties, indices ascending (``mita.attention.topk_tokens``'s). On exact
+scores they return the same indices; otherwise their score arithmetic differs in the last bits
+(tile shapes, where the scale is applied), so two keys within rounding of the k-th score may
+be chosen differently by two paths — and so by two replicas that timed differently; set
+``MITA_TOPK_PATH`` to pin one. The paths, in the order tried without timing:
 
 - ``"select"``: ``mita.kernels.topk.threshold_topk`` (a threshold select);
 - ``"bitonic"``: ``mita.kernels.routing.landmark_topk`` (k ≤ ``routing.MAX_TOPK``);
@@ -186,6 +189,8 @@ class TopkChooser:
             try:
                 return self._serve(decision.path, self.candidates[decision.path](*args))
             except Exception as e:  # e.g. a launch that fails only now: choose again
+                if _capturing():  # a failed capture is void: drop nothing, retry nothing
+                    raise
                 self._drop(key, decision.path, e)
         with self._lock:
             decision = self.decisions.get(key)
@@ -202,14 +207,20 @@ class TopkChooser:
         timer = self.timer or (cuda_event_timer if k.is_cuda else None)
         if capturing or timer is None:
             for name in live:
+                if capturing and name == "torch":
+                    continue  # its tie check may read the device, which a capture forbids
                 try:
                     out = self.candidates[name](*args)
                 except Exception as e:
+                    if capturing:  # the capture is void after a failure: drop nothing
+                        raise
                     self._drop(key, name, e)
                     continue
                 if not capturing:
                     self.decisions[key] = Decision(name, None)
                 return self._serve(name, out)
+            raise RuntimeError(f"no top-k path can run inside a CUDA-graph capture for "
+                               f"{_describe(key)} (the torch path may read the device)")
         timings, outs = {}, {}
         device = torch.cuda.device(k.device) if k.is_cuda else contextlib.nullcontext()
         for name in live:

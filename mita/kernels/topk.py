@@ -161,7 +161,9 @@ def _select_kernel(COUNT, CAND, IDX, FLAG, R, TOPK, CAP: tl.constexpr, ROWS: tl.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < R
     count = tl.load(COUNT + rows, mask=live, other=0)
-    overflow = count > CAP
+    # more candidates than slots, or fewer than k (only if the filter's scores differed from
+    # the group max's, which the same code on the same tiles rules out): the fallback's
+    overflow = (count > CAP) | (count < TOPK)
     slot = tl.arange(0, CAP)
     packed = tl.load(CAND + rows[:, None] * CAP + slot[None, :],
                      mask=live[:, None] & (slot[None, :] < count[:, None]), other=-(2 ** 63))
