@@ -149,7 +149,8 @@ def test_threshold_topk_is_its_launches(kernels):
 
 def test_chunks_of_several_tiles(kernels, monkeypatch):
     """With a 4-program target, N = 2,000 (32 tiles) and k = 12 split into 2 chunks of 16
-    tiles: each group max spans 16 keys 64 apart; the select is still exact."""
+    tiles: chunk c holds tiles c, c + 2, …, so each group max spans 16 keys 128 apart; the
+    select is still exact, and the padded row (real keys first) reaches both chunks."""
     _, topk_module = kernels
     monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
     assert topk_module.num_chunks(2000, 3, 12, 2) == (2, 16)
@@ -272,5 +273,6 @@ def test_gpu_topk_script_dry_run(kernels, tmp_path, monkeypatch):
     assert (row["N"], row["m"], row["k"], row["d"]) == (128, 6, 6, 64)
     assert row["exact_vs_torch"] == {"select": True, "bitonic": True}
     assert row["select_overflow_landmarks"] == 0
+    assert row["clear_rows_equal"] == {"select": 1.0, "bitonic": 1.0}
     assert all(row[f"{p}_ms"] > 0 for p in ("select", "bitonic", "torch"))
     assert "| 128 | 6 |" in (tmp_path / "gpu_topk.md").read_text()

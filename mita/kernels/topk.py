@@ -9,8 +9,10 @@ needs no histogram:
 1. **Group max** (``_groupmax_kernel``, grid (landmark blocks × C chunks of N, B·H)): 64
    landmarks score a chunk of keys tile by tile (``routing._score_keys``: the same
    order-preserving int32 keys as the bitonic kernel) and keep an elementwise running max
-   per column of the [64, 64] score tile. Key j of chunk c falls in group (c, j mod 64), so
-   neighbouring keys (pooled landmarks score a neighbourhood alike) land in different groups;
+   per column of the [64, 64] score tile. Chunk c holds the tiles c, c + C, c + 2C, … and key
+   j of chunk c falls in group (c, j mod 64), so neighbouring keys (pooled landmarks score a
+   neighbourhood alike) land in different groups, and a row padded at its end still reaches
+   every group;
    the G = 64·C group maxima per landmark are written out. The chunk-0 programs also zero the
    candidate counters the filter appends with.
 2. **Threshold**: θ = the k-th largest group max (one ``torch.topk`` over G values per
@@ -103,9 +105,10 @@ def _groupmax_kernel(
                  + dd[None, :] * stride_ld, mask=lmask[:, None] & dmask[None, :], other=0.0)
     cols = tl.arange(0, BLOCK_N)
     best = tl.full([BLOCK_L, BLOCK_N], _NO_KEY, tl.int32)
-    first = chunk * TILES_PER_CHUNK * BLOCK_N
+    # chunk c holds tiles c, c + C, c + 2C, …: a row's real keys (padding at its end, as the
+    # service pads) reach every chunk, so every group, not only the first chunks'
     for t in range(TILES_PER_CHUNK):
-        key = _score_keys(lm, K, KEY_VALID, b, h, first + t * BLOCK_N + cols, dd, dmask, N,
+        key = _score_keys(lm, K, KEY_VALID, b, h, (chunk + t * C) * BLOCK_N + cols, dd, dmask, N,
                           stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE, UPCAST)
         best = tl.maximum(best, key)
     G = C * BLOCK_N
@@ -141,9 +144,8 @@ def _filter_kernel(
     # θ is the last of each row's k largest group maxima (torch.topk's sorted values)
     theta = tl.load(THETA + row * TOPK + TOPK - 1, mask=lmask, other=0)
     cols = tl.arange(0, BLOCK_N)
-    first = chunk * TILES_PER_CHUNK * BLOCK_N
-    for t in range(TILES_PER_CHUNK):
-        c = first + t * BLOCK_N + cols
+    for t in range(TILES_PER_CHUNK):  # the group max's tiles, in the same order
+        c = (chunk + t * C) * BLOCK_N + cols
         key = _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
                           stride_kn, stride_kd, scale, IEEE, UPCAST)
         sel = ((key >= theta[:, None]) & (c < N)[None, :] & lmask[:, None]).to(tl.int32)
