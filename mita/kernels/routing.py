@@ -61,8 +61,9 @@ def _topk_blocks(dtype: torch.dtype, kp: int) -> tuple[int, int]:
     BLOCK_D 128 on sm_80 (4 bytes), 16-bit at K_PAD 128-256 on sm_90 (4-16 bytes); 16-key
     tiles for float32 at K_PAD 64, and 32-key tiles with 4 warps for 16-bit at K_PAD 128-256,
     do not. 8 warps at K_PAD 512 (two [16, 512] lists)."""
-    if dtype == torch.float32:
-        return (16 if kp == 64 else 64), (8 if kp >= 256 else 4)
+    if dtype == torch.float32:  # with the bounded second pass: 16 keys spilled 8 bytes at
+        # K_PAD 64 (sm_80), 64 keys 8-12 bytes at K_PAD 128 (sm_90); 32 and 16 do not
+        return {64: 32, 128: 16}.get(kp, 64), (8 if kp >= 256 else 4)
     return (32 if kp in (128, 256) else 64), (8 if kp == 512 else 4)
 
 

@@ -71,13 +71,22 @@ def candidate_capacity(topk: int) -> int:
     return max(128, 2 * triton.next_power_of_2(topk))
 
 
-def num_chunks(n: int, m: int, topk: int, bh: int) -> tuple[int, int]:
-    """``(C, tiles per chunk)`` for N keys: enough chunks for ``TARGET_PROGRAMS`` programs
-    and for ``GROUPS_PER_K``·k groups, at most one chunk per 64-key tile; every chunk holds
-    at least one tile."""
-    tiles = triton.cdiv(n, SELECT_BLOCK_N)
-    want = max(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(m, SELECT_BLOCK_L) * bh),
-               triton.cdiv(GROUPS_PER_K * topk, SELECT_BLOCK_N))
+def select_blocks(dtype: torch.dtype) -> tuple[int, int]:
+    """``(BLOCK_L, BLOCK_N)`` of the group-max and filter kernels: landmarks × keys per score
+    tile. 16-bit: 64 × 64 (tensor-core tiles). float32: 16 × 16 — its IEEE products are FMA
+    loops over registers, and 64 × 64 tiles spilled 7-27 KB per thread at BLOCK_D 128
+    (``python -m mita.kernels.aot --table``)."""
+    return (16, 16) if dtype == torch.float32 else (SELECT_BLOCK_L, SELECT_BLOCK_N)
+
+
+def num_chunks(n: int, m: int, topk: int, bh: int, block_l: int = SELECT_BLOCK_L,
+               block_n: int = SELECT_BLOCK_N) -> tuple[int, int]:
+    """``(C, tiles per chunk)`` for N keys in tiles of ``block_n`` and ``block_l`` landmarks
+    per program: enough chunks for ``TARGET_PROGRAMS`` programs and for ``GROUPS_PER_K``·k
+    groups, at most one chunk per tile; every chunk holds at least one tile."""
+    tiles = triton.cdiv(n, block_n)
+    want = max(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(m, block_l) * bh),
+               triton.cdiv(GROUPS_PER_K * topk, block_n))
     per_chunk = triton.cdiv(tiles, min(tiles, want))
     return triton.cdiv(tiles, per_chunk), per_chunk
 
@@ -248,27 +257,28 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     lm = landmarks.to(k.dtype)
     if key_valid is None:
         key_valid = _key_valid(key_padding_mask, B, N, k.device)
-    C, per_chunk = num_chunks(N, m, topk, B * H)
+    block_l, block_n = select_blocks(k.dtype)
+    C, per_chunk = num_chunks(N, m, topk, B * H, block_l, block_n)
     cap = candidate_capacity(topk)
     rows = max(1, SELECT_ELEMENTS // cap)  # landmarks per select program
     dev = k.device
-    gmax = torch.empty(B, H, m, C * SELECT_BLOCK_N, dtype=torch.int32, device=dev)
+    gmax = torch.empty(B, H, m, C * block_n, dtype=torch.int32, device=dev)
     count = torch.empty(B, H, m, dtype=torch.int32, device=dev)
     cand = torch.empty(B, H, m, cap, dtype=torch.int64, device=dev)
     out = torch.empty(B, H, m, topk, dtype=torch.int64, device=dev)
     flag = torch.empty(B, H, m, dtype=torch.int8, device=dev)
     theta = torch.empty(B, H, m, topk, dtype=torch.int32, device=dev)
     common = dict(IEEE=k.dtype == torch.float32, UPCAST=_upcast(k, interpreter),
-                  BLOCK_N=SELECT_BLOCK_N, BLOCK_D=max(64, _block_d(d)))
+                  BLOCK_N=block_n, BLOCK_D=max(64, _block_d(d)))
     scored = (lm, k, key_valid)
     strides = (*lm.stride(), *k.stride())
-    grid = (triton.cdiv(m, SELECT_BLOCK_L) * C, B * H)
+    grid = (triton.cdiv(m, block_l) * C, B * H)
     launches = [
         (_groupmax_kernel, grid, (*scored, gmax, count, *strides, H, N, m, d, C, per_chunk,
-                                  float(scale)), dict(common, BLOCK_L=SELECT_BLOCK_L)),
+                                  float(scale)), dict(common, BLOCK_L=block_l)),
         (None, None, (gmax, topk), theta),
         (_filter_kernel, grid, (*scored, theta, count, cand, *strides, H, N, m, d, C, per_chunk,
-                                topk, cap, float(scale)), dict(common, BLOCK_L=SELECT_BLOCK_L)),
+                                topk, cap, float(scale)), dict(common, BLOCK_L=block_l)),
         (_select_kernel, (triton.cdiv(B * H * m, rows),), (count, cand, out, flag, B * H * m,
                                                            topk),
          dict(CAP=cap, ROWS=rows, num_warps=8 if cap >= 2048 else 4)),
@@ -285,8 +295,11 @@ def bisect_plan(lm: Tensor, k: Tensor, key_valid: Tensor, flag: Tensor, out: Ten
     ``(B, N)`` int8."""
     B, H, N, d = k.shape
     m = lm.shape[2]
+    block_d = max(64, _block_d(d))
+    # 16-bit at BLOCK_D 128 spilled 4 bytes on sm_80 with 64-key tiles; 32 do not
+    block_n = 32 if k.dtype != torch.float32 and block_d == 128 else SELECT_BLOCK_N
     meta = dict(IEEE=k.dtype == torch.float32, UPCAST=upcast, BLOCK_L=BISECT_BLOCK_L,
-                BLOCK_N=SELECT_BLOCK_N, BLOCK_D=max(64, _block_d(d)))
+                BLOCK_N=block_n, BLOCK_D=block_d)
     args = (lm, k, key_valid, flag, out, *lm.stride(), *k.stride(), H, N, m, topk, d,
             float(scale))
     return _bisect_topk_kernel, (triton.cdiv(m, BISECT_BLOCK_L), B * H), args, meta
