@@ -168,7 +168,7 @@ def test_resident_blocks_by_the_occupancy_rules(registers, shared, warps, sm, wa
 
 def test_table_has_one_row_per_result(results):
     lines = aot.table(results).splitlines()
-    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 168
+    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 256
     assert all(line.count("|") == len(aot.COLUMNS) + 1 and "FAILED" not in line
                for line in lines[2:])
 
