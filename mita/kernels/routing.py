@@ -76,6 +76,14 @@ def _route_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _load_rows(PTR, b, h, rows, rmask, dd, dmask, stride_b, stride_h, stride_r, stride_d):
+    """The ``[len(rows), len(dd)]`` block of a ``(B, H, rows, d)`` tensor at batch ``b``, head
+    ``h`` (the landmarks of a program), zero where ``rmask`` or ``dmask`` is False."""
+    return tl.load(PTR + b * stride_b + h * stride_h + rows[:, None] * stride_r
+                   + dd[None, :] * stride_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
 def _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh, stride_kn,
                 stride_kd, scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Scores of the landmarks ``lm`` against keys ``c`` as order-preserving int32 sort keys
@@ -142,8 +150,8 @@ def _landmark_topk_kernel(
     lmask = lrows < M
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = tl.load(LM + b * stride_lb + h * stride_lh + lrows[:, None] * stride_lm
-                 + dd[None, :] * stride_ld, mask=lmask[:, None] & dmask[None, :], other=0.0)
+    lm = _load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+                    stride_ld)
     cols = tl.arange(0, BLOCK_N)
     R: tl.constexpr = K_PAD // BLOCK_N
     part = tl.arange(0, R)

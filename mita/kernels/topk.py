@@ -52,6 +52,7 @@ from .routing import (
     _check,
     _emit_topk,
     _key_valid,
+    _load_rows,
     _score_keys,
     _upcast,
     check_grid,
@@ -110,8 +111,8 @@ def _groupmax_kernel(
     lmask = lrows < M
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = tl.load(LM + b * stride_lb + h * stride_lh + lrows[:, None] * stride_lm
-                 + dd[None, :] * stride_ld, mask=lmask[:, None] & dmask[None, :], other=0.0)
+    lm = _load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+                    stride_ld)
     cols = tl.arange(0, BLOCK_N)
     best = tl.full([BLOCK_L, BLOCK_N], _NO_KEY, tl.int32)
     # chunk c holds tiles c, c + C, c + 2C, …: a row's real keys (padding at its end, as the
@@ -147,8 +148,8 @@ def _filter_kernel(
     lmask = lrows < M
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = tl.load(LM + b * stride_lb + h * stride_lh + lrows[:, None] * stride_lm
-                 + dd[None, :] * stride_ld, mask=lmask[:, None] & dmask[None, :], other=0.0)
+    lm = _load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+                    stride_ld)
     row = bh * M + lrows
     # θ is the last of each row's k largest group maxima (torch.topk's sorted values)
     theta = tl.load(THETA + row * TOPK + TOPK - 1, mask=lmask, other=0)
@@ -208,8 +209,8 @@ def _bisect_topk_kernel(
         return
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = tl.load(LM + b * stride_lb + h * stride_lh + lrows[:, None] * stride_lm
-                 + dd[None, :] * stride_ld, mask=todo[:, None] & dmask[None, :], other=0.0)
+    lm = _load_rows(LM, b, h, lrows, todo, dd, dmask, stride_lb, stride_lh, stride_lm,
+                    stride_ld)
     cols = tl.arange(0, BLOCK_N)
     # The k-th largest key T = the largest t with count(key ≥ t) ≥ k: bisection over the
     # 2^32 int32 keys keeps count(≥ lo) ≥ k > count(≥ hi); 32 halvings leave hi = lo + 1.
