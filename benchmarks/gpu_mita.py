@@ -63,11 +63,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mita import attention as A  # noqa: E402
+from mita import stages as S  # noqa: E402
+from mita.config import clamp_topk  # noqa: E402
 from mita.cost import fig5_setting  # noqa: E402
+from mita.hooks import NULL_HOOK  # noqa: E402
 from mita.kernels import choose  # noqa: E402
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
 from mita.reference import reference_mita  # noqa: E402
-from profiler.timer import StageTimer  # noqa: E402
+from mita.timer import StageTimer  # noqa: E402
 
 PAPER_FIG5 = {16384: 4.7, 65536: 19.0, 262144: 56.0, 1 << 20: 159.0}
 GRAPH_MAX_N = 65536  # whole forwards also replayed from a CUDA graph up to this N
@@ -104,10 +107,10 @@ def fused_decisions(q, k, v, m, topk, s, mask):
     landmarks, lm, landmark_valid, _, _ = pooling.pool_landmarks(q, m, mask)
     index = routing.landmark_topk(lm, k, topk, d ** -0.5, mask)
     if s == 1:
-        shared = A.shared_compress_sdpa(lm, k, v, mask)
+        shared = S.shared_compress_sdpa(lm, k, v, mask)
         experts = routing.route_shared(q, lm, shared, landmark_valid, d ** -0.5)[0]
     else:
-        experts = A.route(q, landmarks, s, landmark_valid)
+        experts = S.route(q, landmarks, s, landmark_valid)
     return index, experts
 
 
@@ -118,10 +121,10 @@ def reference_given(q, k, v, m, s, mask, index, experts) -> torch.Tensor:
     against float64 here (the decisions themselves are checked exactly by
     ``check_routing``)."""
     q, k, v = q.double(), k.double(), v.double()
-    landmarks, landmark_valid = A.pool(q, m, mask)
-    shared = A.shared_compress(A.landmark_scores(landmarks, k, mask), v)
-    return A.gather_and_attend(q, k, v, landmarks, landmark_valid, shared, index, experts, "paper",
-                                mask, A.NULL_HOOK)
+    landmarks, landmark_valid = S.pool(q, m, mask)
+    shared = S.shared_compress(S.landmark_scores(landmarks, k, mask), v)
+    return S.gather_and_attend(q, k, v, landmarks, landmark_valid, shared, index, experts, "paper",
+                                mask, NULL_HOOK)
 
 
 def check_reference(device, gen, smoke: bool) -> list[dict]:
@@ -144,7 +147,7 @@ def check_reference(device, gen, smoke: bool) -> list[dict]:
         mask = rand_mask(B, N, gen, device) if masked else None
         out = A.mita_attention(q, k, v, num_landmarks=m, topk=topk, route_topk=s,
                                key_padding_mask=mask, backend="triton")
-        index, experts = fused_decisions(q, k, v, m, A.clamp_topk(topk, N), s, mask)
+        index, experts = fused_decisions(q, k, v, m, clamp_topk(topk, N), s, mask)
         err = rel_err(out, reference_given(q, k, v, m, s, mask, index, experts))
         loop = reference_mita(*(t.double().cpu().numpy() for t in (q, k, v)), m, topk, s,
                               None if mask is None else mask.cpu().numpy())
@@ -173,9 +176,9 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
         for B, H, N, d, m, topk in cases:
             q, k, v = rand_inputs((B, H, N, d), gen, device, dtype, integer=True)
             mask = rand_mask(B, N, gen, device)
-            landmarks, landmark_valid = A.pool(q, m, mask)
+            landmarks, landmark_valid = S.pool(q, m, mask)
             landmarks = landmarks.round()  # integer landmarks: exact scores again
-            want = A.topk_tokens(A.landmark_scores(landmarks, k.float(), mask), topk)
+            want = S.topk_tokens(S.landmark_scores(landmarks, k.float(), mask), topk)
             shape = f"B{B} H{H} N{N} d{d} m{m} k{topk} masked"
             for name, fn in (("landmark_topk", routing.landmark_topk),
                              ("threshold_topk", topk_kernels.threshold_topk)):
@@ -186,7 +189,7 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
                              "tol": 0.0, "ok": same == 0})
             sv = torch.randn(B, H, m, d, generator=gen).to(device)
             experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, landmark_valid, d ** -0.5)
-            ref_experts = A.route(q.float(), landmarks, 1, landmark_valid)
+            ref_experts = S.route(q.float(), landmarks, 1, landmark_valid)
             logits = (q.float() @ landmarks.transpose(-1, -2) * d ** -0.5).masked_fill(
                 ~landmark_valid[:, None, None, :], float("-inf"))
             weights = torch.softmax(logits, -1)
@@ -381,7 +384,7 @@ def attention_rows_at(n, device, dtype, repeats: int, smoke: bool) -> list[dict]
                         device, 1 if n > 300000 else repeats)
     rows = []
     for m, topk in [fig5_setting(n)] + ([] if smoke else [(64, 64)]):
-        def run(hook=A.NULL_HOOK, m=m, topk=topk):
+        def run(hook=NULL_HOOK, m=m, topk=topk):
             return A.mita_attention(q, k, v, num_landmarks=m, topk=topk, backend="triton",
                                     hook=hook)
         row = {"N": n, "m": m, "k": topk, "s": 1, "batch": 1, "heads": 2, "d": 64,

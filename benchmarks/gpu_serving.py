@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
-from profiler.timer import StageTimer  # noqa: E402
+from mita.timer import StageTimer  # noqa: E402
 from service.engine import ClassifierEngine  # noqa: E402
 from service.schemas import VARIANTS  # noqa: E402
 
@@ -191,7 +191,7 @@ def requests(device: str, ns, batches, budget_s, start, smoke) -> list[dict]:
 
 def profiler_overhead(device: str, ns, smoke) -> list[dict]:
     """Profiled (engine) vs plain forward, interleaved; CUDA events (host clock on CPU)."""
-    from profiler.cost import profile_forward
+    from mita.timer import profile_forward
 
     dev = torch.device(device)
     rows = []

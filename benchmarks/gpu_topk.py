@@ -10,7 +10,7 @@ repeats after a warm-up that compiles the kernels), in one run so the ratios are
 - ``select``: ``mita.kernels.topk.threshold_topk`` (group max, threshold, filter, select,
   fallback: five launches, no m × N scores, no sort of N);
 - ``bitonic``: ``mita.kernels.routing.landmark_topk`` (k ≤ 512);
-- ``torch``: the scores as one matmul (m × N, float32) and ``mita.attention.topk_tokens``.
+- ``torch``: the scores as one matmul (m × N, float32) and ``mita.stages.topk_tokens``.
 
 Before timing, every path's indices are checked against the ``torch`` path on small-integer
 inputs (exact scores, ties at the k-th: the indices must be equal, lowest index first), and
@@ -39,7 +39,7 @@ if "--smoke" in sys.argv:  # the interpreter is chosen when the kernel module is
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from mita import attention as A  # noqa: E402
+from mita import stages as S  # noqa: E402
 from mita.kernels import routing, topk  # noqa: E402
 
 PATHS = ("select", "bitonic", "torch")
@@ -52,7 +52,7 @@ def run_path(name: str, landmarks, k, m_topk: int):
         return topk.threshold_topk(landmarks, k, m_topk, scale)
     if name == "bitonic":
         return routing.landmark_topk(landmarks, k, m_topk, scale)
-    return A.topk_tokens(A.landmark_scores(landmarks, k.float()), m_topk)
+    return S.topk_tokens(S.landmark_scores(landmarks, k.float()), m_topk)
 
 
 def time_ms(fn, device, repeats: int) -> float:
@@ -96,7 +96,7 @@ def clear_rows_equal(landmarks, k, m_topk: int) -> dict[str, float]:
     """On the timed (normal) inputs: the share of landmarks whose k-th and (k+1)-th float32
     scores differ by more than 1e-3 (far above the paths' last-bit differences) on which each
     Triton path's indices equal the torch path's (1.0 = all)."""
-    scores = A.landmark_scores(landmarks.to(k.dtype).float(), k.float())
+    scores = S.landmark_scores(landmarks.to(k.dtype).float(), k.float())
     top = scores.topk(min(m_topk + 1, k.shape[2]), dim=-1).values
     clear = (top[..., m_topk - 1] - top[..., -1]) > 1e-3
     del scores, top

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mita.model import EncoderClassifier, ModelConfig
-from profiler.cost import profile_forward
+from mita.timer import profile_forward
 from profiler.sweep import landmarks_for
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mita.hooks import MIN_STAGE_SAMPLES, VARIANT_COLORS, stage_sorted
-from profiler.plots import stage_lines
+from mita.plots import stage_lines
 
 from .engine import Sample
 

@@ -1,15 +1,75 @@
 """``ModelConfig``: the model's hyper-parameters, validated once here and handed whole to the
-modules that use them (``EncoderClassifier``, ``DenseAttention``, ``MiTAAttention``)."""
+modules that use them (``EncoderClassifier``, ``DenseAttention``, ``MiTAAttention``), with the
+one check of a MiTA setting (``check_setting``), its one parser (``parse_setting``), the one
+top-k clamp and the names of the attentions and backends. Imports no other ``mita`` module:
+every layer above reads its rules from here."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+import re
 from dataclasses import dataclass
 
-from .attention import check_setting
-
 ATTENTIONS = ("dense", "mita")
+SHARED_SCALES = ("paper", "official")
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+def check_setting(num_landmarks: int, topk: int, route_topk: int,
+                  shared_scale: str = "paper") -> None:
+    """The one check of a MiTA setting (§3.2): m, k, s ints ≥ 1, s ≤ m (a query picks s of
+    the m routed experts), ``shared_scale`` in ``SHARED_SCALES``. ``ModelConfig`` and
+    ``mita_attention`` both call it. Raises ValueError naming the bad value."""
+    for name, value in (("num_landmarks", num_landmarks), ("topk", topk),
+                        ("route_topk", route_topk)):
+        try:  # Python, NumPy and torch integers; not floats or bools
+            ok = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name!r} must be an int ≥ 1, got {value!r}")
+    if route_topk > num_landmarks:
+        raise ValueError(f"'route_topk' s = {route_topk} exceeds 'num_landmarks' m = "
+                         f"{num_landmarks}")
+    if shared_scale not in SHARED_SCALES:
+        raise ValueError(f"'shared_scale' must be one of {SHARED_SCALES}, got "
+                         f"{shared_scale!r}")
+
+
+def check_backend(backend: str) -> None:
+    """The one check of a MiTA backend name (``mita_attention``'s ``backend``). Raises
+    ValueError naming the choices."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def clamp_topk(topk: int, n: int) -> int:
+    """k tokens per routed expert for a sequence of N = n tokens: min(k, N) (a landmark
+    cannot pick more keys than exist). Every path (attention, cost model, memory estimate)
+    clamps through here."""
+    return min(topk, n)
+
+_SETTING = re.compile(r"(\d+)[xX](\d+)(?:[xX](\d+))?")
+
+
+def parse_setting(text: str, route_topk: bool = True,
+                  forms: str = "MxK or MxKxS (e.g. 32x32 or 32x32x2)") -> tuple[int, int, int]:
+    """A MiTA setting written ``"MxK"`` or ``"MxKxS"`` (``x`` or ``X``; the sweep's and the
+    advisor's command lines) → ``(num_landmarks, topk, route_topk)``, s = 1 when absent.
+    ``route_topk=False`` refuses the S part (the sweep takes s from its own option); ``forms``
+    names the accepted forms in the error. Raises ValueError: ``text`` is not one of the forms,
+    or ``check_setting`` refuses the numbers."""
+    match = _SETTING.fullmatch(text)
+    if not match or (match[3] is not None and not route_topk):
+        raise ValueError(f"setting {text!r} is not {forms}")
+    m, topk, s = int(match[1]), int(match[2]), int(match[3] or 1)
+    try:
+        check_setting(m, topk, s)
+    except ValueError as e:
+        raise ValueError(f"setting {text!r}: {e}") from None
+    return m, topk, s
+
 
 # Largest value of each size field: a config.json beyond these asks for more memory than any
 # machine has, and is refused before anything is allocated.

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from .argtypes import NONNEGATIVE_INT, POSITIVE_INT
+from .config import ATTENTIONS
 from .data.listops import ListOpsConfig, generate
-from .model import ATTENTIONS, checkpoint_metadata, load_checkpoint, tied_variant
+from .model import checkpoint_metadata, load_checkpoint, tied_variant
 from .train import TEST_SEED, encoded, evaluate
 
 

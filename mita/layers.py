@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .attention import BACKENDS, dense_attention, mita_attention
-from .config import ModelConfig
+from .attention import dense_attention, mita_attention
+from .config import ModelConfig, check_backend
 from .hooks import NULL_HOOK, StageHook
 
 
@@ -22,26 +22,27 @@ class _MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
-                hook: StageHook = NULL_HOOK) -> Tensor:
+                hook: StageHook = NULL_HOOK, check_mask: bool = True) -> Tensor:
         """``x`` ``(B, N, dim)`` → ``(B, N, dim)``; stages ``qkv_proj``, attention's stages,
-        ``out_proj``."""
+        ``out_proj``. ``check_mask=False``: the caller checked ``key_padding_mask`` already
+        (``EncoderClassifier``, once per forward)."""
         B, N, dim = x.shape
         with hook.stage("qkv_proj"):
             q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        o = self.attend(q, k, v, key_padding_mask, hook)
+        o = self.attend(q, k, v, key_padding_mask, hook, check_mask)
         with hook.stage("out_proj"):
             return self.out_proj(o.transpose(1, 2).reshape(B, N, dim))
 
-    def attend(self, q, k, v, key_padding_mask, hook):
+    def attend(self, q, k, v, key_padding_mask, hook, check_mask):
         raise NotImplementedError
 
 
 class DenseAttention(_MultiHeadAttention):
     """Multi-head dense attention; reports its SDPA call as stage ``attention``."""
 
-    def attend(self, q, k, v, key_padding_mask, hook):
+    def attend(self, q, k, v, key_padding_mask, hook, check_mask):
         with hook.stage("attention"):
-            return dense_attention(q, k, v, key_padding_mask)
+            return dense_attention(q, k, v, key_padding_mask, check_mask)
 
 
 class MiTAAttention(_MultiHeadAttention):
@@ -53,14 +54,13 @@ class MiTAAttention(_MultiHeadAttention):
 
     def __init__(self, cfg: ModelConfig, backend: str = "auto"):
         super().__init__(cfg)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_backend(backend)
         self.cfg = cfg
         self.backend = backend  # plain attribute: the profiler switches it per run
 
-    def attend(self, q, k, v, key_padding_mask, hook):
+    def attend(self, q, k, v, key_padding_mask, hook, check_mask):
         c = self.cfg
         return mita_attention(q, k, v, num_landmarks=c.num_landmarks, topk=c.topk,
                               route_topk=c.route_topk, key_padding_mask=key_padding_mask,
                               landmark_grid=c.landmark_grid, shared_scale=c.shared_scale,
-                              backend=self.backend, hook=hook)
+                              backend=self.backend, hook=hook, check_mask=check_mask)

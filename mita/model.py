@@ -23,10 +23,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .attention import BACKENDS
-from .config import ATTENTIONS, LIMITS, OPTIONAL_FIELDS, ModelConfig  # noqa: F401
+from .config import OPTIONAL_FIELDS, ModelConfig, check_backend
 from .hooks import NULL_HOOK, StageHook
 from .layers import DenseAttention, MiTAAttention
+from .stages import check_padding_mask
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None,
                 hook: StageHook = NULL_HOOK) -> Tensor:
-        x = x + self.attn(self.norm1(x), key_padding_mask, hook)
+        """``key_padding_mask`` already checked by ``EncoderClassifier.forward``."""
+        x = x + self.attn(self.norm1(x), key_padding_mask, hook, check_mask=False)
         with hook.stage("ffn"):
             return x + self.ffn(self.norm2(x))
 
@@ -113,6 +114,7 @@ class EncoderClassifier(nn.Module):
         B, N = ids.shape
         if N > self.config.max_len:
             raise ValueError(f"sequence length {N} exceeds max_len {self.config.max_len}")
+        check_padding_mask(key_padding_mask, B, N)  # once per forward, not once per layer
         with hook.stage("embed"):
             x = self.embed(ids) + sinusoidal_positions(N, self.config.dim, ids.device,
                                                        self.embed.weight.dtype)
@@ -151,8 +153,7 @@ def set_mita_backend(model: nn.Module, backend: str) -> None:
     """Set ``backend`` (``"auto"``, ``"torch"``, ``"cpu"``, ``"triton"``; see
     ``mita_attention``) on every ``MiTAAttention`` in ``model``. Raises ValueError for an
     unknown name."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     for module in model.modules():
         if isinstance(module, MiTAAttention):
             module.backend = backend

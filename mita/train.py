@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
-from .attention import SHARED_SCALES
+from .config import ATTENTIONS, SHARED_SCALES, ModelConfig
 from .data.listops import PAD_ID, ListOpsConfig, encode, generate
-from .model import ATTENTIONS, EncoderClassifier, ModelConfig, save_checkpoint, tied_variant
+from .model import EncoderClassifier, save_checkpoint, tied_variant
 
 TEST_SEED = 1_000_003  # never a training or validation seed: --seed must stay below it
 

@@ -7,9 +7,9 @@ import argparse
 from pathlib import Path
 
 from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
+from service.engine import pick_device
 
 from . import advise
-from .cost import usable_device
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
@@ -126,7 +126,7 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if a.data != "generated" and not Path(a.data).is_file():
             raise ValueError(f"--data {a.data}: " + ("a folder, not a file"
                                                      if Path(a.data).is_dir() else "no such file"))
-        usable_device(a.device, "the advisor")
+        pick_device(a.device, "the advisor")
         cfg = advise.AdviseConfig(
             checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
             data_format=a.data_format, size=a.size, min_length=a.min_length,

@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,13 +42,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mita import config
 from mita.cost import fig5_setting
 from mita.data.listops import ListOpsConfig, encode, generate
 from mita.data.tsv import read_lra_listops, read_text_tsv
 from mita.hooks import stage_sorted
 from mita.model import checkpoint_metadata
-
-from .quality import kl_divergence
+from mita.quality import kl_divergence
 
 FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
 RUN_FILE = "advise.jsonl"
@@ -110,14 +109,9 @@ class Setting:
 
 
 def parse_setting(text: str, shared_scale: str = "paper") -> Setting:
-    """``"MxK"`` or ``"MxKxS"`` (e.g. ``32x32x2``) → ``Setting``. Raises ValueError."""
-    match = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?", text)
-    if not match:
-        raise ValueError(f"setting {text!r} is not MxK or MxKxS (e.g. 32x32 or 32x32x2)")
-    m, k, s = int(match[1]), int(match[2]), int(match[3] or 1)
-    if min(m, k, s) < 1 or s > m:
-        raise ValueError(f"setting {text!r}: m, k, s must be ≥ 1 and s ≤ m")
-    return Setting(m, k, s, shared_scale)
+    """``"MxK"`` or ``"MxKxS"`` (e.g. ``32x32x2``) → ``Setting``, read by
+    ``mita.config.parse_setting`` (its errors: ValueError)."""
+    return Setting(*config.parse_setting(text), shared_scale)
 
 
 def default_grid(ns: list[int], shared_scales: list[str]) -> list[Setting]:
@@ -150,7 +144,7 @@ class Constraint:
 def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dict:
     """Quality of ``probs`` against the dense ``reference`` (both ``(n, classes)`` float64
     probabilities) and the true ``labels`` ``(n,)``: accuracy, agreement of the argmax labels,
-    mean KL(reference ‖ probs) in nats (``profiler.quality.kl_divergence``), and
+    mean KL(reference ‖ probs) in nats (``mita.quality.kl_divergence``), and
     ``drop_se_points``: the standard error of dense's accuracy minus this one, in points, for
     paired outcomes on the same sequences (√(b + c − (b − c)²/n) / n, b and c the sequences
     only one of the two gets right). Identical inputs give agreement 1.0, KL exactly 0 and

@@ -22,25 +22,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mita.attention import clamp_topk
-from mita.cost import fig5_setting
+from mita.config import clamp_topk, parse_setting
+from mita.cost import fig5_setting, model_stage_flops
 from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
-
-from .cost import model_stage_flops, profile_forward, usable_device
-from .plots import stage_lines
+from mita.plots import stage_lines
+from mita.timer import profile_forward
+from service.engine import pick_device
 
 
 def landmarks_for(n: int, setting: str) -> tuple[int, int]:
-    """(m, k) for sequence length n under ``fig5`` or ``MxK``. Raises ValueError otherwise."""
+    """(m, k) for sequence length n under ``fig5`` (``mita.cost.fig5_setting``) or ``MxK``
+    (``mita.config.parse_setting``; s comes from ``--route-topk``). Raises ValueError."""
     if setting == "fig5":
         return fig5_setting(n)
-    try:
-        m, k = (int(x) for x in setting.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"setting {setting!r} is neither 'fig5' nor 'MxK'") from None
-    if m < 1 or k < 1:
-        raise ValueError(f"setting {setting!r}: m and k must be at least 1")
+    m, k, _ = parse_setting(setting, route_topk=False, forms="'fig5' or MxK (e.g. 32x128)")
     return m, k
 
 
@@ -71,7 +67,7 @@ class SweepConfig:
             for variant in self.variants:
                 for setting in self.settings if variant == "mita" else ["-"]:
                     self.model_config(n, variant, setting)
-        device = usable_device(self.device, "the sweep")
+        device = pick_device(self.device, "the sweep")
         if self.mita_backend == "triton" and device.type != "cuda":
             raise ValueError("mita_backend 'triton' needs a CUDA device")
 

@@ -29,7 +29,7 @@ import torch
 
 from mita.kernels import MAX_HEAD_DIM, choose, triton_supported
 from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
-from profiler.cost import profile_forward
+from mita.timer import profile_forward
 
 from . import PROJECT_ROOT
 from .graphs import GraphCache
@@ -45,11 +45,26 @@ def resolve_checkpoint(path: str) -> Path:
     return p if p.is_absolute() else PROJECT_ROOT / p
 
 
-def pick_device(device: str) -> torch.device:
-    """``auto``: CUDA when available, else the CPU; otherwise ``torch.device(device)``."""
+def pick_device(device: str, tool: str = "the service") -> torch.device:
+    """The one device check, for the service's replicas and its pre-start checks, the sweep and
+    the advisor (``tool`` names which in the message). ``auto``: CUDA when available, else the
+    CPU; otherwise ``device`` (``cpu``, ``cuda`` or ``cuda:N``) as a torch device. Raises
+    ValueError naming the device: not a torch device, not cpu or cuda, or a CUDA device this
+    torch does not see."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device (auto, cpu, cuda, cuda:N)"
+                         ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: {tool} runs on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (dev.index or 0) >= count:
+        raise ValueError(f"device {device!r}: this machine's torch ({torch.__version__}) sees "
+                         f"{count} CUDA device(s)")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from profiler.quality import kl_divergence
+from mita.quality import kl_divergence
 
 from .schemas import VARIANTS, GatewayConfig
 
@@ -44,7 +44,7 @@ def shadow_comparison(primary: str, served: dict, other: dict) -> tuple[bool, fl
     """(labels agree, KL(dense ‖ MiTA) in nats) of the answer ``served`` by ``primary`` and
     its shadow's answer ``other`` (each with ``label`` and ``probabilities``): dense is the
     reference whichever variant is primary, so the metric keeps one meaning across A/B
-    weights (``profiler.quality``)."""
+    weights (``mita.quality``)."""
     shadow = next(v for v in VARIANTS if v != primary)
     probs = {primary: served["probabilities"], shadow: other["probabilities"]}
     return served["label"] == other["label"], kl_divergence(probs["dense"], probs["mita"])

@@ -85,7 +85,7 @@ class Recorder:
 
     def shadow(self, primary: str, agree: bool, kl: float) -> None:
         """A shadow comparison of ``primary``'s answer: labels ``agree``, ``kl`` =
-        KL(dense ‖ MiTA) in nats (``profiler.quality.kl_divergence``), whichever is primary."""
+        KL(dense ‖ MiTA) in nats (``mita.quality.kl_divergence``), whichever is primary."""
         self.metrics.shadow_comparisons.inc(1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(kl, {"primary": primary})
         self.window.add_shadow(primary, agree, kl)

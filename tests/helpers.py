@@ -42,10 +42,15 @@ def random_mask(B, N, seed, suffix=True):
     return mask
 
 
-# The Triton kernel modules and one kernel of each: Triton decides at decoration whether a
-# kernel is interpreted, so a module first imported without TRITON_INTERPRET is reloaded.
-KERNEL_MODULES = (("mita.kernels.routing", "_landmark_topk_kernel"),
-                  ("mita.kernels.topk", "_select_kernel"),  # after routing: imports from it
+# The Triton kernel modules in import order (each after the modules it imports jit helpers
+# from) and one jit function of each: Triton decides at decoration whether a kernel is
+# interpreted, so a module first imported without TRITON_INTERPRET is reloaded, and with it
+# every module after it (they hold references to its functions).
+KERNEL_MODULES = (("mita.kernels.triton_common", "dot"),
+                  ("mita.kernels.bisect", "_bisect_topk_kernel"),
+                  ("mita.kernels.mita_attention", "_mita_fused_kernel"),
+                  ("mita.kernels.routing", "_landmark_topk_kernel"),
+                  ("mita.kernels.topk", "_select_kernel"),
                   ("mita.kernels.pooling", "_pool_kernel"))
 
 
@@ -55,15 +60,13 @@ def triton_interpreter():
     module-scoped fixture; yields ``mita.kernels.mita_attention``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
-        module = importlib.import_module("mita.kernels.mita_attention")
-        if type(module._mita_fused_kernel).__name__ != "InterpretedFunction":
-            module = importlib.reload(module)
-            importlib.reload(importlib.import_module("mita.kernels"))
-        for name, kernel in KERNEL_MODULES:
-            other = importlib.import_module(name)
-            if type(getattr(other, kernel)).__name__ != "InterpretedFunction":
-                importlib.reload(other)
-        yield module
+        stale = False
+        for name, fn in KERNEL_MODULES:
+            module = importlib.import_module(name)
+            stale = stale or type(getattr(module, fn)).__name__ != "InterpretedFunction"
+            if stale:
+                importlib.reload(module)
+        yield importlib.import_module("mita.kernels.mita_attention")
 
 
 JSON = {"content-type": "application/json"}

@@ -31,7 +31,8 @@ from mita import (
     mita_flops,
     mita_stage_flops,
 )
-from mita import attention as A
+from mita import stages as S
+from mita import topk as T
 from mita.hooks import MITA_STAGES
 from mita.reference import reference_dense, reference_mita
 
@@ -117,8 +118,8 @@ def test_ties_broken_by_lowest_index(backend):
         want = reference_mita(q.numpy(), k.numpy(), v.numpy(), 4, 5, s)
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
     scores = torch.tensor([[3.0, 1.0, 3.0, 3.0, 0.0, 3.0]])
-    assert A._topk_lowest_index(scores, 2).tolist() == [[0, 2]]
-    assert A._topk_lowest_index(scores, 5).tolist() == [[0, 1, 2, 3, 5]]
+    assert T.topk_lowest_index(scores, 2).tolist() == [[0, 2]]
+    assert T.topk_lowest_index(scores, 5).tolist() == [[0, 1, 2, 3, 5]]
 
 
 def test_spec_counterexample_m_equals_k_equals_n_is_not_dense():
@@ -135,13 +136,13 @@ def test_spec_counterexample_m_equals_k_equals_n_is_not_dense():
 
 
 def _stages(q, k, v, m, topk, s):
-    landmarks, landmark_valid = A.pool(q, m)
-    scores = A.landmark_scores(landmarks, k)
-    index = A.topk_tokens(scores, topk)
-    shared_values = A.shared_compress(scores, v)
-    experts = A.route(q, landmarks, s, landmark_valid)
+    landmarks, landmark_valid = S.pool(q, m)
+    scores = S.landmark_scores(landmarks, k)
+    index = S.topk_tokens(scores, topk)
+    shared_values = S.shared_compress(scores, v)
+    experts = S.route(q, landmarks, s, landmark_valid)
     affinity = q @ landmarks.transpose(-1, -2)  # q·q̃, the shared branch's raw logits
-    keys, values, ok = A.gather(k, v, index)
+    keys, values, ok = S.gather(k, v, index)
     return shared_values, affinity, experts, keys, values, ok
 
 
@@ -173,7 +174,7 @@ def test_key_outside_every_topk_still_contributes_through_shared_values():
     q, k, v = rand_qkv(1, 1, 32, 4, seed=8)
     m, topk = 2, 3
     shared_values, _, _, _, _, _ = _stages(q, k, v, m, topk, 1)
-    index = A.topk_tokens(A.landmark_scores(A.pool(q, m)[0], k), topk)
+    index = S.topk_tokens(S.landmark_scores(S.pool(q, m)[0], k), topk)
     outside = sorted(set(range(32)) - set(index.flatten().tolist()))[0]
     out = mita_attention(q, k, v, num_landmarks=m, topk=topk)
     v2 = v.clone()
@@ -329,7 +330,7 @@ def test_topk_exact_path_only_for_tied_rows():
     scores = torch.tensor([[5.0, 2.0, 2.0, 9.0, 2.0, 0.0],
                            [0.1, 0.7, 0.3, 0.9, 0.5, 0.2],
                            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]).view(3, 1, 6).expand(3, 2, 6)
-    got = A._topk_lowest_index(scores, 3)
+    got = T.topk_lowest_index(scores, 3)
     for r in range(3):
         row = scores[r, 0].tolist()
         want = sorted(sorted(range(6), key=lambda j, row=row: (-row[j], j))[:3])
@@ -346,10 +347,10 @@ def test_shared_compress_sdpa_equals_softmax_of_scores(mask_kind):
         q, k, v = rand_qkv(2, 2, 70, 32, seed=41, dtype=dtype)
         mask = None if mask_kind is None else random_mask(2, 70, seed=3,
                                                           suffix=mask_kind == "suffix")
-        landmarks, _ = A.pool(q, 9, mask)
+        landmarks, _ = S.pool(q, 9, mask)
         landmarks[0, :, 4] = 0.0  # as pool leaves an empty landmark
-        want = A.shared_compress(A.landmark_scores(landmarks, k, mask), v)
-        got = A.shared_compress_sdpa(landmarks, k, v, mask)
+        want = S.shared_compress(S.landmark_scores(landmarks, k, mask), v)
+        got = S.shared_compress_sdpa(landmarks, k, v, mask)
         assert got.dtype == dtype
         assert float((got - want).abs().max() / want.abs().max()) < tol
 
@@ -371,10 +372,10 @@ def test_sync_free_topk_equals_the_tie_checked_path():
             s[:, ::7] = float("-inf")
         if trial % 7 == 0:
             s[:, ::3], s[:, 1::3] = -0.0, 0.0
-        want = A._topk_lowest_index(s.double(), k)
-        got = A._topk_by_key(s, k)
+        want = T.topk_lowest_index(s.double(), k)
+        got = T._topk_by_key(s, k)
         assert torch.equal(got, want), (trial, got, want)
         kth = s.double().sort(-1, descending=True).values[:, k - 1: k + 1]
         tied_cases += int((kth[:, 0] == kth[:, 1]).any())
-        assert torch.equal(A._topk_lowest_index(s, k), want)  # float32 takes the keyed path
+        assert torch.equal(T.topk_lowest_index(s, k), want)  # float32 takes the keyed path
     assert tied_cases > 50  # the tie rule really was exercised

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from mita import attention as A
 from mita import mita_attention
+from mita import stages as S
 from mita.kernels import cpu
 from mita.reference import reference_mita
 
@@ -61,10 +61,10 @@ def test_float64_equals_reference_path(ext, B, H, N, d, m, k, s, mask):
 def test_experts_no_query_selects(ext):
     # m = 40 landmarks over N = 60 queries of dimension 2: most landmarks win no query.
     q, keys, v = rand_qkv(1, 2, 60, 2, seed=4)
-    lm, landmark_valid = A.pool(q, 40)
+    lm, landmark_valid = S.pool(q, 40)
     experts, *_ = ext.route_shared(q, lm, landmark_valid,
                                    torch.rand(1, 2, 40, 2, dtype=torch.float64), 0.5, None)
-    assert torch.equal(experts, A.route(q, lm, 1, landmark_valid)[..., 0])
+    assert torch.equal(experts, S.route(q, lm, 1, landmark_valid)[..., 0])
     assert len(experts[0, 0].unique()) < 40
     for s in (1, 2):
         got = mita_attention(q, keys, v, num_landmarks=40, topk=6, route_topk=s, backend="cpu")
@@ -94,10 +94,10 @@ def test_landmark_pass_topk_ties_and_padding(ext):
     mask = torch.zeros(2, 600, dtype=torch.bool)
     mask[1, 7:] = True  # 7 valid keys, k = 20
     index, shared = ext.landmark_pass(lm, k, v, ~mask, 20)
-    scores = A.landmark_scores(lm, k, mask) * 3 ** 0.5  # the kernel takes pre-scaled landmarks
-    assert torch.equal(index, A.topk_tokens(scores, 20))
+    scores = S.landmark_scores(lm, k, mask) * 3 ** 0.5  # the kernel takes pre-scaled landmarks
+    assert torch.equal(index, S.topk_tokens(scores, 20))
     assert index[1, 0, :, :7].tolist() == [list(range(7))] * 5
-    torch.testing.assert_close(shared, A.shared_compress(scores, v), rtol=0, atol=F64_TOL)
+    torch.testing.assert_close(shared, S.shared_compress(scores, v), rtol=0, atol=F64_TOL)
 
 
 def test_route_ties_lowest_index(ext):

@@ -26,7 +26,9 @@ import torch
 
 from mita import attention as A
 from mita import mita_attention
-from mita.hooks import MITA_STAGES
+from mita import stages as S
+from mita.config import clamp_topk
+from mita.hooks import MITA_STAGES, NULL_HOOK
 from mita.reference import reference_mita
 
 from .conftest import run_smoke_here
@@ -44,9 +46,9 @@ def kernel():
 
 def stage_inputs(q, k, v, m, topk, s, mask=None):
     """The PyTorch stages up to ``route``, as the fused kernel's arguments (paper scaling)."""
-    landmarks, landmark_valid, expert_index, shared_values, experts = A.routing_stages(
-        q, k, v, m, A.clamp_topk(topk, q.shape[2]), s, mask)
-    return (landmarks * A.shared_logit_scale(q.shape[-1], "paper"), shared_values, landmark_valid,
+    landmarks, landmark_valid, expert_index, shared_values, experts = S.routing_stages(
+        q, k, v, m, clamp_topk(topk, q.shape[2]), s, mask)
+    return (landmarks * S.shared_logit_scale(q.shape[-1], "paper"), shared_values, landmark_valid,
             expert_index, experts)
 
 
@@ -147,10 +149,10 @@ class Recorder:
 
     def stage(self, name):
         self.names.append(name)
-        return A.NULL_HOOK.stage(name)
+        return NULL_HOOK.stage(name)
 
     def layer(self, index):
-        return A.NULL_HOOK.layer(index)
+        return NULL_HOOK.layer(index)
 
 
 def test_stage_names_fused_and_unfused(kernel):
@@ -219,13 +221,13 @@ def test_fused_path_computes_shared_values_by_sdpa_in_input_dtype(kernel, monkey
     """The triton path takes eq. 8 from one SDPA call on q, k, v in their own dtype (no m × N
     softmax); the torch path keeps softmax(scores) @ v as the reference."""
     calls = []
-    real = A.shared_compress_sdpa
+    real = S.shared_compress_sdpa
 
     def spy(landmarks, k, v, mask=None):
         calls.append(k.dtype)
         return real(landmarks, k, v, mask)
 
-    monkeypatch.setattr(A, "shared_compress_sdpa", spy)
+    monkeypatch.setattr(S, "shared_compress_sdpa", spy)
     q, k, v = (t.to(torch.bfloat16) for t in rand_qkv(1, 2, 48, 32, seed=9,
                                                        dtype=torch.float32))
     mita_attention(q, k, v, num_landmarks=4, topk=8, backend="triton")
@@ -259,8 +261,8 @@ def integer_qk(B, H, N, m, d, seed):
 def test_landmark_topk_equals_torch_stages_with_ties(routing, B, H, N, d, m, topk, masked):
     landmarks, k = integer_qk(B, H, N, m, d, seed=N + topk)
     mask = random_mask(B, N, seed=topk) if masked else None
-    want = A.topk_tokens(A.landmark_scores(landmarks, k, mask), topk)
-    scores = A.landmark_scores(landmarks, k, mask)
+    want = S.topk_tokens(S.landmark_scores(landmarks, k, mask), topk)
+    scores = S.landmark_scores(landmarks, k, mask)
     kth = scores.sort(-1, descending=True).values[..., topk - 1:topk]
     if topk < N:
         assert ((scores == kth).sum(-1) > 1).any()  # the test really has ties at the k-th
@@ -305,7 +307,7 @@ def test_route_shared_equals_route_and_shared_branch(routing):
     sv = torch.randn(2, 2, 70, 24, generator=g)
     landmark_valid = torch.rand(2, 70, generator=g) > 0.3
     experts, pm, pl, pa = routing.route_shared(q, landmarks, sv, landmark_valid, 0.25)
-    assert torch.equal(experts, A.route(q, landmarks, 1, landmark_valid))
+    assert torch.equal(experts, S.route(q, landmarks, 1, landmark_valid))
     assert landmark_valid.gather(1, experts[:, :, :, 0].flatten(1)).all()
     logits = (q @ landmarks.transpose(-1, -2) * 0.25).masked_fill(
         ~landmark_valid[:, None, None], -1e30)

@@ -92,7 +92,7 @@ def test_stage_order_and_colours_do_not_depend_on_arrival():
     from matplotlib.colors import to_hex
 
     from mita.hooks import STAGE_COLORS, STAGE_ORDER
-    from profiler.plots import stage_figure
+    from mita.plots import stage_figure
 
     rng = np.random.default_rng(2)
     mds, legends = [], []

@@ -271,7 +271,7 @@ def test_config_json_and_weights_file_are_checked(tmp_path):
 
 
 def test_mita_setting_is_checked_by_one_rule():
-    """m, k, s are validated by ``mita.attention.check_setting`` alone: ModelConfig and the
+    """m, k, s are validated by ``mita.config.check_setting`` alone: ModelConfig and the
     functional ``mita_attention`` refuse the same setting with the same words."""
     with pytest.raises(ValueError) as from_config:
         SMALL.replace(num_landmarks=4, route_topk=5)

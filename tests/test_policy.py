@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
+from mita.quality import KL_FLOOR, kl_divergence
 from profiler.advise import compare
-from profiler.quality import KL_FLOOR, kl_divergence
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 from service.policy import choose_variant, shadow_comparison, sticky_unit
 from service.recorder import Recorder

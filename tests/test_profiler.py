@@ -10,12 +10,13 @@ import matplotlib.image
 import pytest
 import torch
 
+from mita.cost import model_stage_flops
 from mita.hooks import MITA_STAGES
 from mita.kernels import cpu
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
-from profiler.cost import model_stage_flops, profile_forward, usable_device
+from mita.timer import StageTimer, profile_forward
 from profiler.sweep import SweepConfig, landmarks_for, run_sweep, write_outputs
-from profiler.timer import StageTimer
+from service.engine import pick_device
 
 from .helpers import CPU_KERNEL_STAGES
 
@@ -129,7 +130,7 @@ def test_landmarks_for_settings():
     assert landmarks_for(16384, "fig5") == (64, 64)  # m·k = N/4
     assert landmarks_for(1 << 20, "fig5") == (512, 512)
     assert landmarks_for(5000, "32x128") == (32, 128)
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="is not 'fig5' or MxK"):
         landmarks_for(10, "lots")
     # The one Fig. 5 rule (mita.cost), as the sweep and both benchmark scripts use it:
     # m = k = the power of two nearest √(N/4); at least 1.
@@ -165,13 +166,13 @@ def test_small_sweep_writes_parseable_files(tmp_path):
         assert img.shape[0] > 100 and img.shape[1] > 100
 
 
-def test_usable_device_is_one_check_for_the_sweep_and_the_advisor():
-    assert usable_device("cpu", "the sweep") == torch.device("cpu")
+def test_pick_device_is_one_check_for_the_service_the_sweep_and_the_advisor():
+    assert pick_device("cpu", "the sweep") == torch.device("cpu")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    with pytest.raises(ValueError, match=rf"device 'cuda:{count}': this torch .* sees {count} "
-                                         r"CUDA device\(s\)"):
-        usable_device(f"cuda:{count}", "the advisor")
+    with pytest.raises(ValueError, match=rf"device 'cuda:{count}': this machine's torch .* sees "
+                                         rf"{count} CUDA device\(s\)"):
+        pick_device(f"cuda:{count}", "the advisor")
     with pytest.raises(ValueError, match="device 'meta': the advisor runs on cpu or cuda"):
-        usable_device("meta", "the advisor")
-    with pytest.raises(ValueError, match=r"device 'gpu' is not a torch device \(cpu, cuda"):
-        usable_device("gpu", "the sweep")
+        pick_device("meta", "the advisor")
+    with pytest.raises(ValueError, match=r"device 'gpu' is not a torch device \(auto, cpu, cuda"):
+        pick_device("gpu", "the sweep")

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from profiler import advise, sweep, timer
-from profiler.timer import StageRecord, StageTimer
+from mita import timer
+from mita.timer import StageRecord, StageTimer
+from profiler import advise, sweep
 
 # Float sums whose order differs from the hand formula's: only the last bits may differ.
 REL = 1e-12
@@ -287,10 +288,14 @@ def test_parse_setting_bounds():
     assert advise.parse_setting("32x16") == advise.Setting(32, 16, 1, "paper")
     assert advise.parse_setting("4x1x4", "official") == advise.Setting(4, 1, 4, "official")
     assert advise.parse_setting("1x1x1") == advise.Setting(1, 1, 1, "paper")
-    for bad in ("4x4x5", "0x4", "4x0", "4x4x0"):
+    # mita.config.parse_setting: the numbers are check_setting's to refuse, named as there
+    for bad, why in (("4x4x5", "'route_topk' s = 5 exceeds 'num_landmarks' m = 4"),
+                     ("0x4", "'num_landmarks' must be an int ≥ 1, got 0"),
+                     ("4x0", "'topk' must be an int ≥ 1, got 0"),
+                     ("4x4x0", "'route_topk' must be an int ≥ 1, got 0")):
         with pytest.raises(ValueError) as e:
             advise.parse_setting(bad)
-        assert str(e.value) == f"setting {bad!r}: m, k, s must be ≥ 1 and s ≤ m"
+        assert str(e.value) == f"setting {bad!r}: {why}"
     for bad in ("32", " 4x4", "4x4x", "4x4x4x4", "axb"):
         with pytest.raises(ValueError) as e:
             advise.parse_setting(bad)
@@ -654,14 +659,15 @@ def test_landmarks_for_each_setting_form():
     assert sweep.landmarks_for(10, "32x128") == (32, 128)  # fixed: whatever N
     assert sweep.landmarks_for(10, "16X4") == (16, 4)
     assert sweep.landmarks_for(10, "1x1") == (1, 1)
-    for bad in ("0x4", "4x0", "-2x4"):
+    for bad, why in (("0x4", "'num_landmarks' must be an int ≥ 1, got 0"),
+                     ("4x0", "'topk' must be an int ≥ 1, got 0")):
         with pytest.raises(ValueError) as e:
             sweep.landmarks_for(10, bad)
-        assert str(e.value) == f"setting {bad!r}: m and k must be at least 1"
-    for bad in ("lots", "4x4x4", "4x", "Fig5"):
+        assert str(e.value) == f"setting {bad!r}: {why}"
+    for bad in ("lots", "4x4x4", "4x", "Fig5", "-2x4"):  # s comes from --route-topk
         with pytest.raises(ValueError) as e:
             sweep.landmarks_for(10, bad)
-        assert str(e.value) == f"setting {bad!r} is neither 'fig5' nor 'MxK'"
+        assert str(e.value) == f"setting {bad!r} is not 'fig5' or MxK (e.g. 32x128)"
 
 
 MITA_STAGES_MS = {"embed": 0.5, "qkv_proj": 1.0, "pool": 0.25, "landmark_scores": 0.5,

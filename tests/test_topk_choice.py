@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from mita import layers
-from mita.attention import pool
 from mita.data.listops import ListOpsConfig, encode, generate
 from mita.kernels import choose
+from mita.stages import pool
 from service.engine import ClassifierEngine
 from service.schemas import TopkPath, TopkReport
 

@@ -27,7 +27,7 @@ from .helpers import random_mask, triton_interpreter
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
 # Set by tests for their test kernels (jit code reaches other modules as globals).
-_routing = None  # the interpreted routing module
+_common = None  # the interpreted mita.kernels.triton_common
 _triton_sort = None  # Triton's own tl.sort
 
 
@@ -196,7 +196,6 @@ def test_select_random_scores_match_float64(kernels):
 def test_bisect_fallback_redoes_only_flagged_landmarks(kernels):
     """The exact fallback on its own: flagged landmarks get the reference top-k, the others'
     rows are left as they were (poisoned with -7)."""
-    routing, topk_module = kernels
     landmarks, k = integer_qk(1, 2, 130, 20, 16, seed=5)
     want, _ = reference(landmarks, k, 11, torch.float32)
     out = torch.full((1, 2, 20, 11), -7, dtype=torch.int64)
@@ -204,21 +203,22 @@ def test_bisect_fallback_redoes_only_flagged_landmarks(kernels):
     flag[0, 0, [0, 3, 17]] = 1
     flag[0, 1, 19] = 1
     key_valid = torch.ones(1, 130, dtype=torch.int8)
-    topk_module.bisect_fallback(landmarks, k, key_valid, flag, out, 11, 0.25, False)
+    importlib.import_module("mita.kernels.bisect").bisect_fallback(
+        landmarks, k, key_valid, flag, out, 11, 0.25, False)
     done = flag.bool()
     assert torch.equal(out[done], want[done])
     assert (out[~done] == -7).all()
 
 
 def test_bitonic_kernel_stores_stay_inside_the_row(kernels):
-    """``routing._emit_topk`` with a k-th score below the true one selects more than k keys:
-    it must write only the row's k slots (the next landmark's row, here a poisoned guard
-    region, stays untouched) and report how many it took, so the launcher can flag it."""
+    """``triton_common.emit_topk`` with a k-th score below the true one selects more than k
+    keys: it must write only the row's k slots (the next landmark's row, here a poisoned
+    guard region, stays untouched) and report how many it took, so the launcher can flag
+    it."""
     import triton
     import triton.language as tl
 
-    routing, _ = kernels
-    globals()["_routing"] = routing
+    globals()["_common"] = importlib.import_module("mita.kernels.triton_common")  # interpreted
 
     @triton.jit
     def emit(LM, K, KEY_VALID, OUT, TAKEN, N, TOPK, kth_value, BLOCK_D: tl.constexpr):
@@ -227,10 +227,10 @@ def test_bitonic_kernel_stores_stay_inside_the_row(kernels):
         lm = tl.load(LM + rows[:, None] * BLOCK_D + dd[None, :])
         kth = tl.full([16], kth_value, tl.int32)
         need = tl.full([16], 0, tl.int32)
-        taken = _routing._emit_topk(lm, K, KEY_VALID, OUT + rows * (2 * TOPK), kth, need,
-                                   rows < 16, 0, 0, dd, dd < BLOCK_D, N, TOPK,
-                                   N * BLOCK_D, N * BLOCK_D, BLOCK_D, 1, 1.0, False, False,
-                                   16, 64)
+        taken = _common.emit_topk(lm, K, KEY_VALID, OUT + rows * (2 * TOPK), kth, need,
+                                  rows < 16, 0, 0, dd, dd < BLOCK_D, N, TOPK,
+                                  N * BLOCK_D, N * BLOCK_D, BLOCK_D, 1, 1.0, False, False,
+                                  16, 64)
         tl.store(TAKEN + rows, taken)
 
     landmarks, k = integer_qk(1, 1, 100, 16, 16, seed=9)

@@ -4,7 +4,7 @@ once per shape on the device and the fastest kept — as cuDNN's benchmark mode 
 autotune do for their kernels.
 
 Every path keeps one contract: each landmark's k best keys by s_ij = q̃_i·k_j/√d (eq. 6),
-lowest key index on ties, indices ascending (``mita.attention.topk_tokens``'s). On exact
+lowest key index on ties, indices ascending (``mita.stages.topk_tokens``'s). On exact
 scores they return the same indices; otherwise their score arithmetic differs in the last bits
 (tile shapes, where the scale is applied), so two keys within rounding of the k-th score may
 be chosen differently by two paths — and so by two replicas that timed differently; set
@@ -76,14 +76,14 @@ def torch_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     """Path ``"torch"``: ``topk_tokens(landmark_scores(landmarks, k.float(), mask), topk)`` —
     float32 scores (cuBLAS on CUDA), any k ≤ N. Arguments as ``bitonic_topk``; ``scale`` must
     be 1/√d, which ``landmark_scores`` applies itself. Raises ValueError for another scale."""
-    from .. import attention as A
+    from .. import stages as S
 
     # 1/√d computed another way (1 / math.sqrt(d)) may differ in the last bit
     if not math.isclose(scale, k.shape[-1] ** -0.5, rel_tol=1e-12):
         raise ValueError(f"the torch top-k path scales by 1/√d = {k.shape[-1] ** -0.5}, got "
                          f"scale = {scale}")
-    scores = A.landmark_scores(landmarks.float(), k.float(), key_padding_mask)
-    return A.topk_tokens(scores, topk)
+    scores = S.landmark_scores(landmarks.float(), k.float(), key_padding_mask)
+    return S.topk_tokens(scores, topk)
 
 
 CANDIDATES = {"select": select_topk, "bitonic": bitonic_topk, "torch": torch_topk}

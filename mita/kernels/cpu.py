@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import attention as A
+from .. import stages as S
 from ..hooks import StageHook
 
 log = logging.getLogger(__name__)
@@ -217,19 +217,19 @@ def mita_cpu(ext, q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     # True = a real token; it masks keys and, in self-attention, queries too.
     token_valid = None if key_padding_mask is None else ~key_padding_mask
     with hook.stage("pool"):
-        landmarks, landmark_valid = A.pool(q, m, key_padding_mask, landmark_grid)
+        landmarks, landmark_valid = S.pool(q, m, key_padding_mask, landmark_grid)
     with hook.stage("landmark_scores"):
         expert_index, shared_values = ext.landmark_pass(
             landmarks=landmarks * d ** -0.5, k=k, v=v, token_valid=token_valid, topk=topk)
     if s > 1:  # the PyTorch stages: per-slot partials merged by log-sum-exp
         with hook.stage("route"):
-            experts = A.route(q, landmarks, s, landmark_valid)
-        return A.gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values,
+            experts = S.route(q, landmarks, s, landmark_valid)
+        return S.gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values,
                                    expert_index, experts, shared_scale, key_padding_mask, hook)
     with hook.stage("route"):
         experts, out, top, total = ext.route_shared(
             q=q, landmarks=landmarks, landmark_valid=landmark_valid, shared_values=shared_values,
-            c_shared=A.shared_logit_scale(d, shared_scale), token_valid=token_valid)
+            c_shared=S.shared_logit_scale(d, shared_scale), token_valid=token_valid)
     with hook.stage("attention"):  # gather is fused into this kernel
         ext.routed_attention(q=q, k=k, v=v, expert_index=expert_index,
                              landmark_valid=landmark_valid, token_valid=token_valid,

@@ -41,12 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import MAX_HEAD_DIM  # BLOCK_D ≤ 128: the tiles fit sm_80's registers and shared memory
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Running-max start: finite, so fully masked blocks give exp(-inf) = 0. A module global read
-# inside @jit must be a tl.constexpr: the GPU compiler rejects plain globals (the interpreter
-# does not), tests/test_kernel_compile.py compiles every specialisation to catch that class.
-_NEG_INIT = tl.constexpr(-1.0e30)
+from .triton_common import DTYPES, NEG_INIT, as_int8, dot
 
 
 def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
@@ -71,20 +66,6 @@ def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST only under the CPU interpreter for bfloat16, whose
-    ``tl.dot`` multiplies raw bfloat16 bit patterns (triton-lang/triton#11584); the operands
-    are still rounded to bfloat16 first, so the interpreter sees the same values a GPU does."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
 def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One flash-attention step: fold a block of logits (masked entries -inf) and its values
     into the running max ``m_i``, sum of exp ``l_i`` and weighted values ``acc`` (fp32).
@@ -93,7 +74,7 @@ def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: t
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(logits - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, IEEE, UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(values.dtype), values, IEEE, UPCAST)
     return m_new, l_i, acc
 
 
@@ -140,12 +121,12 @@ def _mita_fused_kernel(
         # The shared half was computed by route_shared (routing.py): continue from its
         # (max, sum of exp, weighted values) for this query.
         row = bh * N + qi
-        m_i = tl.load(PART_M + row, mask=in_tile, other=_NEG_INIT)
+        m_i = tl.load(PART_M + row, mask=in_tile, other=NEG_INIT)
         l_i = tl.load(PART_L + row, mask=in_tile, other=0.0)
         acc = tl.load(SHARED_ACC + row[:, None] * DV + dvv[None, :],
                       mask=in_tile[:, None] & dvmask[None, :], other=0.0)
     else:
-        m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+        m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Shared keys: all m landmarks, for slot 0 only (each query counts them once).
@@ -160,7 +141,7 @@ def _mita_fused_kernel(
                          + dvv[None, :] * stride_svd, mask=cm[:, None] & dvmask[None, :],
                          other=0.0)
             lm_valid = tl.load(LANDMARK_VALID + b * M + c, mask=cm, other=0) != 0
-            logits = _dot(q, tl.trans(sk), IEEE, UPCAST)
+            logits = dot(q, tl.trans(sk), IEEE, UPCAST)
             logits = tl.where(first[:, None] & lm_valid[None, :], logits, float("-inf"))
             m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, sv, IEEE, UPCAST)
 
@@ -178,7 +159,7 @@ def _mita_fused_kernel(
                      + dd[None, :] * stride_kd, mask=cm[:, None] & dmask[None, :], other=0.0)
         vt = tl.load(V + b * stride_vb + h * stride_vh + key[:, None] * stride_vn
                      + dvv[None, :] * stride_vd, mask=cm[:, None] & dvmask[None, :], other=0.0)
-        logits = _dot(q, tl.trans(kt), IEEE, UPCAST) * scale
+        logits = dot(q, tl.trans(kt), IEEE, UPCAST) * scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
         m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, vt, IEEE, UPCAST)
 
@@ -194,13 +175,6 @@ def _mita_fused_kernel(
                  mask=in_tile[:, None] & dvmask[None, :])
         tl.store(PART_M + part, m_i, mask=in_tile)
         tl.store(PART_L + part, l_i, mask=in_tile)
-
-
-def as_int8(flags: Tensor) -> Tensor:
-    """A bool (or integer 0/1) flag tensor as contiguous int8 for a kernel: a bool tensor is
-    reinterpreted (the same bytes, no launch), anything else converted."""
-    flags = flags.contiguous()
-    return flags.view(torch.int8) if flags.dtype == torch.bool else flags.to(torch.int8)
 
 
 TILE_BLOCK = 1024  # entries per step of the tile-table kernel

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import MAX_HEAD_DIM
-from .mita_attention import DTYPES
+from .triton_common import DTYPES
 
 POOL_BLOCK_N = 64  # tokens per step
 

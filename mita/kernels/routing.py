@@ -37,17 +37,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import MAX_GRID_Y, MAX_HEAD_DIM
-from .mita_attention import _NEG_INIT, DTYPES, _dot, as_int8
+from . import MAX_HEAD_DIM
+from .bisect import bisect_fallback
+from .triton_common import (
+    NEG_INIT,
+    NO_KEY,
+    as_int8,
+    block_d_for,
+    check_grid,
+    check_inputs,
+    dot,
+    emit_topk,
+    interpreter_upcast,
+    key_valid_vector,
+    load_rows,
+    score_keys,
+)
 
 BLOCK_L = 16  # landmarks per top-k program (tl.dot needs ≥ 16 rows)
 MIN_K_PAD = 64  # shortest running list; K_PAD // BLOCK_N score tiles form one merge
 MAX_TOPK = 512  # K_PAD ≤ 512: two [16, 512] int64 lists per program already fill 128 KiB
-# Sort key of an out-of-range column: below every real key (a -inf score maps to
-# 0x807FFFFF), so it is never chosen while k ≤ N real keys exist.
-_NO_KEY = tl.constexpr(-(2 ** 31))
-
-
 def k_pad(k: int) -> int:
     """Running-list length for top-k: k rounded up to a power of two, at least one tile."""
     return max(MIN_K_PAD, triton.next_power_of_2(k))
@@ -76,63 +85,6 @@ def _route_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _load_rows(PTR, b, h, rows, rmask, dd, dmask, stride_b, stride_h, stride_r, stride_d):
-    """The ``[len(rows), len(dd)]`` block of a ``(B, H, rows, d)`` tensor at batch ``b``, head
-    ``h`` (the landmarks of a program), zero where ``rmask`` or ``dmask`` is False."""
-    return tl.load(PTR + b * stride_b + h * stride_h + rows[:, None] * stride_r
-                   + dd[None, :] * stride_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
-
-
-@triton.jit
-def _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh, stride_kn,
-                stride_kd, scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """Scores of the landmarks ``lm`` against keys ``c`` as order-preserving int32 sort keys
-    (the float32 bits, negatives flipped, so integer order = float order; -0.0 folded into
-    +0.0; padded keys -inf; columns past N below every real key). Both passes call this on
-    the same tiles, so they see bit-identical scores."""
-    cm = c < N
-    kt = tl.load(K + b * stride_kb + h * stride_kh + c[:, None].to(tl.int64) * stride_kn
-                 + dd[None, :] * stride_kd, mask=cm[:, None] & dmask[None, :], other=0.0)
-    s = _dot(lm, tl.trans(kt), IEEE, UPCAST) * scale
-    ok = tl.load(KEY_VALID + b * N + c, mask=cm, other=0) != 0
-    s = tl.where(ok[None, :], s, float("-inf"))
-    s = tl.where(s == 0.0, 0.0, s)  # one bit pattern for ±0.0 (a dot summed from +0.0
-    # gives +0.0 anyway; kept so the keys' order never depends on it)
-    bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return tl.where(cm[None, :], key, _NO_KEY)
-
-
-@triton.jit
-def _emit_topk(lm, K, KEY_VALID, out_row, kth, need, rmask, b, h, dd, dmask, N,
-               TOPK, stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE: tl.constexpr,
-               UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write each landmark's top-k given its k-th largest key ``kth`` and how many keys equal
-    to it are taken (``need``): a left-to-right pass over the keys writes every key above
-    ``kth`` and the first ``need`` keys equal to it to ``out_row`` (one pointer per landmark,
-    contiguous k slots), so the indices come out ascending with the lowest-index tie rule.
-    Stores are bounded by k (a landmark that would take more never writes past its row) and
-    masked by ``rmask``. Returns how many keys each landmark took (k when the scores are the
-    ones ``kth`` came from)."""
-    cols = tl.arange(0, BLOCK_N)
-    taken = tl.zeros([BLOCK_L], tl.int32)
-    ties = tl.zeros([BLOCK_L], tl.int32)
-    for start in range(0, N, BLOCK_N):
-        c = start + cols
-        key = _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
-                          stride_kn, stride_kd, scale, IEEE, UPCAST)
-        eq = (key == kth[:, None]).to(tl.int32)
-        eq_before = ties[:, None] + tl.cumsum(eq, 1) - eq
-        sel = ((key > kth[:, None]) | ((eq != 0) & (eq_before < need[:, None]))).to(tl.int32)
-        pos = taken[:, None] + tl.cumsum(sel, 1) - sel
-        tl.store(out_row[:, None] + pos, c[None, :].to(tl.int64),
-                 mask=(sel != 0) & (pos < TOPK) & rmask[:, None])
-        taken += tl.sum(sel, 1)
-        ties += tl.sum(eq, 1)
-    return taken
-
-
-@triton.jit
 def _landmark_topk_kernel(
     LM, K, KEY_VALID, IDX, FLAG,
     stride_lb, stride_lh, stride_lm, stride_ld,
@@ -150,7 +102,7 @@ def _landmark_topk_kernel(
     lmask = lrows < M
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = _load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+    lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
                     stride_ld)
     cols = tl.arange(0, BLOCK_N)
     R: tl.constexpr = K_PAD // BLOCK_N
@@ -158,11 +110,11 @@ def _landmark_topk_kernel(
 
     # Pass 1: the K_PAD largest scores of each landmark (values only, with repeats), kept
     # sorted descending; a super-tile of K_PAD keys is merged only if it can change them.
-    best = tl.full([BLOCK_L, K_PAD], _NO_KEY, tl.int32)
+    best = tl.full([BLOCK_L, K_PAD], NO_KEY, tl.int32)
     for start in range(0, N, K_PAD):
-        tile = tl.full([BLOCK_L, R, BLOCK_N], _NO_KEY, tl.int32)
+        tile = tl.full([BLOCK_L, R, BLOCK_N], NO_KEY, tl.int32)
         for j in range(R):  # a runtime loop: unrolled, all R key loads would be in flight
-            key = _score_keys(lm, K, KEY_VALID, b, h, start + j * BLOCK_N + cols, dd, dmask,
+            key = score_keys(lm, K, KEY_VALID, b, h, start + j * BLOCK_N + cols, dd, dmask,
                               N, stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE,
                               UPCAST)
             tile = tl.where(part[None, :, None] == j, key[:, None, :], tile)
@@ -172,13 +124,13 @@ def _landmark_topk_kernel(
             best = tl.bitonic_merge(tl.maximum(best, tile), dim=1, descending=True)
     # The k-th largest score T; `need` of the keys equal to T are taken, lowest index first.
     rank = tl.arange(0, K_PAD)
-    kth = tl.max(tl.where(rank[None, :] == TOPK - 1, best, _NO_KEY), 1)
+    kth = tl.max(tl.where(rank[None, :] == TOPK - 1, best, NO_KEY), 1)
     need = TOPK - tl.sum((best > kth[:, None]).to(tl.int32), 1)
 
     # Pass 2: the same scores again, left to right: every key above T and the first `need`
     # keys equal to T, written in ascending index order.
     out_row = IDX + b * stride_ib + h * stride_ih + lrows * stride_im
-    taken = _emit_topk(lm, K, KEY_VALID, out_row, kth, need, lmask, b, h, dd, dmask, N, TOPK,
+    taken = emit_topk(lm, K, KEY_VALID, out_row, kth, need, lmask, b, h, dd, dmask, N, TOPK,
                        stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE, UPCAST,
                        BLOCK_L, BLOCK_N)
     # Exactly k taken unless pass 2's scores differ from pass 1's (they are computed by the
@@ -209,7 +161,7 @@ def _route_shared_kernel(
                 + dd[None, :] * stride_qd, mask=rmask[:, None] & dmask[None, :], other=0.0)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     arg = tl.zeros([BLOCK_M], tl.int32)
-    m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cols = tl.arange(0, BLOCK_N)
@@ -221,7 +173,7 @@ def _route_shared_kernel(
         sv = tl.load(SV + b * stride_svb + h * stride_svh + c[:, None] * stride_svm
                      + dd[None, :] * stride_svd, mask=cm[:, None] & dvmask[None, :], other=0.0)
         lm_valid = (tl.load(LANDMARK_VALID + b * M + c, mask=cm, other=0) != 0) & cm
-        aff = _dot(q, tl.trans(lm), IEEE, UPCAST)
+        aff = dot(q, tl.trans(lm), IEEE, UPCAST)
         aff = tl.where(lm_valid[None, :], aff, float("-inf"))
         # argmax with the lowest index on ties, across blocks: a later block wins only if
         # strictly greater
@@ -235,45 +187,13 @@ def _route_shared_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(sv.dtype), sv, IEEE, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(sv.dtype), sv, IEEE, UPCAST)
         m_i = m_new
     tl.store(EXPERT + bh * N + rows, arg.to(tl.int64), mask=rmask)
     tl.store(PART_M + bh * N + rows, m_i, mask=rmask)
     tl.store(PART_L + bh * N + rows, l_i, mask=rmask)
     tl.store(PART_ACC + (bh * N + rows[:, None]) * DV + dd[None, :], acc,
              mask=rmask[:, None] & dvmask[None, :])
-
-
-def check_grid(bh: int) -> None:
-    """Raise ValueError when B·H passes CUDA's grid limit on the second axis."""
-    if bh > MAX_GRID_Y:
-        raise ValueError(f"batch × heads = {bh} is over CUDA's grid limit of {MAX_GRID_Y} "
-                         "programs on the second axis; split the batch")
-
-
-def _key_valid(key_padding_mask: Tensor | None, B: int, N: int, device) -> Tensor:
-    """``(B, N)`` int8, 1 = a real key; all ones without a mask (a runtime vector, so a mask
-    is not a compile-time specialisation)."""
-    if key_padding_mask is None:
-        return torch.ones(B, N, dtype=torch.int8, device=device)
-    return (~key_padding_mask).view(torch.int8)  # the bool bytes as 0/1, no second launch
-
-
-def _block_d(*dims: int) -> int:
-    return max(16, triton.next_power_of_2(max(dims)))
-
-
-def _upcast(t: Tensor, interpreter: bool | None) -> bool:
-    return t.dtype == torch.bfloat16 and (not t.is_cuda if interpreter is None else interpreter)
-
-
-def _check(q: Tensor, k: Tensor) -> None:
-    if q.dtype not in DTYPES or k.dtype != q.dtype:
-        raise ValueError(f"Triton routing kernels take one of float16/bfloat16/float32, got "
-                         f"{q.dtype}, {k.dtype}")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"Triton routing kernels take head dims up to {MAX_HEAD_DIM}, got "
-                         f"{q.shape[-1]}")
 
 
 def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
@@ -284,7 +204,7 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     ``landmark_topk``. Specialisations: dtype × ``BLOCK_D`` ∈ {64, 128} × ``K_PAD`` ∈
     {64, 128, 256, 512}; ``BLOCK_N`` and ``num_warps`` from dtype and ``K_PAD``
     (``_topk_blocks``)."""
-    _check(k, k)
+    check_inputs(k, k)
     B, H, N, d = k.shape
     m = landmarks.shape[2]
     if tuple(landmarks.shape) != (B, H, m, d):
@@ -301,14 +221,14 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     kp = k_pad(topk)
     block_n, num_warps = _topk_blocks(k.dtype, kp)
     if key_valid is None:
-        key_valid = _key_valid(key_padding_mask, B, N, k.device)
+        key_valid = key_valid_vector(key_padding_mask, B, N, k.device)
     args = (lm, k, key_valid, out, flag, *lm.stride(), *k.stride(), *out.stride()[:3],
             H, N, m, topk, d, float(scale))
-    meta = dict(IEEE=k.dtype == torch.float32, UPCAST=_upcast(k, interpreter),
+    meta = dict(IEEE=k.dtype == torch.float32, UPCAST=interpreter_upcast(k, interpreter),
                 BLOCK_L=BLOCK_L, BLOCK_N=block_n, K_PAD=kp,
                 # 64 or 128: the score product is small next to the sort, and every BLOCK_D
                 # is one more specialisation to compile (tests/test_kernel_compile.py)
-                BLOCK_D=max(64, _block_d(d)),
+                BLOCK_D=max(64, block_d_for(d)),
                 num_warps=num_warps)
     return (triton.cdiv(m, BLOCK_L), B * H), args, meta, out
 
@@ -331,14 +251,12 @@ def landmark_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     Returns:
         ``(B, H, m, k)`` int64 key indices in ascending order; ties broken by the lowest index
         (padded keys fill a row that has fewer than k real ones, lowest index first) — the
-        contract of ``mita.attention.topk_tokens``. A landmark whose second pass did not take
+        contract of ``mita.stages.topk_tokens``. A landmark whose second pass did not take
         exactly k keys is redone by ``topk._bisect_topk_kernel`` (a second launch that returns
         at once when no landmark is flagged; no host synchronisation).
     Raises:
         ValueError: dtype, shapes, d > 128, k outside [1, min(N, 512)], B·H > 65,535.
     """
-    from .topk import bisect_fallback
-
     grid, args, meta, out = landmark_topk_plan(landmarks, k, topk, scale, key_padding_mask,
                                                key_valid=key_valid)
     _landmark_topk_kernel[grid](*args, **meta)
@@ -352,7 +270,7 @@ def route_shared_plan(q: Tensor, landmarks: Tensor, shared_values: Tensor,
     """Validate ``route_shared``'s arguments and build its launch: ``(grid, args, meta,
     outputs)``. Specialisations: dtype × ``BLOCK_D`` ∈ {16, 32, 64, 128}; tiles and
     ``num_stages`` from the dtype (``_route_blocks``)."""
-    _check(q, q)
+    check_inputs(q, q)
     B, H, N, d = q.shape
     m, dv = landmarks.shape[2], shared_values.shape[-1]
     if tuple(landmarks.shape) != (B, H, m, d) or tuple(shared_values.shape[:3]) != (B, H, m):
@@ -371,8 +289,8 @@ def route_shared_plan(q: Tensor, landmarks: Tensor, shared_values: Tensor,
             part_acc, *q.stride(), *lm.stride(), *sv.stride(), H, N, m, d, dv,
             float(shared_scale))
     block_m, block_n, num_stages = _route_blocks(q.dtype)
-    meta = dict(IEEE=q.dtype == torch.float32, UPCAST=_upcast(q, interpreter),
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d, dv),
+    meta = dict(IEEE=q.dtype == torch.float32, UPCAST=interpreter_upcast(q, interpreter),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d_for(d, dv),
                 num_stages=num_stages)
     return (triton.cdiv(N, block_m), B * H), args, meta, (experts, part_m, part_l, part_acc)
 

@@ -7,7 +7,7 @@ indexer top-k) never sort a row either; this design follows the same idea with a
 needs no histogram:
 
 1. **Group max** (``_groupmax_kernel``, grid (landmark blocks × C chunks of N, B·H)): 64
-   landmarks score a chunk of keys tile by tile (``routing._score_keys``: the same
+   landmarks score a chunk of keys tile by tile (``triton_common.score_keys``: the same
    order-preserving int32 keys as the bitonic kernel) and keep an elementwise running max
    per column of the [64, 64] score tile. Chunk c holds the tiles c, c + C, c + 2C, … and key
    j of chunk c falls in group (c, j mod 64), so neighbouring keys (pooled landmarks score a
@@ -31,7 +31,7 @@ needs no histogram:
 5. **the exact fallback** (``_bisect_topk_kernel``): programs whose landmarks are all
    unflagged return at once; the others find the k-th score T by bisection over the 32-bit
    keys (32 counting passes over N) and write every key above T and the first keys equal to T,
-   left to right (``routing._emit_topk``). No host synchronisation anywhere, so it runs inside
+   left to right (``triton_common.emit_topk``). No host synchronisation anywhere, so it runs inside
    a CUDA graph capture.
 
 Cost: the score product twice (2·2·m·N·d FLOPs, tensor cores), one max per score, the
@@ -46,21 +46,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .routing import (
-    _NO_KEY,
-    _block_d,
-    _check,
-    _emit_topk,
-    _key_valid,
-    _load_rows,
-    _score_keys,
-    _upcast,
+from .bisect import bisect_plan
+from .triton_common import (
+    NO_KEY,
+    block_d_for,
     check_grid,
+    check_inputs,
+    interpreter_upcast,
+    key_valid_vector,
+    load_rows,
+    score_keys,
 )
 
 SELECT_BLOCK_L = 64  # landmarks per group-max / filter program (a tensor-core-sized tile)
 SELECT_BLOCK_N = 64  # keys per score tile = groups per chunk
-BISECT_BLOCK_L = 16  # landmarks per fallback program (tl.dot needs ≥ 16 rows)
 SELECT_ELEMENTS = 2048  # candidates one select program sorts: 16 landmarks of 128 … 1 of 2,048
 MAX_SELECT_TOPK = 2048  # candidate buffers up to 4,096 int64 sorted by one program
 TARGET_PROGRAMS = 264  # ≥ 2 programs per SM on a 132-SM H100 / H200
@@ -111,14 +110,14 @@ def _groupmax_kernel(
     lmask = lrows < M
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = _load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+    lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
                     stride_ld)
     cols = tl.arange(0, BLOCK_N)
-    best = tl.full([BLOCK_L, BLOCK_N], _NO_KEY, tl.int32)
+    best = tl.full([BLOCK_L, BLOCK_N], NO_KEY, tl.int32)
     # chunk c holds tiles c, c + C, c + 2C, …: a row's real keys (padding at its end, as the
     # service pads) reach every chunk, so every group, not only the first chunks'
     for t in range(TILES_PER_CHUNK):
-        key = _score_keys(lm, K, KEY_VALID, b, h, (chunk + t * C) * BLOCK_N + cols, dd, dmask, N,
+        key = score_keys(lm, K, KEY_VALID, b, h, (chunk + t * C) * BLOCK_N + cols, dd, dmask, N,
                           stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE, UPCAST)
         best = tl.maximum(best, key)
     G = C * BLOCK_N
@@ -148,7 +147,7 @@ def _filter_kernel(
     lmask = lrows < M
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = _load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+    lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
                     stride_ld)
     row = bh * M + lrows
     # θ is the last of each row's k largest group maxima (torch.topk's sorted values)
@@ -156,7 +155,7 @@ def _filter_kernel(
     cols = tl.arange(0, BLOCK_N)
     for t in range(TILES_PER_CHUNK):  # the group max's tiles, in the same order
         c = (chunk + t * C) * BLOCK_N + cols
-        key = _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
+        key = score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
                           stride_kn, stride_kd, scale, IEEE, UPCAST)
         sel = ((key >= theta[:, None]) & (c < N)[None, :] & lmask[:, None]).to(tl.int32)
         n = tl.sum(sel, 1)
@@ -189,52 +188,6 @@ def _select_kernel(COUNT, CAND, IDX, FLAG, R, TOPK, CAP: tl.constexpr, ROWS: tl.
     tl.store(FLAG + rows, overflow.to(tl.int8), mask=live)
 
 
-@triton.jit
-def _bisect_topk_kernel(
-    LM, K, KEY_VALID, FLAG, IDX,
-    stride_lb, stride_lh, stride_lm, stride_ld,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    H, N, M, TOPK, D, scale,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    lrows = pid * BLOCK_L + tl.arange(0, BLOCK_L)
-    row = bh * M + lrows
-    todo = (tl.load(FLAG + row, mask=lrows < M, other=0) != 0) & (lrows < M)
-    if tl.max(todo.to(tl.int32), 0) == 0:
-        return
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
-    lm = _load_rows(LM, b, h, lrows, todo, dd, dmask, stride_lb, stride_lh, stride_lm,
-                    stride_ld)
-    cols = tl.arange(0, BLOCK_N)
-    # The k-th largest key T = the largest t with count(key ≥ t) ≥ k: bisection over the
-    # 2^32 int32 keys keeps count(≥ lo) ≥ k > count(≥ hi); 32 halvings leave hi = lo + 1.
-    lo = tl.full([BLOCK_L], -(2 ** 31), tl.int64)
-    hi = tl.full([BLOCK_L], 2 ** 31, tl.int64)
-    above = tl.zeros([BLOCK_L], tl.int32)  # count(key ≥ hi) = count(key > T) at the end
-    for _ in range(32):
-        mid = lo + (hi - lo) // 2
-        n = tl.zeros([BLOCK_L], tl.int32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            key = _score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
-                              stride_kn, stride_kd, scale, IEEE, UPCAST)
-            hit = (key.to(tl.int64) >= mid[:, None]) & (c < N)[None, :]
-            n += tl.sum(hit.to(tl.int32), 1)
-        enough = n >= TOPK
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-        above = tl.where(enough, above, n)
-    _emit_topk(lm, K, KEY_VALID, IDX + row * TOPK, lo.to(tl.int32), TOPK - above, todo, b, h,
-               dd, dmask, N, TOPK, stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE,
-               UPCAST, BLOCK_L, BLOCK_N)
-
-
 def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
                          key_padding_mask: Tensor | None = None,
                          interpreter: bool | None = None, key_valid: Tensor | None = None):
@@ -245,7 +198,7 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     of time. Arguments and errors as ``threshold_topk``. Specialisations: dtype × ``BLOCK_D``
     ∈ {64, 128} for group max, filter and fallback; (``CAP``, ``ROWS``) ∈ {(128, 16), (256, 8),
     (512, 4), (1024, 2), (2048, 1), (4096, 1)} for the select (``num_warps`` 8 from 2,048)."""
-    _check(k, k)
+    check_inputs(k, k)
     B, H, N, d = k.shape
     m = landmarks.shape[2]
     if tuple(landmarks.shape) != (B, H, m, d):
@@ -257,7 +210,7 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     check_grid(B * H)
     lm = landmarks.to(k.dtype)
     if key_valid is None:
-        key_valid = _key_valid(key_padding_mask, B, N, k.device)
+        key_valid = key_valid_vector(key_padding_mask, B, N, k.device)
     block_l, block_n = select_blocks(k.dtype)
     C, per_chunk = num_chunks(N, m, topk, B * H, block_l, block_n)
     cap = candidate_capacity(topk)
@@ -269,8 +222,8 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     out = torch.empty(B, H, m, topk, dtype=torch.int64, device=dev)
     flag = torch.empty(B, H, m, dtype=torch.int8, device=dev)
     theta = torch.empty(B, H, m, topk, dtype=torch.int32, device=dev)
-    common = dict(IEEE=k.dtype == torch.float32, UPCAST=_upcast(k, interpreter),
-                  BLOCK_N=block_n, BLOCK_D=max(64, _block_d(d)))
+    common = dict(IEEE=k.dtype == torch.float32, UPCAST=interpreter_upcast(k, interpreter),
+                  BLOCK_N=block_n, BLOCK_D=max(64, block_d_for(d)))
     scored = (lm, k, key_valid)
     strides = (*lm.stride(), *k.stride())
     grid = (triton.cdiv(m, block_l) * C, B * H)
@@ -286,31 +239,6 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
         bisect_plan(lm, k, key_valid, flag, out, topk, scale, common["UPCAST"]),
     ]
     return launches, out
-
-
-def bisect_plan(lm: Tensor, k: Tensor, key_valid: Tensor, flag: Tensor, out: Tensor,
-                topk: int, scale: float, upcast: bool):
-    """The launch ``(kernel, grid, args, meta)`` of the exact fallback for the landmarks
-    flagged in ``flag`` ``(B, H, m)`` int8: their top-k by bisection, written into ``out``
-    ``(B, H, m, k)`` int64 (contiguous); ``lm`` ``(B, H, m, d)`` in k's dtype, ``key_valid``
-    ``(B, N)`` int8."""
-    B, H, N, d = k.shape
-    m = lm.shape[2]
-    block_d = max(64, _block_d(d))
-    # 16-bit at BLOCK_D 128 spilled 4 bytes on sm_80 with 64-key tiles; 32 do not
-    block_n = 32 if k.dtype != torch.float32 and block_d == 128 else SELECT_BLOCK_N
-    meta = dict(IEEE=k.dtype == torch.float32, UPCAST=upcast, BLOCK_L=BISECT_BLOCK_L,
-                BLOCK_N=block_n, BLOCK_D=block_d)
-    args = (lm, k, key_valid, flag, out, *lm.stride(), *k.stride(), H, N, m, topk, d,
-            float(scale))
-    return _bisect_topk_kernel, (triton.cdiv(m, BISECT_BLOCK_L), B * H), args, meta
-
-
-def bisect_fallback(lm: Tensor, k: Tensor, key_valid: Tensor, flag: Tensor, out: Tensor,
-                    topk: int, scale: float, upcast: bool) -> None:
-    """Launch ``bisect_plan``: redo the flagged landmarks' top-k exactly, in place."""
-    kernel, grid, args, meta = bisect_plan(lm, k, key_valid, flag, out, topk, scale, upcast)
-    kernel[grid](*args, **meta)
 
 
 def threshold_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
@@ -331,7 +259,7 @@ def threshold_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     Returns:
         ``(B, H, m, k)`` int64 key indices in ascending order; ties broken by the lowest index
         (padded keys fill a row with fewer than k real ones, lowest index first) — the
-        contract of ``mita.attention.topk_tokens`` and ``routing.landmark_topk``.
+        contract of ``mita.stages.topk_tokens`` and ``routing.landmark_topk``.
     Raises:
         ValueError: dtype, shapes, d > 128, k outside [1, min(N, 2048)], B·H > 65,535.
     """

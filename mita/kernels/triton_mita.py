@@ -1,6 +1,6 @@
 """The Triton launcher of ``mita_attention``: MiTA's stages on the Triton kernels of this
 package (``pooling``, ``routing``, ``mita_attention.fused_attention``), with the PyTorch stages of
-``mita.attention`` where no kernel replaces them. ``mita.attention`` imports this module only
+``mita.stages`` where no kernel replaces them. ``mita.attention`` imports this module only
 when it runs the Triton path (Triton reads ``TRITON_INTERPRET`` when a kernel is defined)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from torch import Tensor
 
 # Modules, not names: a reloaded kernel module (the interpreter tests) or a patched stage is
 # what runs.
-from .. import attention as A
+from .. import stages as S
 from ..hooks import StageHook
-from . import choose, pooling, routing
+from . import choose, pooling, routing, triton_common
 from . import mita_attention as fused
 
 
@@ -38,16 +38,16 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the "
                          "CPU interpreter); use backend='torch' on CPU")
-    routing._check(q, k)  # dtype and head dim, before a top-k path could take the blame
+    triton_common.check_inputs(q, k)  # dtype and head dim, before a top-k path could take the blame
     B, H, N, d = q.shape
     routing.check_grid(B * H)
-    c = A.shared_logit_scale(d, shared_scale)
+    c = S.shared_logit_scale(d, shared_scale)
     with hook.stage("pool"):
         if landmark_grid is None:
             landmarks, lm, landmark_valid, key_valid, key_bias = pooling.pool_landmarks(
                 q, m, key_padding_mask)
         else:
-            landmarks, landmark_valid = A.pool(q, m, key_padding_mask, landmark_grid)
+            landmarks, landmark_valid = S.pool(q, m, key_padding_mask, landmark_grid)
             lm = landmarks.to(q.dtype)
             key_valid, key_bias = pooling.key_vectors(key_padding_mask, B, N, q.dtype,
                                                       q.device)
@@ -56,12 +56,12 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
         expert_index = choose.CHOOSER(lm, k, topk, d ** -0.5, key_padding_mask,
                                       key_valid=key_valid)
     with hook.stage("shared_compress"):
-        shared_values = A.shared_compress_sdpa(lm, k, v, key_bias)
+        shared_values = S.shared_compress_sdpa(lm, k, v, key_bias)
     with hook.stage("route"):
         if s == 1:
             experts, *partial = routing.route_shared(q, lm, shared_values, landmark_valid, c)
         else:
-            experts, partial = A.route(q, landmarks, s, landmark_valid), None
+            experts, partial = S.route(q, landmarks, s, landmark_valid), None
     with hook.stage("attention"):  # tile table, then the gather fused into the kernel
         # s = 1 reads no shared keys (route_shared computed the shared half); s > 1 reads
         # the landmarks scaled by c, rounded once to the input dtype

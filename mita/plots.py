@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mita.hooks import OTHER_STAGE_COLOR, STAGE_COLORS, stage_sorted
+from .hooks import OTHER_STAGE_COLOR, STAGE_COLORS, stage_sorted
 
 
 def stage_lines(panels: dict[str, list[tuple[int, dict[str, float]]]], path: Path,

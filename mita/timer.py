@@ -1,4 +1,5 @@
-"""Per-stage timing of one forward pass, with CUDA events on GPU and a host clock on CPU.
+"""Per-stage timing of one forward pass, with CUDA events on GPU and a host clock on CPU, and
+``profile_forward``: one classifier forward timed by stage, with its analytic cost.
 
 A ``StageTimer`` is the hook (``mita.hooks.StageHook``) the model passes down to every block
 and attention call. Make one per forward (per request): it holds no global state, so
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cost import activation_bytes_estimate, model_stage_flops
+from .model import EncoderClassifier
+
 # CUDA events whose timings were read, for reuse, per device index (list append/pop are atomic
 # in CPython, so concurrent timers in one process can share them).
 _FREE_EVENTS: dict[int, list] = {}
@@ -38,7 +42,7 @@ class ForwardProfile:
 
     ``stages_ms``: total milliseconds per stage (summed over layers), in first-seen order.
     ``layers_ms``: one ``{stage: ms}`` dict per encoder block. ``total_ms``: end-to-end
-    forward. ``flops``: analytic FLOPs per stage (``profiler.cost``) and ``gflops_per_s`` the
+    forward. ``flops``: analytic FLOPs per stage (``mita.cost``) and ``gflops_per_s`` the
     achieved rate. ``peak_memory_bytes`` with ``peak_memory_kind``: ``"cuda_max_allocated"``
     (measured, reset per forward) or ``"analytic_activation_estimate"`` (CPU: not measured).
     """
@@ -180,3 +184,26 @@ class StageTimer:
         return ForwardProfile(records=records, total_ms=total_ms,
                               device=str(self.device), flops=dict(flops or {}),
                               peak_memory_bytes=peak, peak_memory_kind=kind)
+
+
+def profile_forward(model: EncoderClassifier, ids: torch.Tensor,
+                    key_padding_mask: torch.Tensor | None = None, replay=None
+                    ) -> tuple[torch.Tensor, ForwardProfile]:
+    """Run ``model(ids, key_padding_mask)`` under a fresh ``StageTimer`` on the ids' device.
+
+    ``replay``: optional ``(ids, mask) -> logits | None`` tried first (``service.graphs``: a
+    CUDA-graph replay, timed as a whole — its profile has no stages); None falls back to the
+    hooked forward.
+    Returns the logits ``(B, num_classes)`` and the ``ForwardProfile`` with analytic FLOPs and
+    peak memory (CUDA: measured; CPU: ``activation_bytes_estimate``).
+    """
+    timer = StageTimer(ids.device)
+    with torch.no_grad(), timer.forward():
+        logits = None if replay is None else replay(ids, key_padding_mask)
+        if logits is None:
+            logits = model(ids, key_padding_mask, hook=timer)
+    B, N = ids.shape
+    dtype = next(model.parameters()).dtype
+    profile = timer.result(flops=model_stage_flops(model.config, B, N),
+                           activation_bytes=activation_bytes_estimate(model.config, B, N, dtype))
+    return logits, profile
