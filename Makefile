@@ -36,13 +36,13 @@ test-fast: lint
 # the advisor's and sweep's model runs, the Prometheus client), which the fast tier does not run.
 MUTATE_SCOPE := \
 	'loadtest.engine.x_summarize*' 'loadtest.engine.x_check_loopback*' 'loadtest.report.*' \
-	'profiler.quality.*' 'profiler.timer.*' \
+	'mita.quality.*' 'mita.timer.*' \
 	'profiler.advise.x_compare*' 'profiler.advise.xǁConstraintǁ*' \
 	'profiler.advise.x_parse_setting*' 'profiler.advise.x_default_grid*' \
 	'profiler.advise.x_sequence_of_length*' 'profiler.advise.x_report*' \
 	'profiler.advise.x__eligible*' 'profiler.advise.x__recommend*' 'profiler.advise.x__overall*' \
-	'profiler.advise.x_serve_snippet*' 'profiler.advise.x_markdown*' \
-	'profiler.advise.x_cpu_sharing_warning*' 'profiler.advise.x_write_outputs*' \
+	'profiler.advise_report.x_serve_snippet*' 'profiler.advise_report.x_markdown*' \
+	'profiler.advise_report.x_cpu_sharing_warning*' 'profiler.advise_report.x_write_outputs*' \
 	'profiler.sweep.x_landmarks_for*' 'profiler.sweep.x_attention_ms*' 'profiler.sweep.x_speedups*' \
 	'profiler.sweep.x_markdown*' 'profiler.sweep.x_write_outputs*' \
 	'service.recorder.xǁRecorderǁ[!_]*' 'service.recorder.xǁRecorderǁ_set_gauges*' \

@@ -7,9 +7,10 @@ import argparse
 from pathlib import Path
 
 from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
+from mita.config import BACKENDS
 from service.engine import pick_device
 
-from . import advise
+from . import advise, advise_report
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--batch", type=POSITIVE_INT, default=1)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+    s.add_argument("--mita-backend", default="auto", choices=BACKENDS,
                    help="auto: fused Triton kernel on CUDA (stage 'attention' includes "
                         "'gather'), compiled kernels on CPU (fewer stages, see "
                         "mita_attention); torch: every stage timed apart")
@@ -97,7 +98,7 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on CUDA (as the service)")
-    s.add_argument("--mita-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+    s.add_argument("--mita-backend", default="auto", choices=BACKENDS,
                    help="as the service's mita_backend")
     s.add_argument("--repeats", type=POSITIVE_INT, default=5,
                    help="timed forwards per setting and N (dense interleaved)")
@@ -143,8 +144,8 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         raise SystemExit(f"\ninterrupted: the finished units are in {a.out / advise.RUN_FILE}; "
                          "run the same command again to resume") from None
-    files = advise.write_outputs(rep, a.out)
-    print(advise.markdown(rep))
+    files = advise_report.write_outputs(rep, a.out)
+    print(advise_report.markdown(rep))
     print("wrote " + ", ".join(str(f) for f in files.values()))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mita.argtypes import bounded
 
-from . import launch
+from . import launch, preflight
 
 
 def ip_address(text: str) -> str:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="Serve config file (default: deploy/serve_config.yaml, or "
                         "deploy/serve_config.gpu.yaml when CUDA is available)")
     p.add_argument("--metrics-port", type=bounded(int, 1, 65535),
-                   default=launch.DEFAULT_METRICS_PORT,
+                   default=preflight.DEFAULT_METRICS_PORT,
                    help="Ray's metrics exporter; its Prometheus file-SD list is "
                         "/tmp/mita-serve/prometheus/metrics-PORT.json")
     p.add_argument("--metrics-interval-ms", type=bounded(int, 100, 3_600_000), default=5000)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the Ray dashboard, and with it Ray's `serve` CLI (serve status, serve "
                         "deploy FILE, serve config), on this address; 'off': neither")
     p.add_argument("--dashboard-port", type=bounded(int, 1, 65535),
-                   default=launch.DEFAULT_DASHBOARD_PORT,
+                   default=preflight.DEFAULT_DASHBOARD_PORT,
                    help="the Ray dashboard's port (the serve CLI's default address is "
                         "http://localhost:8265; otherwise pass it with -a)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None,
@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     try:  # refuse before starting Ray: a bad config, checkpoint or busy port would only
         # fail inside a replica or after Ray's start-up timeout
         config = launch.load_config(path)
-        warnings = launch.preflight(config, address=a.address, metrics_port=a.metrics_port,
-                                    node_ip=a.node_ip, dashboard=dashboard, check_only=a.check)
+        warnings = preflight.preflight(config, address=a.address, metrics_port=a.metrics_port,
+                                       node_ip=a.node_ip, dashboard=dashboard,
+                                       check_only=a.check)
         for line in warnings:
             print(f"mita-serve: warning: {line}", flush=True)
         if a.check:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                   "and listening addresses)")
             return
         if a.address is None:
-            launch.use_token_auth()
+            preflight.use_token_auth()
             launch.prebuild_cpu_kernels(config)  # once here, not in each replica
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         if a.check:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics_port, metrics_ip = launch.metrics_exporter
     print(f"Prometheus metrics: http://{netloc(metrics_ip, metrics_port)}/metrics (the Gateway's "
           f"node; file-SD list {launch.prometheus_sd_file(metrics_port)}; "
-          f"deploy/prometheus/prometheus.yml reads port {launch.DEFAULT_METRICS_PORT}'s)")
+          f"deploy/prometheus/prometheus.yml reads port {preflight.DEFAULT_METRICS_PORT}'s)")
     if a.address is not None:
         print(f"On the Ray cluster at {a.address}: Ctrl-C deletes this application only",
               flush=True)

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from mita.data.vocab import Vocabulary
 from mita.model import ModelConfig, checkpoint_config
 
 from .classifier import Classifier
 from .engine import resolve_checkpoint
 from .gateway import Gateway
-from .inputs import Vocabulary
-from .schemas import AppArgs, validated
+from .schemas import DEPLOYMENTS, AppArgs, validated
 
 
 def served_config(args: dict) -> tuple[AppArgs, ModelConfig]:
     """The parsed application args and the ``ModelConfig`` the MiTA classifier will serve:
     the checkpoint's, with ``mita_setting`` applied. Used by ``build_app`` and by
-    ``python -m service --check`` (``launch.verify_checkpoints``), so both refuse the same.
+    ``python -m service --check`` (``preflight.verify_checkpoints``), so both refuse the same.
     Raises ValueError for refused args, a malformed config.json, a ``landmark_grid``
     checkpoint (2-D pooling fixes N = H·W; the service serves any length) or a setting
     ``ModelConfig`` refuses; FileNotFoundError for a checkpoint without config.json."""
@@ -55,8 +55,9 @@ def build_app(args: dict) -> Application:
     """
     a, cfg = served_config(args)
     setting = a.mita_setting.overrides()
-    mita = Classifier.options(name="MiTAClassifier").bind(
+    mita = Classifier.options(name=DEPLOYMENTS["mita"]).bind(
         a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs, setting)
-    dense = Classifier.options(name="DenseClassifier").bind(
+    dense = Classifier.options(name=DEPLOYMENTS["dense"]).bind(
         a.checkpoint, "dense", a.device, "auto", a.dtype, a.cuda_graphs)
-    return Gateway.bind(mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id))
+    return Gateway.options(name=DEPLOYMENTS["gateway"]).bind(
+        mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id))

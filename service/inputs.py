@@ -1,37 +1,17 @@
 """Request input: strict JSON bodies, token ids checked against the checkpoint's vocabulary,
-and ``ApiError`` (any answer other than 200). Used by ``service.gateway``; nothing here needs
-Ray."""
+and ``ApiError`` (any answer other than 200). Used by ``service.gateway`` and
+``service.http``; nothing here needs Ray."""
 
 import json
-from dataclasses import dataclass
 
 import numpy as np
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from mita.data.listops import PAD_ID, VOCAB, check_expression, encode
+from mita.data.listops import check_expression, encode
+from mita.data.vocab import Vocabulary
 
 from .schemas import ClassifyRequest
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """The checkpoint's token ids: ``0 … size - 1`` except ``pad_id`` (``service.app`` reads
-    them from the checkpoint's config.json)."""
-
-    size: int
-    pad_id: int = 0
-
-    @property
-    def listops(self) -> bool:
-        """The ListOps tokenizer's vocabulary (``mita.data.listops.VOCAB``): a ``text`` must
-        then be one well-formed expression. Any other (e.g. byte-level) is free-form."""
-        return self.size == len(VOCAB) and self.pad_id == PAD_ID
-
-    @property
-    def dtype(self) -> type:
-        """The smallest integer type the ids travel to the classifiers in."""
-        return np.uint8 if self.size <= 256 else np.int32
 
 
 class ApiError(Exception):
@@ -99,9 +79,9 @@ def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") ->
     then emptiness, then length) and return it in ``vocab.dtype`` (what travels to the
     classifier). Raises ApiError(422) saying what is wrong (``hint`` appended to an
     out-of-range message); nothing is allocated for the model before this passes."""
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab.size) | (ids == vocab.pad_id))
-    if bad.size:
-        error = _out_of_range(ids[bad[0]], int(bad[0]), vocab)
+    bad = vocab.first_bad(ids)
+    if bad is not None:
+        error = _out_of_range(ids[bad], bad, vocab)
         error.message += hint
         raise error
     if not ids.size:

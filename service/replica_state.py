@@ -1,9 +1,9 @@
 """Per-process state shared by the gateway's FastAPI handlers and its deployment instance.
 
-Serve freezes the ingress app with cloudpickle when ``service.gateway`` is imported, and the
-middleware and exception handlers come along by value, each with a private copy of any
-module-level dict. A module object is pickled by reference, so attributes set here are what
-the handlers see in the replica process.
+Serve freezes the ingress app (``service.http``) with cloudpickle when ``service.gateway`` is
+imported, and the middleware and exception handlers come along by value, each with a private
+copy of any module-level dict. A module object is pickled by reference, so attributes set
+here are what the handlers see in the replica process.
 """
 
 from __future__ import annotations

@@ -17,10 +17,17 @@ from pydantic import (
     model_validator,
 )
 
+from mita.config import BACKENDS, SHARED_SCALES
+
 Variant = Literal["mita", "dense"]
 # The API's word for a model's ``attention`` (mita.config.ATTENTIONS, the same two names;
 # tests/test_ids.py keeps them equal), MiTA listed first in answers.
 VARIANTS: tuple[str, ...] = get_args(Variant)
+# The Serve deployment names (``service.app`` gives them): the gateway, and the classifier of
+# each variant. Config files name deployments by these (deploy/*.yaml spell them out;
+# tests/test_deployment_names.py keeps them equal).
+DEPLOYMENTS: dict[str, str] = {"gateway": "Gateway", "mita": "MiTAClassifier",
+                               "dense": "DenseClassifier"}
 
 
 # The top-k paths of MiTA's Triton launcher (mita.kernels.choose.PATHS, the same names;
@@ -115,14 +122,15 @@ STRICT_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 class MiTASetting(BaseModel):
     """MiTA's setting at serving time, replacing the checkpoint's (the paper's swap without
     retraining, §4 Fig. 9; ``python -m profiler advise`` recommends one). Fields left out
-    keep the checkpoint's value; ``mita.config.ModelConfig`` checks the result at deploy."""
+    keep the checkpoint's value. Types only: ``mita.config.ModelConfig`` (``check_setting``,
+    the one check of a setting) checks the result at deploy, before Ray starts."""
 
     model_config = STRICT_CONFIG
 
-    num_landmarks: int | None = Field(None, ge=1, description="m: landmarks = routed experts")
-    topk: int | None = Field(None, ge=1, description="k: tokens per routed expert")
-    route_topk: int | None = Field(None, ge=1, description="s: routed experts per query")
-    shared_scale: Literal["paper", "official"] | None = None
+    num_landmarks: int | None = Field(None, description="m: landmarks = routed experts")
+    topk: int | None = Field(None, description="k: tokens per routed expert")
+    route_topk: int | None = Field(None, description="s: routed experts per query")
+    shared_scale: Literal[SHARED_SCALES] | None = None
 
     def overrides(self) -> dict:
         """The fields set, as ``ModelConfig`` field overrides."""
@@ -139,7 +147,7 @@ class AppArgs(BaseModel):
                             description="checkpoint folder, relative to the project root "
                                         "unless absolute")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
-    mita_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    mita_backend: Literal[BACKENDS] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = Field(True, description="replay unstaged forwards from CUDA graphs "
                                                 "per input shape (CUDA only)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 # (file, code, mutated code, what a user would then read)
 MUTANTS = [
-    ("profiler/timer.py", "float(start.elapsed_time(end))", "float(end.elapsed_time(start))",
+    ("mita/timer.py", "float(start.elapsed_time(end))", "float(end.elapsed_time(start))",
      "negative stage times on every GPU"),
     ("loadtest/engine.py", "lat = np.array([s.latency_s for s in ok]) * 1e3",
      "lat = np.array([s.latency_s for s in ss]) * 1e3",

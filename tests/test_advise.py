@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
+from mita.data.vocab import Vocabulary
 from mita.model import EncoderClassifier, ModelConfig, save_checkpoint
-from profiler import advise
+from profiler import advise, advise_report
 from service.app import build_app
 from service.engine import ClassifierEngine
 from service.schemas import AppArgs
@@ -82,7 +83,7 @@ def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_
     assert row["retention"] == row["accuracy"] / rows["dense"]["accuracy"]
     # Which setting wins depends on this machine's timings (tested on fixed numbers below);
     # the quality of whichever is served does not.
-    args = AppArgs.model_validate(yaml.safe_load(advise.serve_snippet(row, cfg))["args"])
+    args = AppArgs.model_validate(yaml.safe_load(advise_report.serve_snippet(row, cfg))["args"])
     data = advise.load_data(cfg, 10)
     labels = np.array([y for _, y in data])
     served = ClassifierEngine(args.checkpoint, "mita", "cpu", cuda_graphs=False,
@@ -94,7 +95,7 @@ def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_
     keys = ("accuracy", "agreement", "kl", "drop_se_points")
     assert {k: got[k] for k in keys} == {k: row[k] for k in keys}
 
-    files = advise.write_outputs(rep, out)
+    files = advise_report.write_outputs(rep, out)
     assert json.loads(files["json"].read_text())["overall"]["setting"] == rep["overall"][
         "setting"]
     assert files["png"].stat().st_size > 10_000
@@ -162,7 +163,7 @@ def test_recommendation_on_fixed_numbers():
     assert rep["rows"][3]["retention"] is None
     assert rep["recommendations"][0]["answer"].endswith("(dense 0.0 %, retention -)")
     row = "| m32 k32 s1 paper | 32 | 32 | 1 | paper | 10.0 % | -10.0 ± 1.0 | 90.0 % | 0.1000 | - |"
-    assert row in advise.markdown(rep)
+    assert row in advise_report.markdown(rep)
 
 
 @pytest.mark.slow
@@ -181,13 +182,13 @@ def test_no_setting_meets_and_the_budget_stops_cleanly(tmp_path):
                                                          "dense ≥ 100.0 % and beats dense at "
                                                          "every N in [256]"}
     (tmp_path / "a" / "serve_snippet.yaml").write_text("an earlier recommendation")
-    assert "yaml" not in advise.write_outputs(rep, tmp_path / "a")
+    assert "yaml" not in advise_report.write_outputs(rep, tmp_path / "a")
     assert not (tmp_path / "a" / "serve_snippet.yaml").exists()  # never left to deploy
     # A budget already spent: nothing runs, every unit is listed as skipped, no crash.
     cfg.budget_s, cfg.out = 0.0, tmp_path / "b"
     rep = advise.run_advise(cfg)
     assert len(rep["skipped"]) == 4 and rep["recommendations"][0]["setting"] is None
-    assert "Not run (time budget): 4 units" in advise.markdown(rep)
+    assert "Not run (time budget): 4 units" in advise_report.markdown(rep)
 
 
 def test_serve_config_mita_setting_is_checked_at_deploy(tmp_path):
@@ -196,6 +197,10 @@ def test_serve_config_mita_setting_is_checked_at_deploy(tmp_path):
         build_app({"mita_setting": {"num_landmarks": 2, "route_topk": 3}})
     with pytest.raises(ValueError, match="mita_setting"):
         build_app({"mita_setting": {"m": 2}})
+    # MiTASetting holds types only: a count below 1 is ModelConfig's to refuse (LIMITS: 2^24)
+    with pytest.raises(ValueError, match=r"mita_setting: config field 'topk' must be an int in "
+                                         r"\[1, 16777216\], got 0"):
+        build_app({"mita_setting": {"topk": 0}})
     app = build_app({"mita_setting": {"num_landmarks": 32, "topk": 8}})
     assert app is not None
     # A 2-D landmark grid fixes N = H·W: refused at deploy, not by every request of another N.
@@ -214,7 +219,7 @@ def test_data_outside_the_checkpoints_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"row 1 has token id 105, not in the checkpoint's "
                                          r"vocabulary \(ids 0…15 but the padding id 0\); does "
                                          r"--format text suit"):
-        advise.load_data(cfg, 10, 16, 0)
+        advise.load_data(cfg, 10, Vocabulary(16, 0))
     assert advise.load_data(cfg, 10)[0] == ([105, 102, 109, 109, 112], 1)
     with pytest.raises(ValueError, match=r"text.tsv:1: label 1 outside \[0, 1\)"):
         advise.load_data(cfg, 1)

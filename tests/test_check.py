@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from service import __main__ as cli
-from service import launch
+from service import launch, preflight
 
 from .conftest import free_port
 
@@ -33,7 +33,7 @@ def test_check_refuses_an_http_host_the_start_refuses(tmp_path, capsys):
     config = launch.load_config(path)
     with pytest.raises(OSError, match=r"^cannot listen on 8\.8\.8\.8:8000 .* is "
                                       r"http_options\.host an address of this machine\?"):
-        launch.preflight(config, metrics_port=free_port())
+        preflight.preflight(config, metrics_port=free_port())
 
 
 def test_check_warns_of_a_busy_port_the_start_refuses(tmp_path, capsys):
@@ -48,7 +48,7 @@ def test_check_warns_of_a_busy_port_the_start_refuses(tmp_path, capsys):
                   "--metrics-port", str(free_port())])
         out = capsys.readouterr().out
         with pytest.raises(OSError, match=rf"^port {port} on 127\.0\.0\.1 is in use"):
-            launch.preflight(launch.load_config(path), metrics_port=free_port())
+            preflight.preflight(launch.load_config(path), metrics_port=free_port())
     assert f"mita-serve: warning: port {port} on 127.0.0.1 is in use" in out, out
     assert out.rstrip().endswith("OK (the file, its user_configs, checkpoints, devices and "
                                  "listening addresses)"), out

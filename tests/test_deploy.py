@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mita.hooks import STAGE_COLORS, STAGE_ORDER
-from service import launch
+from service import launch, preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -34,24 +34,24 @@ def test_shipped_gpu_config_places_both_variants_on_one_gpu():
     """The A/B comparison needs MiTA and dense placed at once: on a single-GPU host their
     minimum replicas (and the autoscaling maximum) must fit one GPU."""
     gpu = launch.load_config(launch.GPU_CONFIG)
-    assert launch.replica_gpus(gpu, "min") == [0.25, 0.25]  # MiTA, dense
-    assert launch.gpus_needed(launch.replica_gpus(gpu, "min")) == 1
-    assert launch.replica_gpus(gpu, "max") == [0.25] * 4
-    assert launch.gpus_needed(launch.replica_gpus(gpu, "max")) == 1
-    assert launch.replica_gpus(launch.load_config(launch.CPU_CONFIG), "max") == []
+    assert preflight.replica_gpus(gpu, "min") == [0.25, 0.25]  # MiTA, dense
+    assert preflight.gpus_needed(preflight.replica_gpus(gpu, "min")) == 1
+    assert preflight.replica_gpus(gpu, "max") == [0.25] * 4
+    assert preflight.gpus_needed(preflight.replica_gpus(gpu, "max")) == 1
+    assert preflight.replica_gpus(launch.load_config(launch.CPU_CONFIG), "max") == []
     # "each its own GPU", as the config's comment says: num_gpus 1 → two GPUs at the minimum.
     own = launch.load_config(launch.GPU_CONFIG, {"deployments": {
         name: {"ray_actor_options": {"num_gpus": 1}}
         for name in ("MiTAClassifier", "DenseClassifier")}})
-    assert launch.gpus_needed(launch.replica_gpus(own, "min")) == 2
-    assert launch.gpus_needed(launch.replica_gpus(own, "max")) == 4
+    assert preflight.gpus_needed(preflight.replica_gpus(own, "min")) == 2
+    assert preflight.gpus_needed(preflight.replica_gpus(own, "max")) == 4
 
 
 @pytest.mark.parametrize("gpus,needed", [([], 0), ([1, 1], 2), ([0.6, 0.6], 2),
                                          ([0.5, 0.25, 0.25, 0.5], 2), ([0.7, 0.3, 0.3], 2),
                                          ([2, 0.5], 3)])
 def test_gpus_needed_packs_fractions_per_gpu(gpus, needed):
-    assert launch.gpus_needed(gpus) == needed
+    assert preflight.gpus_needed(gpus) == needed
 
 
 def test_kuberay_manifest_structure_and_embedded_serve_config():
@@ -295,7 +295,7 @@ def test_each_instance_has_its_own_prometheus_sd_file(monkeypatch, tmp_path):
     shipped = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     assert shipped["scrape_configs"][0]["file_sd_configs"][0]["files"] == [
         "/tmp/mita-serve/prometheus/metrics-9100.json"]
-    assert launch.DEFAULT_METRICS_PORT == 9100
+    assert preflight.DEFAULT_METRICS_PORT == 9100
 
 
 def test_duration_buckets_cover_every_allowed_timeout():
@@ -467,34 +467,34 @@ def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp
     were accepted, then failed)."""
     from service import launch
 
-    monkeypatch.setattr(launch, "local_gpu_count", lambda: 0)  # a machine without CUDA
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(preflight, "local_gpu_count", lambda: 0)  # a machine without CUDA
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
     cuda = launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:1"}})
-    with pytest.raises(ValueError, match=r"device 'cuda:1', but this machine's torch .* sees 0 "
-                                         r"CUDA device\(s\)"):
-        launch.check_devices(cuda)
+    with pytest.raises(ValueError, match=r"args: device 'cuda:1': this machine's torch .* sees 0 "
+                                         r"CUDA device\(s\); use device: auto or cpu"):
+        preflight.check_devices(cuda)
     triton = launch.load_config(launch.CPU_CONFIG, {"args": {"mita_backend": "triton"}})
     with pytest.raises(ValueError, match="mita_backend 'triton' needs a CUDA device"):
-        launch.check_devices(triton)
-    launch.check_devices(launch.load_config(launch.CPU_CONFIG))  # auto: fine
+        preflight.check_devices(triton)
+    preflight.check_devices(launch.load_config(launch.CPU_CONFIG))  # auto: fine
     with pytest.raises(ValueError, match=r"device: String should match pattern"):
         launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:" + "9" * 20}})
     with pytest.raises(OSError, match=r"http_options.port in the config, --metrics-port "
                                       r"must differ, got \[8000, 8000\]"):
-        launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 8000)
+        preflight.check_ports_free(launch.load_config(launch.CPU_CONFIG), 8000)
     with pytest.raises(OSError, match=r"--metrics-port, --dashboard-port must differ, got "
                                       r"\[8000, 9100, 9100\]"):
-        launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100,
-                                dashboard=("127.0.0.1", 9100))
+        preflight.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100,
+                                   dashboard=("127.0.0.1", 9100))
 
     for host, message in [("192.0.2.1", "cannot listen on 192.0.2.1:"),
                           ("no-such-host.invalid", "http_options.host 'no-such-host.invalid' "
                                                    "is not an address of this machine")]:
         config = launch.load_config(launch.CPU_CONFIG, {"http_options": {"host": host}})
         with pytest.raises(OSError, match=message):
-            launch.check_ports_free(config, 0)
+            preflight.check_ports_free(config, 0)
     with pytest.raises(OSError, match=r"cannot listen on 192.0.2.1:9100 .* is --node-ip"):
-        launch.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100, "192.0.2.1")
+        preflight.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100, "192.0.2.1")
 
     short = tmp_path / "short"
     shutil.copytree(Path(__file__).resolve().parents[1] / "checkpoints" / "listops-default",
@@ -505,8 +505,8 @@ def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp
     config = launch.load_config(launch.CPU_CONFIG, {"args": {"checkpoint": str(short)}})
     with pytest.raises(ValueError, match=r"max_len \(1024\) is below the Gateway's max_n "
                                          r"\(16384\)"):
-        launch.verify_checkpoints(config)
-    launch.verify_checkpoints(launch.load_config(launch.CPU_CONFIG, {
+        preflight.verify_checkpoints(config)
+    preflight.verify_checkpoints(launch.load_config(launch.CPU_CONFIG, {
         "args": {"checkpoint": str(short)},
         "deployments": {"Gateway": {"user_config": {"max_n": 1024}}}}))
 
@@ -539,8 +539,8 @@ def test_cluster_config_is_the_cpu_config_with_placement_resources():
 def test_unreachable_cluster_address_refused_at_once(address, message):
     # ray.init would retry a dead address for minutes
     with pytest.raises(OSError, match=re.escape(message)):
-        launch.check_cluster_reachable(address, timeout_s=2)
-    launch.check_cluster_reachable("auto")  # Ray's own lookup, which fails fast by itself
+        preflight.check_cluster_reachable(address, timeout_s=2)
+    preflight.check_cluster_reachable("auto")  # Ray's own lookup, which fails fast by itself
 
 
 def test_a_server_that_is_not_rays_gcs_is_refused():
@@ -554,7 +554,7 @@ def test_a_server_that_is_not_rays_gcs_is_refused():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(OSError, match="is not a Ray cluster's GCS"):
-            launch.check_cluster_reachable(f"127.0.0.1:{server.server_address[1]}", 2)
+            preflight.check_cluster_reachable(f"127.0.0.1:{server.server_address[1]}", 2)
     finally:
         server.shutdown()
 
@@ -577,7 +577,7 @@ def test_joining_keeps_the_applications_others_deployed_from_a_config():
 
 
 def test_classifier_replicas_reads_serves_replica_states():
-    from service.gateway import classifier_replicas
+    from service.replicas import classifier_replicas
 
     def deployment(*states, min_replicas=1):
         return {"replicas": [{"state": s} for s in states],

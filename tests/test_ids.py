@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mita.config import ATTENTIONS
-from service.inputs import ApiError, Vocabulary, binary_ids, check_ids, to_ids
+from mita.data.vocab import Vocabulary
+from service.inputs import ApiError, binary_ids, check_ids, to_ids
 from service.schemas import VARIANTS, ClassifyRequest
 
 ROOT = Path(__file__).resolve().parent.parent

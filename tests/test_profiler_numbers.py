@@ -21,7 +21,7 @@ import torch
 
 from mita import timer
 from mita.timer import StageRecord, StageTimer
-from profiler import advise, sweep
+from profiler import advise, advise_report, sweep
 
 # Float sums whose order differs from the hand formula's: only the last bits may differ.
 REL = 1e-12
@@ -321,30 +321,31 @@ def test_sequence_of_length_repeats_and_cuts():
 
 
 def test_cpu_sharing_warning_at_and_above_the_threshold(monkeypatch):
-    assert advise.cpu_sharing_warning(1.0, 2) is None  # exactly 0.5 per core: not busy
-    assert advise.cpu_sharing_warning(1.25, 2) == (
+    assert advise_report.cpu_sharing_warning(1.0, 2) is None  # exactly 0.5 per core: not busy
+    assert advise_report.cpu_sharing_warning(1.25, 2) == (
         "warning: other processes share the CPU (1-minute load average 1.25 on 2 cores, above "
         "0.5 per core): latencies will be slower and speed-ups noisier than on an otherwise "
         "idle machine, and the run longer than the README's timings. Stop other heavy work (a "
         "running service, a test run, a training) for numbers you can compare.")
     # Defaults: the load average and this process's cores (affinity, else cpu_count, else 1).
-    monkeypatch.setattr(advise.os, "getloadavg", lambda: (2.0, 9.0, 9.0))
-    monkeypatch.setattr(advise.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert advise.cpu_sharing_warning() is None  # 2.0 = 0.5 × 4
-    monkeypatch.setattr(advise.os, "getloadavg", lambda: (2.5, 0.0, 0.0))
-    assert "average 2.50 on 4 cores" in advise.cpu_sharing_warning()
-    monkeypatch.delattr(advise.os, "sched_getaffinity", raising=False)
-    monkeypatch.setattr(advise.os, "cpu_count", lambda: 8)
-    assert advise.cpu_sharing_warning() is None  # 2.5 ≤ 0.5 × 8
-    monkeypatch.setattr(advise.os, "cpu_count", lambda: None)
-    assert "average 2.50 on 1 cores" in advise.cpu_sharing_warning()
+    monkeypatch.setattr(advise_report.os, "getloadavg", lambda: (2.0, 9.0, 9.0))
+    monkeypatch.setattr(advise_report.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
+                        raising=False)
+    assert advise_report.cpu_sharing_warning() is None  # 2.0 = 0.5 × 4
+    monkeypatch.setattr(advise_report.os, "getloadavg", lambda: (2.5, 0.0, 0.0))
+    assert "average 2.50 on 4 cores" in advise_report.cpu_sharing_warning()
+    monkeypatch.delattr(advise_report.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(advise_report.os, "cpu_count", lambda: 8)
+    assert advise_report.cpu_sharing_warning() is None  # 2.5 ≤ 0.5 × 8
+    monkeypatch.setattr(advise_report.os, "cpu_count", lambda: None)
+    assert "average 2.50 on 1 cores" in advise_report.cpu_sharing_warning()
 
     def no_load():
         raise OSError("no load average here")
 
-    monkeypatch.setattr(advise.os, "getloadavg", no_load)
-    assert advise.cpu_sharing_warning() is None
-    assert advise.cpu_sharing_warning(5.0, 1) is not None  # a given load needs no platform
+    monkeypatch.setattr(advise_report.os, "getloadavg", no_load)
+    assert advise_report.cpu_sharing_warning() is None
+    assert advise_report.cpu_sharing_warning(5.0, 1) is not None  # a given load needs no platform
 
 
 # --- advisor: report, recommendation, table, files --------------------------------------------
@@ -485,7 +486,7 @@ def test_dense_right_on_nothing_and_a_setting_timed_alone():
         "no setting meets accuracy drop ≤ 50 points at N = 128 (1 setting(s) meet it but none "
         "was timed at N = 128 within the budget)")
     assert rep["overall"]["setting"] is None
-    table = advise.markdown(rep).split("\n")[4:7]
+    table = advise_report.markdown(rep).split("\n")[4:7]
     assert table == [
         "| dense | - | - | - | - | 0.0 % | - | 100.0 % | 0.0000 | - | - | - |",
         "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | -25.0 ± 0.0 | 50.0 % | 0.0000 | - | "
@@ -494,7 +495,7 @@ def test_dense_right_on_nothing_and_a_setting_timed_alone():
         "| m16 k16 s2 official | 16 | 16 | 2 | official | - | - | - | - | - | 3.0 (2.00×) | - |"]
     # A speed-up on dense's own row (a hand-edited report) is still not shown for dense.
     rep["rows"][0]["latency"][64] = lat(2.0, 2.0, 2.0, 2.0) | {"speedup": 1.0}
-    assert "| 0.0 % | - | 100.0 % | 0.0000 | - | 2.0 | - |" in advise.markdown(rep)
+    assert "| 0.0 % | - | 100.0 % | 0.0000 | - | 2.0 | - |" in advise_report.markdown(rep)
 
 
 def test_overall_is_the_lowest_geometric_mean_time_ratio():
@@ -518,7 +519,7 @@ def test_overall_is_the_lowest_geometric_mean_time_ratio():
 
 def test_serve_snippet_text():
     row = {"m": 32, "k": 16, "s": 2, "shared_scale": "official"}
-    assert advise.serve_snippet(row, small_cfg(advise.Constraint("agreement", 0.5))) == (
+    assert advise_report.serve_snippet(row, small_cfg(advise.Constraint("agreement", 0.5))) == (
         "# deploy/serve_config.yaml: applications[0].args\nargs:\n  checkpoint: ckpt/x\n"
         "  mita_setting:\n    num_landmarks: 32\n    topk: 16\n    route_topk: 2\n"
         "    shared_scale: official\n")
@@ -558,9 +559,9 @@ SMALL_MARKDOWN = (
 
 def test_advisor_markdown_whole_text():
     rep = small_report()
-    assert advise.markdown(rep) == SMALL_MARKDOWN
+    assert advise_report.markdown(rep) == SMALL_MARKDOWN
     # As read back from advise.json: N keys are strings.
-    assert advise.markdown(json.loads(json.dumps(rep))) == SMALL_MARKDOWN
+    assert advise_report.markdown(json.loads(json.dumps(rep))) == SMALL_MARKDOWN
 
 
 def test_advisor_markdown_with_a_snippet_file_data_and_many_noisy_points():
@@ -571,7 +572,7 @@ def test_advisor_markdown_with_a_snippet_file_data_and_many_noisy_points():
             ("latency", M8.name, 64): lat(2.0, 1.0, 2.0, 3.0)}
     rep = advise.report(cfg, done, [], 2)
     rep["noisy"] = [[f"s{i}", 64] for i in range(7)]
-    assert advise.markdown(rep) == (
+    assert advise_report.markdown(rep) == (
         "Advisor: checkpoint ckpt/x, data my.tsv (2 sequences), cpu, dtype float32, backend "
         f"torch, batch 1, p50 of 3, torch {torch.__version__}. Constraint: agreement with dense "
         "≥ 50.0 %. Drop = dense's accuracy minus the setting's, with its paired standard error: "
@@ -595,13 +596,13 @@ def test_advisor_markdown_with_a_snippet_file_data_and_many_noisy_points():
         "N = 64, s3 at N = 64, s4 at N = 64, s5 at N = 64 …. The machine was busy or its clock "
         "unsteady: rerun with more --repeats on an idle machine.\n")
     rep["noisy"] = rep["noisy"][:6]  # six: all shown, no ellipsis
-    assert "s5 at N = 64. The machine" in advise.markdown(rep)
+    assert "s5 at N = 64. The machine" in advise_report.markdown(rep)
 
 
 def test_advisor_files_hold_the_reports_numbers(tmp_path):
     rep = small_report()
     (tmp_path / "serve_snippet.yaml").write_text("an earlier run's recommendation")
-    files = advise.write_outputs(rep, tmp_path)
+    files = advise_report.write_outputs(rep, tmp_path)
     assert files == {k: tmp_path / f"{name}" for k, name in (
         ("md", "advise.md"), ("json", "advise.json"), ("csv", "advise.csv"),
         ("png", "frontier.png"))}
@@ -609,7 +610,7 @@ def test_advisor_files_hold_the_reports_numbers(tmp_path):
     assert files["json"].read_text().startswith('{\n  "config": {\n    "checkpoint": "ckpt/x",')
     assert files["json"].read_text().endswith("\n}\n")
     # Into a folder not there yet (parents too); no earlier snippet to remove: no error.
-    assert sorted(advise.write_outputs(rep, tmp_path / "a" / "b")) == ["csv", "json", "md",
+    assert sorted(advise_report.write_outputs(rep, tmp_path / "a" / "b")) == ["csv", "json", "md",
                                                                         "png"]
     assert files["md"].read_text() == SMALL_MARKDOWN
     back = json.loads(files["json"].read_text())
@@ -640,7 +641,7 @@ def test_advisor_files_hold_the_reports_numbers(tmp_path):
     done = {("quality", "dense"): quality(0.5, 1.0, 0.0, 0.0),
             ("quality", M8.name): quality(0.5, 0.5, 0.0, 0.0),
             ("latency", M8.name, 64): lat(1.0, 1.0, 1.0, 2.0)}
-    files = advise.write_outputs(advise.report(cfg, done, []), tmp_path / "new")
+    files = advise_report.write_outputs(advise.report(cfg, done, []), tmp_path / "new")
     assert files["yaml"] == tmp_path / "new" / "serve_snippet.yaml"
     assert files["yaml"].read_text() == (
         "# deploy/serve_config.yaml: applications[0].args\nargs:\n  checkpoint: ckpt/x\n"

@@ -37,13 +37,13 @@ _required = os.environ.get("MITA_SERVE_REQUIRE_PROMETHEUS") == "1"
 def scrape_config_for(service, folder: Path) -> Path:
     """The shipped prometheus.yml pointed at this test instance's own file-SD list (as the
     README tells a user running a second instance), rule files from deploy/prometheus."""
-    from service import launch
+    from service import launch, preflight
 
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     port = int(service.metrics_url.rsplit(":", 1)[1].split("/")[0])
     [job] = config["scrape_configs"]
     assert job["file_sd_configs"][0]["files"] == [
-        str(launch.prometheus_sd_file(launch.DEFAULT_METRICS_PORT))]
+        str(launch.prometheus_sd_file(preflight.DEFAULT_METRICS_PORT))]
     job["file_sd_configs"][0]["files"] = [str(launch.prometheus_sd_file(port))]
     config["rule_files"] = [str(PROM_DIR / f) for f in config["rule_files"]]
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))

@@ -431,7 +431,7 @@ def test_classifier_replicas_as_the_controller_reports_them(service):
     running controller's own details: one serving replica each (num_replicas 1 here)."""
     from ray.serve.context import _get_global_client
 
-    from service.gateway import classifier_replicas
+    from service.replicas import classifier_replicas
 
     one = {"serving": 1, "stopping": 0, "scales_to_zero": False}
     details = _get_global_client().get_serve_details()

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 import service.recorder as recorder_mod
 import service.stats as stats_mod
+from mita.data.vocab import Vocabulary
 from service.config_file import (
     ActorOptions,
     Application,
@@ -27,7 +28,7 @@ from service.config_file import (
     check_serve_file,
     read_yaml,
 )
-from service.inputs import ApiError, StrictJSONRequest, Vocabulary, binary_ids, check_ids, to_ids
+from service.inputs import ApiError, StrictJSONRequest, binary_ids, check_ids, to_ids
 from service.metrics import DURATION_BUCKETS_S, N_BUCKETS, _one_two_five, n_bucket
 from service.recorder import PEAK_MEMORY_TTL_S, Recorder
 from service.schemas import (

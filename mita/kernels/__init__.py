@@ -1,13 +1,15 @@
-"""MiTA kernels: ``fused_attention`` (Triton, GPU) and ``cpu`` (compiled C++ CPU kernels).
+"""MiTA kernels: the Triton launcher ``triton_mita`` (GPU) and ``cpu`` (compiled C++ CPU kernels),
+each beside its kernels, and the limits they share.
 
-Both are imported lazily by ``mita.attention``. The Triton module is imported only on first
-access to ``fused_attention``: Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so
-importing ``mita.kernels.cpu`` must not define the Triton kernels early.
+Both launchers are imported lazily by ``mita.attention`` (the only module above that imports
+this package's modules). This file imports none of them: Triton reads ``TRITON_INTERPRET`` when
+a kernel is defined, so importing ``mita.kernels`` or ``mita.kernels.cpu`` must not define the
+Triton kernels early.
 """
 
 import re
 
-__all__ = ["MAX_GRID_Y", "MAX_HEAD_DIM", "TRITON_FLOOR", "fused_attention", "triton_supported"]
+__all__ = ["MAX_GRID_Y", "MAX_HEAD_DIM", "TRITON_FLOOR", "triton_supported"]
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where most kernels put B·H
 MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
@@ -35,11 +37,3 @@ def triton_supported() -> str | None:
         return (f"Triton {version or '(no version)'} is installed; the Triton MiTA kernels "
                 f"need triton>={floor} (tl.bitonic_merge, atomic_add results)")
     return None
-
-
-def __getattr__(name):
-    if name == "fused_attention":
-        from .mita_attention import fused_attention
-
-        return fused_attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

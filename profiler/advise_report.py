@@ -1,0 +1,187 @@
+"""The (m, k, s) advisor's report (``profiler.advise``): the Markdown table and
+recommendations, the latency–agreement frontier plot, the output files, the serve-config snippet
+of a recommended setting, and the warning printed when other processes share the CPU."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .advise import AdviseConfig
+
+NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
+# A 1-minute load average above this many runnable processes per core when the advisor starts:
+# other work shares the CPU (a running service, a test run), and the timings will show it.
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def cpu_sharing_warning(load: float | None = None, cores: int | None = None) -> str | None:
+    """The warning to print when other processes keep the CPU busy, or None. ``load``: the
+    1-minute load average (default ``os.getloadavg()``); ``cores``: the cores this process
+    may run on (default: its CPU affinity). Busy means ``load > BUSY_LOAD_PER_CORE × cores``;
+    None where the platform has no load average."""
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except OSError:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if load <= BUSY_LOAD_PER_CORE * cores:
+        return None
+    return (f"warning: other processes share the CPU (1-minute load average {load:.2f} on "
+            f"{cores} cores, above {BUSY_LOAD_PER_CORE:g} per core): latencies will be slower "
+            "and speed-ups noisier than on an otherwise idle machine, and the run longer than "
+            "the README's timings. Stop other heavy work (a running service, a test run, a "
+            "training) for numbers you can compare.")
+
+
+def serve_snippet(row: dict, cfg: AdviseConfig) -> str:
+    """The serve-config lines (``applications[0].args``) that serve ``row``'s setting."""
+    return ("# deploy/serve_config.yaml: applications[0].args\n"
+            f"args:\n  checkpoint: {cfg.checkpoint}\n  mita_setting:\n"
+            f"    num_landmarks: {row['m']}\n    topk: {row['k']}\n"
+            f"    route_topk: {row['s']}\n    shared_scale: {row['shared_scale']}\n")
+
+
+def markdown(rep: dict) -> str:
+    """The report as Markdown: the table, the recommendations and the snippet."""
+    cfg = rep["config"]
+    ns = cfg["ns"]
+    head = ("| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
+            "KL(dense‖MiTA) | retention | "
+            + " | ".join(f"p50 ms N={n} (× dense)" for n in ns) + " |")
+    lines = [f"Advisor: checkpoint {cfg['checkpoint']}, data {cfg['data']} "
+             f"({cfg['sequences']} sequences"
+             + (f", {cfg['min_length']} < length < {cfg['max_length']}"
+                if cfg["data"] == "generated" else "") + f"), {cfg['device']}, dtype "
+             f"{cfg['dtype']}, backend {cfg['mita_backend']}, batch 1, p50 of {cfg['repeats']}, "
+             f"torch {torch.__version__}. Constraint: {rep['constraint']}. Drop = dense's "
+             "accuracy minus the setting's, with its paired standard error: a constraint "
+             "tighter than ~2 SE is within noise. × = dense's p50 over the setting's, both "
+             "timed side by side (interleaved forwards).", "",
+             head, "|" + "---|" * (10 + len(ns))]
+    for r in rep["rows"]:
+        drop = (f"{r['accuracy_drop_points']:+.1f} ± {r['drop_se_points']:.1f}"
+                if r.get("accuracy_drop_points") is not None and r["setting"] != "dense"
+                else "-")
+        q = ([f"{100 * r['accuracy']:.1f} %", drop, f"{100 * r['agreement']:.1f} %",
+              f"{r['kl']:.4f}", f"{100 * r['retention']:.1f} %" if r.get("retention")
+              is not None else "-"] if "accuracy" in r else ["-"] * 5)
+        lat = []
+        for n in ns:
+            x = r["latency"].get(n) or r["latency"].get(str(n))
+            lat.append("-" if x is None else f"{x['p50_ms']:.1f}" + (
+                f" ({x['speedup']:.2f}×)" if "speedup" in x and r["setting"] != "dense" else ""))
+        lines.append("| " + " | ".join([r["setting"], *(str(r[c]) if r[c] is not None else "-"
+                                                        for c in ("m", "k", "s",
+                                                                  "shared_scale")),
+                                        *q, *lat]) + " |")
+    lines += ["", "Recommendation (the largest speed-up over dense among the settings that meet "
+                  "the constraint):", ""]
+    lines += [f"- {x['answer']}" for x in rep["recommendations"]]
+    lines += [f"- {rep['overall']['answer']}"]
+    if rep["overall"].get("snippet"):
+        lines += ["", "```yaml", rep["overall"]["snippet"].rstrip(), "```"]
+    if rep.get("noisy"):
+        shown = ", ".join(f"{s} at N = {n}" for s, n in rep["noisy"][:6])
+        lines += ["", f"Noisy timings (slowest forward > {NOISY}× the fastest): {shown}"
+                      + (" …" if len(rep["noisy"]) > 6 else "") + ". The machine was busy or "
+                      "its clock unsteady: rerun with more --repeats on an idle machine."]
+    if rep["skipped"]:
+        lines += ["", f"Not run (time budget): {len(rep['skipped'])} units; run again to "
+                      "resume."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_frontier(rep: dict, path: Path) -> Path:
+    """Latency against agreement per N (one subplot each, log latency): every setting, dense
+    at 100 %, the Pareto frontier (dense included: no other point is both faster and more
+    agreeing) as a step line, the constraint's threshold when it is on agreement, the recommendation
+    circled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ns = rep["config"]["ns"]
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.8), squeeze=False)
+    recs = {x["n"]: x for x in rep["recommendations"]}
+    for ax, n in zip(axes[0], ns, strict=True):
+        pts = [(r["latency"][n]["p50_ms"], 100 * r["agreement"], r["setting"])
+               for r in rep["rows"][1:] if "agreement" in r and n in r["latency"]]
+        dense = rep["rows"][0]["latency"].get(n)
+        for x, y, name in pts:
+            ax.plot(x, y, "o", color="#1f77b4", ms=5)
+            ax.annotate(name.replace(" paper", "").replace(" official", " off."), (x, y),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        frontier, best_y = [], -1.0
+        candidates = pts + ([(dense["p50_ms"], 100.0, "dense")] if dense is not None else [])
+        for x, y, _ in sorted(candidates, key=lambda p: (p[0], -p[1])):
+            if y > best_y:
+                frontier.append((x, y))
+                best_y = y
+        if frontier:
+            ax.step([p[0] for p in frontier], [p[1] for p in frontier], where="post",
+                    color="#2ca02c", label="Pareto frontier")
+        if dense is not None:
+            ax.plot(dense["p50_ms"], 100.0, "*", color="#d62728", ms=12, label="dense")
+        if rep["config"]["constraint"].startswith("agreement"):
+            ax.axhline(float(rep["config"]["constraint"].split("≥")[1].split("%")[0]),
+                       color="grey", ls="--", lw=1, label="constraint")
+        rec = recs.get(n)
+        if rec and rec.get("setting"):
+            ax.plot(rec["p50_ms"], 100 * rec["agreement"], "o", ms=13, mfc="none",
+                    color="#ff7f0e", label="recommended")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"N = {n}")
+        ax.set_xlabel("forward p50 ms (log)")
+        ax.set_ylabel("agreement with dense (%)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
+    """``advise.md``, ``advise.json``, ``advise.csv``, ``frontier.png`` and, when a setting
+    qualifies for every N, ``serve_snippet.yaml`` (else an old one is removed), into
+    ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"md": out / "advise.md", "json": out / "advise.json", "csv": out / "advise.csv"}
+    files["md"].write_text(markdown(rep))
+    files["json"].write_text(json.dumps(rep, indent=2) + "\n")
+    ns = rep["config"]["ns"]
+    with open(files["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement", "kl",
+                    "retention", "n", "p50_ms", "min_ms", "max_ms", "dense_p50_ms", "speedup",
+                    "peak_memory_bytes"])
+        for r in rep["rows"]:
+            for n in ns:
+                lat = r["latency"].get(n, {})
+                w.writerow([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"],
+                            r.get("accuracy"), r.get("agreement"), r.get("kl"),
+                            r.get("retention"), n, lat.get("p50_ms"), lat.get("min_ms"),
+                            lat.get("max_ms"), lat.get("dense_p50_ms"), lat.get("speedup"),
+                            lat.get("peak_memory_bytes")])
+    files["png"] = plot_frontier(rep, out / "frontier.png")
+    snippet = out / "serve_snippet.yaml"
+    if rep["overall"].get("snippet"):
+        files["yaml"] = snippet
+        snippet.write_text(rep["overall"]["snippet"])
+    else:  # never leave an earlier run's recommendation to be deployed
+        snippet.unlink(missing_ok=True)
+    return files

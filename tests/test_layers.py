@@ -1,0 +1,263 @@
+"""The layer table of the README ("Layout"): every module's imports, read from the source, with
+no import circle and no import the table forbids. Lazy imports (inside functions) count: the
+two circles this test was written against were lazy ones.
+
+``check(root)`` reads the packages under ``root`` and returns the violations as sentences, so the
+planted-fault tests below run it on a copy of the tree with one bad import added.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mita", "service", "profiler", "loadtest")  # what a user imports
+SCRIPTS = ("benchmarks", "tests")  # may import anything; nothing may import them
+STDLIB = set(sys.stdlib_module_names)
+
+# The third-party libraries each ground-floor module may use (beyond the standard library).
+GROUND = {"mita.config": set(), "mita.hooks": set(), "mita.data": {"numpy"}}
+STAGE_MODULES = {"mita.stages", "mita.topk"}
+# loadtest is a client of the service over HTTP: the mita modules it uses import no torch.
+LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.argtypes", "mita.plots"}
+NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotations only,
+    never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def read_imports(root: Path) -> dict[str, set[str]]:
+    """``{module: every module or top-level library it imports}``, relative imports resolved;
+    ``from pkg import name`` is an import of ``pkg.name`` when that is a module of the tree."""
+    files = {module_name(p, root): p for top in PACKAGES + SCRIPTS
+             for p in (root / top).rglob("*.py")}
+    out = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in _nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in files else base)
+        out[name] = found
+    return out
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def forbidden(importer: str, imported: str) -> str | None:
+    """Why the layer table forbids ``importer`` → ``imported`` (a module of the tree or a
+    top-level library), or None when it allows it."""
+    top = _top(imported)
+    if top in SCRIPTS and _top(importer) in PACKAGES:
+        return "nothing imports benchmarks/ or tests/"
+    if importer in GROUND or _within(importer, "mita.data"):
+        allowed = GROUND["mita.data" if _within(importer, "mita.data") else importer]
+        if _within(imported, "mita.data") and _within(importer, "mita.data"):
+            return None
+        if top in STDLIB or top in allowed:
+            return None
+        return "mita/config.py, mita/hooks.py and mita/data/ import the stdlib and numpy only"
+    if top in PACKAGES:
+        return _project_rule(importer, imported)
+    return None
+
+
+def _project_rule(importer: str, imported: str) -> str | None:
+    if importer in STAGE_MODULES:
+        if imported in {"mita.config", "mita.hooks"} | STAGE_MODULES:
+            return None
+        return "the stages and top-k helpers import torch, config, hooks only"
+    if _within(importer, "mita.kernels"):
+        if imported == "mita.attention":
+            return "mita/kernels/ never imports the dispatcher (mita/attention.py)"
+        if imported in {"mita.config", "mita.hooks"} | STAGE_MODULES or _within(
+                imported, "mita.kernels"):
+            return None
+        return "mita/kernels/ imports the stages, hooks, config and its own files only"
+    if importer == "mita.attention":
+        if imported in {"mita.config", "mita.hooks"} | STAGE_MODULES or _within(
+                imported, "mita.kernels"):
+            return None
+        return "mita/attention.py imports config, hooks, stages and kernels only"
+    if _within(importer, "mita"):
+        if _within(imported, "mita.kernels") and importer != "mita":
+            return "only mita/attention.py imports mita/kernels/"
+        if _within(imported, "mita"):
+            return None
+        return "mita/ imports no service/, profiler/, loadtest/"
+    if importer in NO_RAY:
+        if _within(imported, "mita") or imported in {"service", "service.graphs",
+                                                     "service.schemas"}:
+            return None
+        return "service/engine.py and graphs.py import mita (and Ray-free service files) only"
+    if _within(importer, "service"):
+        if _within(imported, "mita") or _within(imported, "service"):
+            return None
+        return "service/ never imports profiler/ or loadtest/"
+    if _within(importer, "profiler"):
+        if _within(imported, "mita") or _within(imported, "profiler") or \
+                imported == "service.engine":
+            return None
+        return "profiler/ imports mita/ and service.engine only"
+    if _within(importer, "loadtest"):
+        if _within(imported, "loadtest") or any(_within(imported, m) for m in LOADTEST_MAY):
+            return None
+        return "loadtest/ imports mita.data, mita.hooks, mita.argtypes, mita.plots only"
+    return None
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles among the packages' modules (strongly connected components of more
+    than one module, or a module importing itself), each sorted."""
+    nodes = [n for n in graph if _top(n) in PACKAGES]
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm; the graph is a few hundred edges
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph or _top(w) not in PACKAGES:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1 or v in graph.get(v, ()):
+                found.append(sorted(scc))
+
+    for n in nodes:
+        if n not in index:
+            visit(n)
+    return found
+
+
+def check(root: Path) -> list[str]:
+    """Every violation of the layer table under ``root``, as sentences."""
+    graph = read_imports(root)
+    out = [f"import circle: {' ↔ '.join(c)}" for c in circles(graph)]
+    for importer, imported in sorted((a, b) for a, bs in graph.items() for b in bs):
+        if _top(importer) in SCRIPTS:
+            continue
+        why = forbidden(importer, imported)
+        if why:
+            out.append(f"{importer} imports {imported}: {why}")
+    for start in NO_RAY:  # the Ray-free path, followed through every import
+        seen, todo = set(), [start]
+        while todo:
+            mod = todo.pop()
+            if mod in seen:
+                continue
+            seen.add(mod)
+            for imp in graph.get(mod, ()):
+                if _top(imp) == "ray":
+                    out.append(f"{start} reaches ray through {mod}")
+                elif imp in graph:
+                    todo.append(imp)
+    return out
+
+
+def test_the_tree_keeps_the_layer_table():
+    assert check(ROOT) == []
+
+
+def test_the_reader_sees_lazy_and_relative_imports():
+    graph = read_imports(ROOT)
+    # relative, to a sibling module and to the package's own name
+    assert "mita.kernels.triton_common" in graph["mita.kernels.routing"]
+    assert "mita.kernels" in graph["mita.kernels.routing"]  # from . import MAX_HEAD_DIM
+    assert "mita.stages" in graph["mita.kernels.choose"]  # from .. import stages as S
+    assert "mita.kernels.triton_mita" in graph["mita.attention"]  # lazy, inside a function
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """A copy of the tree's Python files, clean before any plant."""
+    root = tmp_path_factory.mktemp("tree")
+    for top in PACKAGES + SCRIPTS:
+        shutil.copytree(ROOT / top, root / top, ignore=shutil.ignore_patterns(
+            "__pycache__", "*.so", "*.cpp", "*.md", "static", "build"))
+    assert check(root) == []
+    return root
+
+
+@pytest.mark.parametrize("module,line,expected", [
+    # a circle: the config (ground floor) back to the dispatcher that imports it
+    ("mita.config", "from . import attention",
+     ["import circle: mita.attention ↔ mita.config",
+      "mita.config imports mita.attention: mita/config.py, mita/hooks.py and mita/data/ "
+      "import the stdlib and numpy only"]),
+    # the circle issue 30 found: a launcher importing the dispatcher
+    ("mita.kernels.cpu", "from .. import attention",
+     ["import circle: mita.attention ↔ mita.kernels.cpu",
+      "mita.kernels.cpu imports mita.attention: mita/kernels/ never imports the dispatcher "
+      "(mita/attention.py)"]),
+    # upward arrows without a circle
+    ("service.stats", "from profiler import sweep",
+     ["service.stats imports profiler.sweep: service/ never imports profiler/ or loadtest/"]),
+    ("service.engine", "import ray",
+     ["service.engine reaches ray through service.engine"]),
+    ("loadtest.engine", "import mita.model",
+     ["loadtest.engine imports mita.model: loadtest/ imports mita.data, mita.hooks, "
+      "mita.argtypes, mita.plots only"]),
+    # the stages reaching up to the model close a circle through every launcher
+    ("mita.stages", "import mita.model",
+     ["import circle: mita.attention ↔ mita.kernels.choose ↔ mita.kernels.cpu ↔ "
+      "mita.kernels.triton_mita ↔ mita.layers ↔ mita.model ↔ mita.stages",
+      "mita.stages imports mita.model: the stages and top-k helpers import torch, config, "
+      "hooks only"]),
+])
+def test_a_planted_fault_is_found(tree, module, line, expected):
+    path = tree / (module.replace(".", "/") + ".py")
+    clean = path.read_text()
+    path.write_text(clean + f"\n\ndef _planted():\n    {line}\n")
+    try:
+        assert check(tree) == expected
+    finally:
+        path.write_text(clean)
