@@ -97,7 +97,7 @@ def check_graphs(variant: str, device: str, seqs, smoke: bool) -> dict:
     if eng.graphs is None:
         eng.graphs = GraphCache(eng.model, capture=eager_capture)
     runs = [eng.run(seqs) for _ in range(3)]
-    replayed = all(r["profile"]["cuda_graph"] for r in runs[2])
+    replayed = all(r["profile"].cuda_graph for r in runs[2])
     row = check_row(f"{variant} {device} {eng.dtype_name} graph replay vs plain forward "
                     f"({'3rd run replayed' if replayed else '3rd run NOT replayed'})",
                     max(np.abs(probs(r) - plain).max() for r in runs), 1e-6)
@@ -169,17 +169,17 @@ def requests(device: str, ns, batches, budget_s, start, smoke) -> list[dict]:
                         cell_budget_s=min(8.0, max(0.0, left - 30) / 4))
                     row.update(p50_ms=float(np.percentile(times, 50)),
                                p99_ms=float(np.percentile(times, 99)), repeats=len(times),
-                               peak_bytes=profiles[-1]["peak_memory_bytes"],
-                               peak_kind=profiles[-1]["peak_memory_kind"])
-                    row["cuda_graph_replays"] = sum(p["cuda_graph"] for p in profiles)
+                               peak_bytes=profiles[-1].peak_memory_bytes,
+                               peak_kind=profiles[-1].peak_memory_kind)
+                    row["cuda_graph_replays"] = sum(p.cuda_graph for p in profiles)
                     if b == 1:
                         one_ms[(variant, n)] = row["p50_ms"]
                         # replays have no stages: take the stages from staged forwards
-                        staged = [p for p in profiles if p["stages_ms"]] or [
+                        staged = [p for p in profiles if p.stages_ms] or [
                             eng.run(batch, det, staged=[True])[0]["profile"] for _ in range(3)]
                         row["stages_p50_ms"] = {
-                            s: float(np.median([p["stages_ms"][s] for p in staged]))
-                            for s in staged[0]["stages_ms"]}
+                            s: float(np.median([p.stages_ms[s] for p in staged]))
+                            for s in staged[0].stages_ms}
                     rows.append(row)
                     print(f"{variant:5} N={n:>8} batch={b} {row['mode']:12} p50 "
                           f"{row['p50_ms']:9.2f} ms  p99 {row['p99_ms']:9.2f} ms  "

@@ -32,6 +32,7 @@ from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from mita.timer import profile_forward
 
 from . import PROJECT_ROOT
+from .forward_stats import ForwardStats
 from .graphs import GraphCache
 from .schemas import TopkReport
 
@@ -270,11 +271,10 @@ class ClassifierEngine:
             graph = self.graphs is not None and self.graphs.replays > replays
             topk_path = self._topk_path((len(group), n_max, mask is not None), graph)
             probs = torch.softmax(logits.double(), -1).cpu()
-            profile = prof.as_dict() | {"batch_size": len(group), "padded_n": n_max,
-                                        "flops_total": sum(prof.flops.values()),
-                                        "dtype": self.dtype_name, "started_at": started_at,
-                                        "staged": (want or not self.fused()) and not graph,
-                                        "cuda_graph": graph, "topk_path": topk_path}
+            profile = ForwardStats.of(prof, batch_size=len(group), padded_n=n_max,
+                                      dtype=self.dtype_name, started_at=started_at,
+                                      staged=(want or not self.fused()) and not graph,
+                                      cuda_graph=graph, topk_path=topk_path)
             finite = torch.isfinite(probs).all(-1).tolist()
             for row, i in enumerate(group):
                 results[i] = {"label": int(probs[row].argmax()),

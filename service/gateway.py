@@ -216,8 +216,7 @@ class Gateway:
         if profile:
             # Arrival → forward start: body parsing, validation, the hop to the classifier,
             # batching wait and queueing (both clocks are this machine's wall clock).
-            out["profile"] = result["profile"] | {
-                "pre_forward_ms": (result["profile"]["started_at"] - arrived_at) * 1e3}
+            out["profile"] = result["profile"].response(arrived_at)
         return out
 
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS,

@@ -62,6 +62,28 @@ REJECTION_ROLES = ("primary", "shadow")
 SHADOW_DROP_REASONS = ("busy", "failed")  # shadow_dropped_total's reason label
 
 
+METRIC_NAMES = {  # ServiceMetrics' attribute → the metric's name, declared once here
+    "stage_duration": "mita_serve_stage_duration_seconds",
+    "forward_duration": "mita_serve_forward_duration_seconds",
+    "request_duration": "mita_serve_request_duration_seconds",
+    "requests": "mita_serve_requests_total",
+    "rejections": "mita_serve_rejections_total",
+    "tokens": "mita_serve_tokens_total",
+    "flops": "mita_serve_flops_total",
+    "peak_memory": "mita_serve_peak_memory_bytes",
+    "shadow_comparisons": "mita_serve_shadow_comparisons_total",
+    "shadow_dropped": "mita_serve_shadow_dropped_total",
+    "shadow_kl": "mita_serve_shadow_kl_divergence",
+}
+EXPORTED_PREFIX = "ray_"  # Ray's metrics agent prefixes every application metric
+
+
+def exported(metric: str) -> str:
+    """The name Prometheus scrapes for ``ServiceMetrics.<metric>``: Ray's prefix + the declared
+    name (the stats window's PromQL queries use it). Raises KeyError for an unknown metric."""
+    return EXPORTED_PREFIX + METRIC_NAMES[metric]
+
+
 class ServiceMetrics:
     """The service's metrics, recorded by the gateway's ``Recorder``: requests, durations and
     shadow comparisons, and — from the profile each classifier answer carries — stages,
@@ -69,50 +91,50 @@ class ServiceMetrics:
 
     def __init__(self):
         self.stage_duration = Histogram(
-            "mita_serve_stage_duration_seconds",
+            METRIC_NAMES["stage_duration"],
             description="Time of one model stage for one request (summed over layers).",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "stage", "n_bucket"))
         self.forward_duration = Histogram(
-            "mita_serve_forward_duration_seconds",
+            METRIC_NAMES["forward_duration"],
             description="End-to-end model forward time for one request's batch.",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
         self.request_duration = Histogram(
-            "mita_serve_request_duration_seconds",
+            METRIC_NAMES["request_duration"],
             description="Gateway time from request received to response ready.",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
         self.requests = Counter(
-            "mita_serve_requests_total",
+            METRIC_NAMES["requests"],
             description="Classification requests answered, by variant and HTTP status "
                         "(overload refusals are not here: see rejections_total).",
             tag_keys=("variant", "status"))
         self.rejections = Counter(
-            "mita_serve_rejections_total",
+            METRIC_NAMES["rejections"],
             description="Requests refused by a classifier's back-pressure "
                         "(max_queued_requests) and answered 503 + Retry-After; role=shadow "
                         "when only the shadow call was refused (the primary answered).",
             tag_keys=("variant", "role"))
         self.tokens = Counter(
-            "mita_serve_tokens_total",
+            METRIC_NAMES["tokens"],
             description="Tokens of the forwards whose answers reached the gateway.",
             tag_keys=("variant",))
         self.flops = Counter(
-            "mita_serve_flops_total",
+            METRIC_NAMES["flops"],
             description="Analytic FLOPs of the forwards whose answers reached the gateway: "
                         "each request's share (forward FLOPs of the padded batch / requests "
                         "in it).",
             tag_keys=("variant",))
         self.peak_memory = Gauge(
-            "mita_serve_peak_memory_bytes",
+            METRIC_NAMES["peak_memory"],
             description="Peak memory of a classifier replica's last forward (CUDA: measured "
                         "max allocated; CPU: analytic activation estimate, see kind).",
             tag_keys=("variant", "kind", "classifier_replica"))
         self.shadow_comparisons = Counter(
-            "mita_serve_shadow_comparisons_total",
+            METRIC_NAMES["shadow_comparisons"],
             description="Shadow-mode comparisons of primary and shadow variant; agree=true "
                         "when the labels match.",
             tag_keys=("primary", "agree"))
         self.shadow_dropped = Counter(
-            "mita_serve_shadow_dropped_total",
+            METRIC_NAMES["shadow_dropped"],
             description="Shadow calls that gave no comparison: reason=busy when shed before "
                         "the call (the variant had shadow_max_inflight shadow calls or primary "
                         "calls in flight), failed when the call got no answer (timeout, "
@@ -121,7 +143,7 @@ class ServiceMetrics:
                         "{role=shadow}.",
             tag_keys=("variant", "reason"))
         self.shadow_kl = Histogram(
-            "mita_serve_shadow_kl_divergence",
+            METRIC_NAMES["shadow_kl"],
             description="KL(dense || MiTA) of the class probabilities of a shadow comparison, "
                         "in nats, whichever variant is primary.",
             boundaries=KL_BUCKETS, tag_keys=("primary",))

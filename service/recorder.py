@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+from .forward_stats import ForwardStats
 from .metrics import GAUGE_REFRESH_S, ServiceMetrics, n_bucket
 from .stats import StatsWindow
 
@@ -63,24 +64,23 @@ class Recorder:
         if role == "shadow":
             self.window.add_shadow_drop(variant)
 
-    def forward(self, variant: str, n: int, profile: dict, replica: str = "") -> None:
+    def forward(self, variant: str, n: int, stats: ForwardStats, replica: str = "") -> None:
         """A request of ``n`` tokens served by a forward of ``variant`` on classifier
-        ``replica``; ``profile``: the forward's (``ClassifierEngine.run``: ``staged``,
-        ``stages_ms``, ``total_ms``, ``flops_total``, ``batch_size``,
-        ``peak_memory_bytes``/``_kind``). Raises KeyError for a profile without them."""
+        ``replica``; ``stats``: that forward's, as ``ClassifierEngine.run`` made them. Both
+        sinks, Prometheus and the stats window, read this one object."""
         m, bucket = self.metrics, n_bucket(n)
         tags = {"variant": variant, "n_bucket": bucket}
-        if profile["staged"]:
-            for stage, ms in profile["stages_ms"].items():
+        if stats.staged:
+            for stage, ms in stats.stages_ms.items():
                 m.stage_duration.observe(ms / 1e3, tags | {"stage": stage})
-            self.window.add_forward(variant, bucket, profile["stages_ms"])
-        m.forward_duration.observe(profile["total_ms"] / 1e3, tags)
+            self.window.add_forward(variant, bucket, stats.stages_ms)
+        m.forward_duration.observe(stats.total_ms / 1e3, tags)
         m.tokens.inc(n, {"variant": variant})
-        m.flops.inc(profile["flops_total"] / profile["batch_size"], {"variant": variant})
-        if profile["peak_memory_bytes"] is not None:
+        m.flops.inc(stats.flops_total / stats.batch_size, {"variant": variant})
+        if stats.peak_memory_bytes is not None:
             with self._lock:
-                self._peak[(variant, profile["peak_memory_kind"], replica)] = (
-                    profile["peak_memory_bytes"], time.monotonic())
+                self._peak[(variant, stats.peak_memory_kind, replica)] = (
+                    stats.peak_memory_bytes, time.monotonic())
             self._set_gauges()
 
     def shadow(self, primary: str, agree: bool, kl: float) -> None:

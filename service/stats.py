@@ -31,7 +31,7 @@ import numpy as np
 
 from mita.hooks import MIN_STAGE_SAMPLES, STAGE_ORDER
 
-from .metrics import N_BUCKETS, n_bucket
+from .metrics import N_BUCKETS, exported, n_bucket
 from .schemas import VARIANTS
 
 MAX_RECORDS = 20_000  # per kind; bounds the gateway's memory under any request rate
@@ -264,11 +264,11 @@ class PrometheusError(Exception):
 
 # The fixed, read-only queries of Prometheus mode. {w}: the window; {r}: the timeline's rate
 # window. Only these run; nothing from a request goes into them but two whole numbers.
-REQ = "ray_mita_serve_request_duration_seconds"
-STAGE = "ray_mita_serve_stage_duration_seconds"
-KL = "ray_mita_serve_shadow_kl_divergence"
+REQ, STAGE, KL = exported("request_duration"), exported("stage_duration"), exported("shadow_kl")
+REQUESTS, SHADOW = exported("requests"), exported("shadow_comparisons")
+DROPPED, REJECTIONS = exported("shadow_dropped"), exported("rejections")
 INSTANT = {
-    "requests": "sum by (variant, status) (increase(ray_mita_serve_requests_total[{w}]))",
+    "requests": f"sum by (variant, status) (increase({REQUESTS}[{{w}}]))",
     "lat_count": f"sum by (variant, n_bucket) (increase({REQ}_count[{{w}}]))",
     "lat_sum": f"sum by (variant, n_bucket) (increase({REQ}_sum[{{w}}]))",
     **{f"lat_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, n_bucket) "
@@ -277,15 +277,15 @@ INSTANT = {
     "stage_sum": f"sum by (variant, stage, n_bucket) (increase({STAGE}_sum[{{w}}]))",
     **{f"stage_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, stage, n_bucket) "
                       f"(rate({STAGE}_bucket[{{w}}])))" for q in (50, 95)},
-    "shadow": "sum by (agree) (increase(ray_mita_serve_shadow_comparisons_total[{w}]))",
+    "shadow": f"sum by (agree) (increase({SHADOW}[{{w}}]))",
     # Ray exports a histogram's _sum as bucket midpoint × count: the mean is approximate.
     "kl_mean": f"sum(increase({KL}_sum[{{w}}])) / sum(increase({KL}_count[{{w}}]))",
     "kl_p50": f"histogram_quantile(0.5, sum by (le) (rate({KL}_bucket[{{w}}])))",
-    "shadow_dropped": "sum(increase(ray_mita_serve_shadow_dropped_total[{w}])) + "
-                      "sum(increase(ray_mita_serve_rejections_total{{role=\"shadow\"}}[{w}]))",
+    "shadow_dropped": f"sum(increase({DROPPED}[{{w}}])) + "
+                      f"sum(increase({REJECTIONS}{{{{role=\"shadow\"}}}}[{{w}}]))",
 }
 RANGE = {
-    "rps": 'sum by (variant) (rate(ray_mita_serve_requests_total{{status="200"}}[{r}]))',
+    "rps": f'sum by (variant) (rate({REQUESTS}{{{{status="200"}}}}[{{r}}]))',
     **{f"p{q}": f"histogram_quantile(0.{q}, sum by (le, variant) (rate({REQ}_bucket[{{r}}])))"
        for q in (50, 99)},
     "n_rps": f"sum by (variant, n_bucket) (rate({REQ}_count[{{r}}]))",

@@ -56,7 +56,7 @@ def test_grouped_run_leaves_abandoned_sequences_out_of_their_group(engine):
                          [lambda: False, lambda: True, lambda: False, lambda: True])
     assert engine._forwards - before == 1  # the 300-token group had only an abandoned sequence
     assert [r.get("abandoned", False) for r in results] == [False, True, False, True]
-    assert results[0]["profile"]["batch_size"] == 2 and results[0]["profile"]["padded_n"] == 42
+    assert results[0]["profile"].batch_size == 2 and results[0]["profile"].padded_n == 42
 
 
 def set_dense_user_config(service, **changes) -> None:
@@ -80,7 +80,7 @@ def test_a_batch_whose_client_left_stops_after_the_running_forward(service):
     text, _ = generate_long(8192, seed=5)
     solo = service.post("/v1/classify", json={"text": text, "variant": "dense", "profile": True})
     assert solo.status_code == 200, solo.text
-    forward_s = solo.json()["profile"]["total_ms"] / 1000
+    forward_s = solo.json()["profile"].total_ms / 1000
     body = {"items": [{"text": text, "variant": "dense"}] * 8}
     set_dense_user_config(service, batch_wait_timeout_s=0.25)  # all 8 in one batch
     try:

@@ -62,8 +62,8 @@ def test_engine_equals_plain_model_forward(engines, batch, attention):
         assert r["probabilities"] == want.tolist()
         assert r["label"] == int(want.argmax()) and r["n"] == len(ids)
         assert r["variant"] == attention and r["model_id"].startswith("listops-default@")
-        assert r["profile"]["batch_size"] == 1 and r["profile"]["padded_n"] == len(ids)
-        assert r["profile"]["dtype"] == "float32"
+        assert r["profile"].batch_size == 1 and r["profile"].padded_n == len(ids)
+        assert r["profile"].dtype == "float32"
 
 
 @pytest.mark.parametrize("attention", ["mita", "dense"])
@@ -71,11 +71,11 @@ def test_padded_batching_equals_solo(engines, batch, attention):
     engine = engines[(attention, "float32")]
     solo, padded = engine.run(batch), engine.run(batch, deterministic=False)
     assert np.abs(probs(solo) - probs(padded)).max() < 1e-5
-    sizes = [r["profile"]["batch_size"] for r in padded]
+    sizes = [r["profile"].batch_size for r in padded]
     groups = length_groups([len(x) for x in batch])
     assert sorted(set(sizes)) == sorted({len(g) for g in groups}) and max(sizes) > 1
     for g in groups:  # every member of a group reports the group's padded length
-        assert {padded[i]["profile"]["padded_n"] for i in g} == {max(len(batch[i]) for i in g)}
+        assert {padded[i]["profile"].padded_n for i in g} == {max(len(batch[i]) for i in g)}
 
 
 @pytest.mark.parametrize("attention", ["mita", "dense"])
@@ -85,7 +85,7 @@ def test_16bit_serving_close_to_float32(engines, batch, attention, dtype, tol):
     assert engine.info["dtype"] == dtype
     assert {p.dtype for p in engine.model.parameters()} == {getattr(torch, dtype)}
     full, half = engines[(attention, "float32")].run(batch), engine.run(batch)
-    assert all(r["profile"]["dtype"] == dtype for r in half)
+    assert all(r["profile"].dtype == dtype for r in half)
     p, q = probs(full), probs(half)
     err = np.abs(p - q).max()
     assert 0 < err < tol  # > 0: the weights really are 16-bit
@@ -114,15 +114,15 @@ def test_one_profile_per_forward_shared_by_its_requests(engines, batch):
     for g in groups:
         profile = results[g[0]]["profile"]
         assert all(results[i]["profile"] is profile for i in g)
-        assert profile["batch_size"] == len(g)
-        assert profile["padded_n"] == max(len(batch[i]) for i in g)
-        assert profile["total_ms"] > 0 and profile["stages_ms"]["attention"] > 0
-        assert profile["started_at"] > 1.7e9  # Unix seconds
-    shares = sum(r["profile"]["flops_total"] / r["profile"]["batch_size"] for r in results)
-    forwards = sum(results[g[0]]["profile"]["flops_total"] for g in groups)
+        assert profile.batch_size == len(g)
+        assert profile.padded_n == max(len(batch[i]) for i in g)
+        assert profile.total_ms > 0 and profile.stages_ms["attention"] > 0
+        assert profile.started_at > 1.7e9  # Unix seconds
+    shares = sum(r["profile"].flops_total / r["profile"].batch_size for r in results)
+    forwards = sum(results[g[0]]["profile"].flops_total for g in groups)
     assert shares == pytest.approx(forwards, rel=1e-12)
     solo = engine.run(batch[:6])
-    assert [r["profile"]["batch_size"] for r in solo] == [1] * 6
+    assert [r["profile"].batch_size for r in solo] == [1] * 6
     assert len({id(r["profile"]) for r in solo}) == 6
 
 
@@ -196,11 +196,11 @@ def test_staged_profile_on_request_and_sampled(batch):
     engine = ClassifierEngine(CHECKPOINT, "mita", "cpu", "auto", "float32")
     assert engine.fused()
     fused = engine.run(batch[:4])
-    assert [r["profile"]["staged"] for r in fused] == [False] * 4
-    assert "topk" not in fused[0]["profile"]["stages_ms"]  # inside landmark_scores there
+    assert [r["profile"].staged for r in fused] == [False] * 4
+    assert "topk" not in fused[0]["profile"].stages_ms  # inside landmark_scores there
     asked = engine.run(batch[:4], staged=[False, True, False, False])
-    assert [r["profile"]["staged"] for r in asked] == [False, True, False, False]
-    assert set(MITA_STAGES) <= set(asked[1]["profile"]["stages_ms"])
+    assert [r["profile"].staged for r in asked] == [False, True, False, False]
+    assert set(MITA_STAGES) <= set(asked[1]["profile"].stages_ms)
     assert np.abs(probs(asked) - probs(fused)).max() < 1e-5
     assert [r["label"] for r in asked] == [r["label"] for r in fused]
     assert {m.backend for m in engine.model.modules() if isinstance(m, MiTAAttention)} == {
@@ -208,12 +208,12 @@ def test_staged_profile_on_request_and_sampled(batch):
     engine.staged_every = 3
     engine._forwards = 0
     sampled = engine.run(batch[:7])
-    assert [r["profile"]["staged"] for r in sampled] == [False, False, True, False, False,
+    assert [r["profile"].staged for r in sampled] == [False, False, True, False, False,
                                                           True, False]
     dense = ClassifierEngine(CHECKPOINT, "dense", "cpu", "auto", "float32")
-    assert not dense.fused() and all(r["profile"]["staged"] for r in dense.run(batch[:2]))
+    assert not dense.fused() and all(r["profile"].staged for r in dense.run(batch[:2]))
     torch_stages = ClassifierEngine(CHECKPOINT, "mita", "cpu", "torch", "float32")
-    assert all(r["profile"]["staged"] for r in torch_stages.run(batch[:2]))
+    assert all(r["profile"].staged for r in torch_stages.run(batch[:2]))
 
 
 def test_graph_replays_equal_plain_forwards(batch):
@@ -232,21 +232,21 @@ def test_graph_replays_equal_plain_forwards(batch):
     want = plain.run(seqs)
     got = engine.run(seqs)
     assert probs(got).tolist() == probs(want).tolist()
-    assert [r["profile"]["cuda_graph"] for r in got] == [False, True, False, True, True,
+    assert [r["profile"].cuda_graph for r in got] == [False, True, False, True, True,
                                                           False, True]
-    assert all(r["profile"]["stages_ms"] == {} for r in got if r["profile"]["cuda_graph"])
-    assert all(r["profile"]["total_ms"] > 0 for r in got)
+    assert all(r["profile"].stages_ms == {} for r in got if r["profile"].cuda_graph)
+    assert all(r["profile"].total_ms > 0 for r in got)
     assert [key[1] for key in engine.graphs.graphs] == [len(batch[1]), len(batch[0])]
     staged = engine.run(seqs[:2], staged=[True, True])
-    assert [r["profile"]["cuda_graph"] for r in staged] == [False, False]
-    assert all(r["profile"]["staged"] and "topk" in r["profile"]["stages_ms"] for r in staged)
+    assert [r["profile"].cuda_graph for r in staged] == [False, False]
+    assert all(r["profile"].staged and "topk" in r["profile"].stages_ms for r in staged)
     # the PyTorch stages vs the CPU kernels: float32, other summation order (1e-5, as above)
     assert np.abs(probs(staged) - probs(want[:2])).max() < 1e-5
     # padded batches: one graph per (batch, N, masked)
     padded = engine.run(batch[:6], deterministic=False)
     again = engine.run(batch[:6], deterministic=False)
     assert np.abs(probs(padded) - probs(again)).max() == 0
-    assert any(r["profile"]["cuda_graph"] for r in again)
+    assert any(r["profile"].cuda_graph for r in again)
 
 
 def test_non_finite_logits_give_an_error_not_a_label(batch):
@@ -282,6 +282,6 @@ def test_a_failed_graph_capture_falls_back_to_plain_forwards(batch):
     seqs = [batch[0]] * 4
     got = engine.run(seqs)
     assert probs(got).tolist() == probs(plain.run(seqs)).tolist()
-    assert not any(r["profile"]["cuda_graph"] for r in got)
+    assert not any(r["profile"].cuda_graph for r in got)
     assert calls == [(1, len(batch[0]))]  # tried once, at the 2nd sighting
     assert engine.graphs.uncapturable == {(1, len(batch[0]), False)}

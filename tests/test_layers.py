@@ -26,6 +26,7 @@ STAGE_MODULES = {"mita.stages", "mita.topk"}
 # loadtest is a client of the service over HTTP: the mita modules it uses import no torch.
 LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.argtypes", "mita.plots"}
 NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
+RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.forward_stats"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -123,8 +124,7 @@ def _project_rule(importer: str, imported: str) -> str | None:
             return None
         return "mita/ imports no service/, profiler/, loadtest/"
     if importer in NO_RAY:
-        if _within(imported, "mita") or imported in {"service", "service.graphs",
-                                                     "service.schemas"}:
+        if _within(imported, "mita") or imported in RAY_FREE_SERVICE:
             return None
         return "service/engine.py and graphs.py import mita (and Ray-free service files) only"
     if _within(importer, "service"):

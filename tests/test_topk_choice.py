@@ -247,9 +247,9 @@ def test_engine_on_cpu_reports_no_triton_topk(batch):
     report = engine.topk_report()
     assert report["triton"] is False and report["forced"] is None
     TopkReport.model_validate(report)
-    assert [r["profile"]["topk_path"] for r in engine.run(batch)] == [None] * 3
+    assert [r["profile"].topk_path for r in engine.run(batch)] == [None] * 3
     dense = ClassifierEngine(CHECKPOINT, "dense", "cpu", "auto", "float32")
-    assert dense.topk_report() is None and dense.run(batch[:1])[0]["profile"]["topk_path"] is None
+    assert dense.topk_report() is None and dense.run(batch[:1])[0]["profile"].topk_path is None
 
 
 def test_engine_profile_names_the_path_eager_and_replayed(batch, monkeypatch):
@@ -279,8 +279,8 @@ def test_engine_profile_names_the_path_eager_and_replayed(batch, monkeypatch):
     engine.graphs = GraphCache(engine.model, capture=frozen_capture)
     seqs = [batch[0]] * 3
     got = engine.run(seqs)
-    assert [r["profile"]["cuda_graph"] for r in got] == [False, True, True]
-    assert [r["profile"]["topk_path"] for r in got] == ["bitonic"] * 3
+    assert [r["profile"].cuda_graph for r in got] == [False, True, True]
+    assert [r["profile"].topk_path for r in got] == ["bitonic"] * 3
     calls.clear()
     engine.run(seqs[:1])
     assert calls == []  # the replay called no path, and still reports one

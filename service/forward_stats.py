@@ -1,0 +1,59 @@
+"""One forward's statistics, made once by the classifier's engine and read unchanged by every
+sink: the gateway's recorder (Prometheus metrics and the ``/v1/stats`` window) and the
+response's ``profile``. vLLM's practice (``IterationStats`` handed to every stat logger), so
+no sink reshapes what another one reads. Ray-free: the engine runs without Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mita.timer import ForwardProfile
+
+
+@dataclass(frozen=True)
+class ForwardStats:
+    """A forward of ``batch_size`` requests padded to ``padded_n`` tokens.
+
+    Times in milliseconds (``total_ms``: the whole forward; ``stages_ms``: per stage, summed
+    over layers; ``layers_ms``: per encoder block), FLOPs analytic (``mita.cost``) for the
+    padded batch, ``peak_memory_bytes`` measured on CUDA or estimated on the CPU
+    (``peak_memory_kind`` says which), ``started_at`` the classifier's wall clock (seconds
+    since the epoch) when the forward began. ``staged``: every stage timed apart;
+    ``cuda_graph``: replayed from a CUDA graph; ``topk_path``: the Triton top-k path that
+    served it (None off the Triton path)."""
+
+    device: str
+    dtype: str
+    staged: bool
+    batch_size: int
+    padded_n: int
+    total_ms: float
+    stages_ms: dict[str, float]
+    layers_ms: list[dict[str, float]]
+    flops: dict[str, int]
+    flops_total: int
+    gflops_per_s: dict[str, float]
+    peak_memory_bytes: int | None
+    peak_memory_kind: str | None
+    started_at: float
+    cuda_graph: bool = False
+    topk_path: str | None = None
+
+    @classmethod
+    def of(cls, profile: ForwardProfile, **context) -> ForwardStats:
+        """From the stage timer's ``profile`` and the engine's ``context`` (``dtype``,
+        ``staged``, ``batch_size``, ``padded_n``, ``started_at``, ``cuda_graph``,
+        ``topk_path``). Raises TypeError for a missing or unknown field."""
+        return cls(device=profile.device, total_ms=profile.total_ms,
+                   stages_ms=profile.stages_ms, layers_ms=profile.layers_ms,
+                   flops=profile.flops, flops_total=sum(profile.flops.values()),
+                   gflops_per_s=profile.gflops_per_s,
+                   peak_memory_bytes=profile.peak_memory_bytes,
+                   peak_memory_kind=profile.peak_memory_kind, **context)
+
+    def response(self, arrived_at: float) -> dict:
+        """The response's ``profile`` (``schemas.StageProfile``): these fields and
+        ``pre_forward_ms``, the milliseconds from ``arrived_at`` (the gateway's wall clock at
+        the request's arrival) to ``started_at``."""
+        return dataclasses.asdict(self) | {"pre_forward_ms": (self.started_at - arrived_at) * 1e3}
