@@ -6,17 +6,9 @@ The stages themselves are in ``mita.stages``; this is the only module that impor
 Source: Wen et al., *Mixture-of-Top-k Attention: Efficient Attention via Scalable Fast Weights*,
 arXiv:2602.01219 v6, §3.1 (dense, eqs. 1-4) and §3.2 (MiTA, eqs. 5-12).
 
-MiTA is seven stages (``mita.stages``, named after the profiler's stages); every backend runs
-them in order, each inside ``hook.stage(name)``:
-
-``pool``            average-pool the *queries* into m landmark queries q̃ (eq. 5)
-``landmark_scores`` s_ij = q̃_i·k_j/√d for every key (eq. 6)
-``topk``            the k best keys of each landmark form routed expert i (eq. 7;
-                    function ``topk_tokens``)
-``shared_compress`` ṽ_i = Σ_j softmax(s_i)_j v_j over all N values; shared key = q̃_i (eq. 8)
-``route``           each query picks its top-s landmarks by q·q̃_i, no gate (eq. 9)
-``gather``          the k raw (key, value) pairs of every expert (eq. 10)
-``attention``       one softmax over the m shared + s·k routed entries (eqs. 11-12)
+MiTA is seven stages (``mita.stages``, named after the profiler's stages: ``pool``,
+``landmark_scores``, ``topk``, ``shared_compress``, ``route``, ``gather``, ``attention``); every
+backend runs them in order, each inside ``hook.stage(name)``.
 
 Conventions: ``key_padding_mask`` is ``(B, N)`` bool with ``True`` marking padding (as in
 ``torch.nn.MultiheadAttention``); it masks keys and, since this is self-attention, queries.
