@@ -400,7 +400,7 @@ def _overall(cfg: AdviseConfig, rows: list[dict]) -> dict:
         return {"setting": None, "answer": f"no setting meets {cfg.constraint.describe()} and "
                                            f"beats dense at every N in {cfg.ns}"}
     best = min(full, key=lambda r: sum(-math.log(r["latency"][n]["speedup"]) for n in cfg.ns))
-    snippet = serve_snippet(best, cfg)
+    snippet = serve_snippet(best, cfg.checkpoint)
     return {"setting": best["setting"], "snippet": snippet,
             "speedups": {n: best["latency"][n]["speedup"] for n in cfg.ns},
             "answer": f"for N in {cfg.ns}: {best['setting']}"}

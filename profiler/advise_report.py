@@ -8,12 +8,8 @@ import csv
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .advise import AdviseConfig
 
 NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
 # A 1-minute load average above this many runnable processes per core when the advisor starts:
@@ -42,10 +38,11 @@ def cpu_sharing_warning(load: float | None = None, cores: int | None = None) -> 
             "training) for numbers you can compare.")
 
 
-def serve_snippet(row: dict, cfg: AdviseConfig) -> str:
-    """The serve-config lines (``applications[0].args``) that serve ``row``'s setting."""
+def serve_snippet(row: dict, checkpoint: str) -> str:
+    """The serve-config lines (``applications[0].args``) that serve ``row``'s setting from
+    ``checkpoint``."""
     return ("# deploy/serve_config.yaml: applications[0].args\n"
-            f"args:\n  checkpoint: {cfg.checkpoint}\n  mita_setting:\n"
+            f"args:\n  checkpoint: {checkpoint}\n  mita_setting:\n"
             f"    num_landmarks: {row['m']}\n    topk: {row['k']}\n"
             f"    route_topk: {row['s']}\n    shared_scale: {row['shared_scale']}\n")
 

@@ -83,7 +83,8 @@ def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_
     assert row["retention"] == row["accuracy"] / rows["dense"]["accuracy"]
     # Which setting wins depends on this machine's timings (tested on fixed numbers below);
     # the quality of whichever is served does not.
-    args = AppArgs.model_validate(yaml.safe_load(advise_report.serve_snippet(row, cfg))["args"])
+    snippet = advise_report.serve_snippet(row, cfg.checkpoint)
+    args = AppArgs.model_validate(yaml.safe_load(snippet)["args"])
     data = advise.load_data(cfg, 10)
     labels = np.array([y for _, y in data])
     served = ClassifierEngine(args.checkpoint, "mita", "cpu", cuda_graphs=False,

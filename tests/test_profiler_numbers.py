@@ -519,7 +519,8 @@ def test_overall_is_the_lowest_geometric_mean_time_ratio():
 
 def test_serve_snippet_text():
     row = {"m": 32, "k": 16, "s": 2, "shared_scale": "official"}
-    assert advise_report.serve_snippet(row, small_cfg(advise.Constraint("agreement", 0.5))) == (
+    checkpoint = small_cfg(advise.Constraint("agreement", 0.5)).checkpoint
+    assert advise_report.serve_snippet(row, checkpoint) == (
         "# deploy/serve_config.yaml: applications[0].args\nargs:\n  checkpoint: ckpt/x\n"
         "  mita_setting:\n    num_landmarks: 32\n    topk: 16\n    route_topk: 2\n"
         "    shared_scale: official\n")
