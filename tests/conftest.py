@@ -1,16 +1,13 @@
-"""Shared fixtures: the real service (Ray Serve on loopback, in this process)."""
+"""Shared fixtures and hooks: the real service (Ray Serve on loopback, in this process), the
+reset after a test that redeploys it, and the ``service`` marker for every test that takes it.
+Plain helpers are in ``helpers.py``."""
 
 from __future__ import annotations
 
-import copy
 import os
-import socket
-import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 # The Triton kernels are tested under the interpreter in this process (test_kernels.py).
 # Triton fixes interpreted vs compiled mode for its own helpers (tl.max …) when it is first
@@ -28,8 +25,6 @@ except ImportError:
 finally:
     if _interpret is None:
         del os.environ["TRITON_INTERPRET"]
-
-CHECKPOINT = "checkpoints/listops-default"
 
 
 def numpy_sort(x, dim=None, descending=False):
@@ -66,75 +61,12 @@ def fast_interpreter_sort():
     tl.sort = original
 
 
-def run_smoke(script: str, out) -> dict:
-    """Run ``benchmarks/<script>.py --smoke --out <out>`` in a fresh interpreter (the GPU
-    scripts' own code path on the CPU) and return the JSON it wrote; fails the test with the
-    script's output tail when it exits non-zero."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
-    done = subprocess.run([sys.executable, str(path), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return json.loads((Path(out) / f"{script}.json").read_text())
-
-
-def run_smoke_here(script: str, out, monkeypatch) -> object:
-    """``run_smoke`` in this process: for the GPU scripts whose smoke run is mostly the
-    interpreted Triton kernels, which here sort with ``numpy_sort`` (a fresh process would
-    run Triton's interpreted sort: minutes). Returns the JSON the script wrote."""
-    import importlib.util
-    import json
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{script}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [path.name, "--smoke", "--out", str(out)])
-    assert module.main() == 0
-    return json.loads((Path(out) / f"{script}.json").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Service:
-    url: str
-    metrics_url: str
-    client: httpx.Client
-
-    def post(self, path: str, **kw) -> httpx.Response:
-        return self.client.post(path, **kw)
-
-    def metrics_text(self) -> str:
-        return httpx.get(self.metrics_url, timeout=10).text
-
-
-# Fixed replicas and short metric export so tests see exact counts quickly. Every MiTA forward
-# staged (all seven stages timed apart, as the dashboards' tests expect); the fused path with
-# sampling is tested on its own (test_service.py, set_classifier).
-TEST_OVERRIDES = {
-    "deployments": {
-        name: {"num_replicas": 1, "autoscaling_config": None,
-               "ray_actor_options": {"num_cpus": 0}}
-        for name in ("MiTAClassifier", "DenseClassifier")
-    } | {"Gateway": {"ray_actor_options": {"num_cpus": 0}}},
-}
-TEST_OVERRIDES["deployments"]["MiTAClassifier"]["user_config"] = {"staged_profile_every": 1}
-
-
 @pytest.fixture(scope="session")
 def service():
     from service import launch
+
+    # here, not at the top: helpers imports torch, which must come after Triton's import above
+    from .helpers import CHECKPOINT, TEST_OVERRIDES, Service, free_port
 
     http_port, metrics_port = free_port(), free_port()
     overrides = dict(TEST_OVERRIDES, http_options={"port": http_port},
@@ -151,55 +83,27 @@ def service():
     launch.stop()
 
 
-def set_gateway(service, **user_config) -> None:
-    """Redeploy with the Gateway's user_config changed (applied by reconfigure, no restart)
-    and wait until the gateway reports it."""
-    from service import launch
-    from service.schemas import GatewayConfig
+@pytest.fixture
+def serve_reset(service):
+    """For a test that redeploys with ``set_gateway`` / ``set_classifier``: afterwards, pass or
+    fail, the changed deployment's user_config is the session's again (and reported so), so
+    the next test sees the defaults. Nothing is redeployed when the test left none changed."""
+    yield
+    from .helpers import set_classifier, set_gateway
 
-    overrides = copy.deepcopy(service.overrides)
-    base = launch.load_config(launch.CPU_CONFIG).applications[0]
-    gw = next(d for d in base.deployments if d.name == "Gateway").user_config
-    overrides["deployments"]["Gateway"]["user_config"] = {**gw, **user_config}
-    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
-    want = GatewayConfig.model_validate({**gw, **user_config}).model_dump(mode="json")
-    assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"] == want)
-
-
-def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None:
-    """Redeploy with one classifier's user_config changed (``reconfigure``, no restart); the
-    session's other overrides stay."""
-    from service import launch
-
-    overrides = copy.deepcopy(service.overrides)
-    base = launch.load_config(launch.CPU_CONFIG).applications[0]
-    uc = next(d for d in base.deployments if d.name == name).user_config
-    merged = {**uc, **overrides["deployments"][name].get("user_config", {}), **user_config}
-    overrides["deployments"][name]["user_config"] = merged
-    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
-    variant = "mita" if name == "MiTAClassifier" else "dense"
-
-    def applied():
-        info = service.client.get("/v1/models").json()["variants"][variant]
-        return all(info.get(k) == v for k, v in user_config.items())
-    assert wait_for(applied)
+    for name, undo in list(service.changed.items()):
+        if name == "Gateway":
+            set_gateway(service)
+        else:
+            set_classifier(service, name, **undo)
 
 
-def counter(text: str, name: str, **labels) -> float:
-    """Sum of a metric's samples whose labels include ``labels``."""
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):
-    """Poll ``predicate`` until it returns a truthy value; return it (or the last value)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    """A test that takes the session's Ray Serve app (``service``, directly or through another
+    fixture) is a ``service`` test: no hand-written mark to forget, so ``make test-fast``
+    (``-m "not service and not slow"``) never starts Ray. Tests that start Ray another way
+    (a subprocess, their own cluster) mark themselves."""
+    for item in items:
+        if "service" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.service)

@@ -1,14 +1,31 @@
-"""Inputs and constants several test modules share (test modules never import each other)."""
+"""Inputs, constants and helpers several test modules share (test modules never import each
+other): tensors and the Triton interpreter for the kernels, the running service's client and
+its redeploys (``set_gateway``, ``set_classifier``), metric counts, fixed /v1/stats data for
+the dashboard, a fake clock, the smoke runs of the GPU scripts. Fixtures and hooks are in
+``conftest.py``."""
 
 from __future__ import annotations
 
+import copy
 import importlib
+import socket
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from mita.data.listops import ListOpsConfig, generate
+from mita.hooks import STAGE_COLORS, VARIANT_COLORS
+
+if TYPE_CHECKING:  # imported where used: the kernels' tests need no service modules
+    from service.stats import StatsWindow
+
+CHECKPOINT = "checkpoints/listops-default"
 
 # float64 against the float64 loop reference: only summation order differs.
 F64_TOL = 1e-10
@@ -17,6 +34,8 @@ F64_TOL = 1e-10
 CPU_KERNEL_STAGES = ("pool", "landmark_scores", "route", "attention")
 # Real ListOps sequences for the service tests (lengths 100-500, as the LRA-style data).
 EXAMPLES = generate(12, seed=777_001, cfg=ListOpsConfig(100, 500))
+# The dense classifier's stages, in forward order (its stage metrics, the dashboard's bars).
+DENSE_STAGES = ["embed", "qkv_proj", "attention", "out_proj", "ffn", "head"]
 
 
 def rand_qkv(B, H, N, d, seed, dv=None, dtype=torch.float64):
@@ -103,3 +122,199 @@ def send_refusals(client, prefix: str = "") -> list[int]:
     return [client.request(method, prefix + path, content=body, headers=headers,
                            params=query).status_code
             for _, method, path, body, headers, query in REFUSALS]
+
+
+def run_smoke(script: str, out) -> dict:
+    """Run ``benchmarks/<script>.py --smoke --out <out>`` in a fresh interpreter (the GPU
+    scripts' own code path on the CPU) and return the JSON it wrote; fails the test with the
+    script's output tail when it exits non-zero."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
+    done = subprocess.run([sys.executable, str(path), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((Path(out) / f"{script}.json").read_text())
+
+
+def run_smoke_here(script: str, out, monkeypatch) -> object:
+    """``run_smoke`` in this process: for the GPU scripts whose smoke run is mostly the
+    interpreted Triton kernels, which here sort with ``numpy_sort`` (a fresh process would
+    run Triton's interpreted sort: minutes). Returns the JSON the script wrote."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [path.name, "--smoke", "--out", str(out)])
+    assert module.main() == 0
+    return json.loads((Path(out) / f"{script}.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    url: str
+    metrics_url: str
+    client: httpx.Client
+    # What ``serve_reset`` undoes after a test: the deployment the last ``set_gateway`` /
+    # ``set_classifier`` left off the session's config → the user_config values that restore it.
+    changed: dict[str, dict] = field(default_factory=dict)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return self.client.post(path, **kw)
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.metrics_url, timeout=10).text
+
+
+# Fixed replicas and short metric export so tests see exact counts quickly. Every MiTA forward
+# staged (all seven stages timed apart, as the dashboards' tests expect); the fused path with
+# sampling is tested on its own (test_service.py, set_classifier).
+TEST_OVERRIDES = {
+    "deployments": {
+        name: {"num_replicas": 1, "autoscaling_config": None,
+               "ray_actor_options": {"num_cpus": 0}}
+        for name in ("MiTAClassifier", "DenseClassifier")
+    } | {"Gateway": {"ray_actor_options": {"num_cpus": 0}}},
+}
+TEST_OVERRIDES["deployments"]["MiTAClassifier"]["user_config"] = {"staged_profile_every": 1}
+
+
+def set_gateway(service, **user_config) -> None:
+    """Redeploy with the Gateway's user_config changed (applied by reconfigure, no restart)
+    and wait until the gateway reports it; the ``serve_reset`` fixture undoes it after the
+    test."""
+    from service import launch
+    from service.schemas import GatewayConfig
+
+    overrides = copy.deepcopy(service.overrides)
+    base = launch.load_config(launch.CPU_CONFIG).applications[0]
+    gw = next(d for d in base.deployments if d.name == "Gateway").user_config
+    overrides["deployments"]["Gateway"]["user_config"] = {**gw, **user_config}
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    want = GatewayConfig.model_validate({**gw, **user_config}).model_dump(mode="json")
+    # Every redeploy starts from the session's config, so this call's change is the only one.
+    default = GatewayConfig.model_validate(gw).model_dump(mode="json")
+    service.changed = {"Gateway": {}} if want != default else {}
+    assert wait_for(lambda: service.client.get("/v1/models").json()["ab_policy"] == want)
+
+
+def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None:
+    """Redeploy with one classifier's user_config changed (``reconfigure``, no restart); the
+    session's other overrides stay; the ``serve_reset`` fixture undoes it after the test."""
+    from service import launch
+    from service.schemas import ClassifierConfig
+
+    overrides = copy.deepcopy(service.overrides)
+    base = launch.load_config(launch.CPU_CONFIG).applications[0]
+    uc = next(d for d in base.deployments if d.name == name).user_config
+    session = {**uc, **overrides["deployments"][name].get("user_config", {})}
+    overrides["deployments"][name]["user_config"] = {**session, **user_config}
+    launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
+    default = ClassifierConfig.model_validate(session).model_dump(mode="json")
+    undo = {k: default[k] for k, v in user_config.items() if default[k] != v}
+    service.changed = {name: undo} if undo else {}  # as in set_gateway: the only change
+    variant = "mita" if name == "MiTAClassifier" else "dense"
+
+    def applied():
+        info = service.client.get("/v1/models").json()["variants"][variant]
+        return all(info.get(k) == v for k, v in user_config.items())
+    assert wait_for(applied)
+
+
+def counter(text: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def delta(text: str, text0: str, name: str, **labels) -> float:
+    """How much ``counter`` grew from exposition ``text0`` to ``text``."""
+    return counter(text, name, **labels) - counter(text0, name, **labels)
+
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):
+    """Poll ``predicate`` until it returns a truthy value; return it (or the last value)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+class FakeClock:
+    """A module's ``time``: ``time()``/``monotonic()`` read ``now``; ``sleep`` is real (the
+    recorder's refresh thread sleeps through it)."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def sleep(s: float) -> None:
+        time.sleep(s)
+
+
+def stats_body(summary: dict, weights: dict | None = None, shadow: bool = True) -> dict:
+    """A summary completed as the gateway's ``/v1/stats`` completes it (the A/B split, the
+    models, the colours), checked against ``StatsResponse``."""
+    from service.schemas import StatsResponse
+    from service.stats import ab_split
+
+    body = dict(summary)
+    body["ab"] = ab_split(body.pop("answered"), weights or {"mita": 0.8, "dense": 0.2}, shadow,
+                          "x-client-key")
+    body["models"] = {"mita": {"model_id": "listops-default@test", "attention": "mita",
+                               "device": "cpu", "dtype": "float32", "m": 16, "k": 16, "s": 1},
+                      "dense": {"model_id": "listops-default@test", "attention": "dense",
+                                "device": "cpu", "dtype": "float32"}}
+    body["stage_colors"], body["variant_colors"] = STAGE_COLORS, VARIANT_COLORS
+    StatsResponse.model_validate(body)
+    return body
+
+
+def counted_window() -> StatsWindow:
+    """Fixed records: 8 requests routed by the policy (6 mita, 2 dense), 5 that named dense
+    (a load test's), one policy-routed 503; MiTA's stages from 2 staged forwards in N ≤ 1,024
+    (too few) and 6 in N ≤ 4,096, dense's from 6 in each; three shadow comparisons."""
+    from service.stats import StatsWindow
+
+    w = StatsWindow(retention_s=60)
+    for variant, override, times in (("mita", False, 6), ("dense", False, 2), ("dense", True, 5)):
+        for i in range(times):
+            w.add_request(variant, 200, 512, 0.01 * (i + 1), override=override)
+    w.add_request("dense", 503)
+    for bucket, mita_runs in (("le_1024", 2), ("le_4096", 6)):
+        for i in range(mita_runs):
+            w.add_forward("mita", bucket, {"qkv_proj": 13.7 - i, "attention": 3.0 + i})
+        for i in range(6):
+            w.add_forward("dense", bucket, {"qkv_proj": 2.0 + 0.1 * i, "attention": 9.0 + i})
+    for primary, agree, kl in (("mita", True, 0.01), ("mita", True, 0.02), ("dense", False, 0.5)):
+        w.add_shadow(primary, agree, kl)
+    for variant in ("dense", "dense", "mita", "dense"):  # shadow calls that gave no comparison
+        w.add_shadow_drop(variant)
+    return w

@@ -72,7 +72,6 @@ def set_dense_user_config(service, **changes) -> None:
     launch.deploy(launch.load_config(launch.CPU_CONFIG, overrides))
 
 
-@pytest.mark.service
 def test_a_batch_whose_client_left_stops_after_the_running_forward(service):
     """8 dense sequences in one batch request, gathered into one ``@serve.batch`` call; the
     client leaves after 1 s. The next request waits at most for the forward that was running,

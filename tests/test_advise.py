@@ -18,7 +18,7 @@ from service.app import build_app
 from service.engine import ClassifierEngine
 from service.schemas import AppArgs
 
-from .conftest import CHECKPOINT
+from .helpers import CHECKPOINT
 
 SMALL = dict(checkpoint=CHECKPOINT, ns=[256], size=24, min_length=100, max_length=300,
              repeats=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import wait_for
+from .helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 _required = os.environ.get("MITA_SERVE_REQUIRE_PROMETHEUS") == "1"
@@ -63,7 +63,6 @@ def test_service_metrics_record_every_counter_series_at_zero(monkeypatch):
     assert all(value == 0 for _, value, _ in calls)  # nothing but the zeros
 
 
-@pytest.mark.service
 def test_error_series_are_on_metrics_before_their_first_event(service):
     """On the running service's /metrics, every requests_total (variant, status) and
     rejections_total (variant, role) series is there with a value ≥ 0 whether or not the test

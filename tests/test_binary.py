@@ -9,9 +9,8 @@ import pytest
 from mita.data.listops import ListOpsConfig, encode, generate
 from service.engine import ClassifierEngine
 
-from .conftest import CHECKPOINT, set_gateway
+from .helpers import CHECKPOINT, set_gateway
 
-pytestmark = pytest.mark.service
 OCTETS = {"content-type": "application/octet-stream"}
 EXAMPLES = generate(4, seed=424_242, cfg=ListOpsConfig(100, 400))
 
@@ -92,22 +91,19 @@ def test_binary_and_json_content_types_are_not_mixed(service):
     assert r.status_code == 415 and "must be application/json" in r.json()["error"]
 
 
-def test_one_million_binary_ids_accepted(service):
+def test_one_million_binary_ids_accepted(service, serve_reset):
     """1M ids (1 MiB as uint8) under a gateway allowing them: answered, N counted, the
     forward's own length; JSON of the same ids would be ~3 MB."""
     n = 1 << 20
     ids = np.random.default_rng(7).integers(1, 16, n).astype(np.uint8)
     set_gateway(service, max_n=n, max_body_bytes=16 * 1024 * 1024)
-    try:
-        r = binary(service, ids.tobytes(), variant="mita", profile="true")
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["n"] == n and body["profile"]["padded_n"] == n
-        assert 0 <= body["label"] < 10 and abs(sum(body["probabilities"]) - 1) < 1e-9
-        r = binary(service, np.append(ids, 3).astype(np.uint8).tobytes(), variant="mita")
-        assert r.status_code == 422 and f"exceeds max_n = {n}" in r.json()["error"]
-    finally:
-        set_gateway(service)
+    r = binary(service, ids.tobytes(), variant="mita", profile="true")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["n"] == n and body["profile"]["padded_n"] == n
+    assert 0 <= body["label"] < 10 and abs(sum(body["probabilities"]) - 1) < 1e-9
+    r = binary(service, np.append(ids, 3).astype(np.uint8).tobytes(), variant="mita")
+    assert r.status_code == 422 and f"exceeds max_n = {n}" in r.json()["error"]
 
 
 def test_ambiguous_or_encoded_bodies_refused(service):

@@ -10,7 +10,7 @@ import yaml
 from service import __main__ as cli
 from service import launch, preflight
 
-from .conftest import free_port
+from .helpers import free_port
 
 
 def config_file(tmp_path, **http_options) -> str:

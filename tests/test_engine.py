@@ -29,7 +29,7 @@ from service.engine import (
     resolve_dtype,
 )
 
-from .conftest import CHECKPOINT, run_smoke
+from .helpers import CHECKPOINT, run_smoke
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
+from .helpers import free_port
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[1]

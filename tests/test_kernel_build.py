@@ -182,6 +182,6 @@ def test_engine_without_kernels_serves_pytorch_stages_or_refuses(monkeypatch):
     engine = ClassifierEngine(CHECKPOINT, "mita", device="cpu", mita_backend="auto")
     assert engine.backend == "torch" and not engine.fused()
     assert engine.info["mita_backend"] == "torch"
-    assert engine.run([[3, 4, 5, 6]])[0]["profile"]["staged"] is True
+    assert engine.run([[3, 4, 5, 6]])[0]["profile"].staged is True
     with pytest.raises(RuntimeError, match="CPU kernels could not be loaded"):
         ClassifierEngine(CHECKPOINT, "mita", device="cpu", mita_backend="cpu")

@@ -31,8 +31,7 @@ from mita.config import clamp_topk
 from mita.hooks import MITA_STAGES, NULL_HOOK
 from mita.reference import reference_mita
 
-from .conftest import run_smoke_here
-from .helpers import rand_qkv, random_mask, triton_interpreter
+from .helpers import rand_qkv, random_mask, run_smoke_here, triton_interpreter
 
 pytestmark = pytest.mark.slow  # the Triton interpreter: minutes on 2 cores
 

@@ -9,6 +9,7 @@ planted-fault tests below run it on a copy of the tree with one bad import added
 from __future__ import annotations
 
 import ast
+import functools
 import shutil
 import sys
 from pathlib import Path
@@ -49,6 +50,19 @@ def _nodes(tree: ast.AST):
         todo.extend(ast.iter_child_nodes(node))
 
 
+@functools.cache
+def _imports_of(text: str) -> tuple[tuple[str, str, int], ...]:
+    """``(module or "", name or "", level)`` of every import statement in ``text`` (parsed
+    once per distinct text: the planted-fault tests read a copy of the tree)."""
+    out = []
+    for node in _nodes(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, "", 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out += [(node.module or "", alias.name, node.level) for alias in node.names]
+    return tuple(out)
+
+
 def read_imports(root: Path) -> dict[str, set[str]]:
     """``{module: every module or top-level library it imports}``, relative imports resolved;
     ``from pkg import name`` is an import of ``pkg.name`` when that is a module of the tree."""
@@ -58,18 +72,17 @@ def read_imports(root: Path) -> dict[str, set[str]]:
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found = set()
-        for node in _nodes(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    base = node.module
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    found.add(sub if sub in files else base)
+        for module, alias, level in _imports_of(path.read_text()):
+            if not alias:
+                found.add(module)
+                continue
+            if level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - level + 1] + ([module] if module else []))
+            else:
+                base = module
+            sub = f"{base}.{alias}"
+            found.add(sub if sub in files else base)
         out[name] = found
     return out
 

@@ -8,17 +8,13 @@ import asyncio
 import time
 
 import httpx
-import pytest
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from mita.data.listops import encode, generate_long
 from service import launch
 
-from .conftest import counter, set_gateway, wait_for
-from .helpers import REFUSALS, REFUSALS_COUNTED, send_refusals
-
-pytestmark = pytest.mark.service
+from .helpers import REFUSALS, REFUSALS_COUNTED, counter, send_refusals, set_gateway, wait_for
 
 
 def serve_deploy(service, route_prefix: str | None = None, **user_configs: dict) -> None:

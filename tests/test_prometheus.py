@@ -24,13 +24,12 @@ import yaml
 from loadtest.engine import LoadConfig, check_loopback, run_load, summarize
 from loadtest.report import write
 
-from .conftest import counter, free_port, set_gateway, wait_for
+from .helpers import counter, free_port, set_gateway, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "mita-serve-dashboard.json"
 
-pytestmark = pytest.mark.service
 _required = os.environ.get("MITA_SERVE_REQUIRE_PROMETHEUS") == "1"
 
 
@@ -95,7 +94,8 @@ def rule_exprs() -> list[str]:
     return [r["expr"] for r in rules] + [r["record"] for r in rules]
 
 
-def test_load_then_every_dashboard_and_rule_expression_answers(service, prometheus, tmp_path):
+def test_load_then_every_dashboard_and_rule_expression_answers(service, prometheus, tmp_path,
+                                                                serve_reset):
     cfg = LoadConfig(url=service.url, ns=[256, 2048], variants=["mita", "dense"],
                      concurrency=2, requests=10, warmup=1, duration_s=60)
     samples = []
@@ -172,7 +172,7 @@ def assert_numbers_are_prometheus_own(prometheus: str, prom: dict) -> None:
         assert x["p95_ms"] == pytest.approx(want[x["variant"], x["n_bucket"], x["stage"]])
 
 
-def test_stats_from_prometheus(service, prometheus):
+def test_stats_from_prometheus(service, prometheus, serve_reset):
     """With ``prometheus_url`` set, /v1/stats answers from fixed PromQL in the same shape and
     with the same stages as the gateway's own records, its numbers are Prometheus' own; a
     Prometheus that does not answer gives 502, not 500."""
@@ -187,35 +187,32 @@ def test_stats_from_prometheus(service, prometheus):
     local = service.client.get("/v1/stats", params={"window_s": 300}).json()
     assert local["source"] == "local"
     set_gateway(service, prometheus_url=prometheus)
-    try:
-        def both_variants():
-            r = service.client.get("/v1/stats", params={"window_s": 300})
-            assert r.status_code == 200, r.text
-            body = r.json()
-            if {x["variant"] for x in body["stages"]} == {"mita", "dense"} and all(
-                    any(p["rps"] > 0 for p in body["timeline"] if p["variant"] == v)
-                    for v in ("mita", "dense")):
-                return body
-            send()  # run alone, Prometheus needs increases across two scrapes
-            return None
-        prom = wait_for(both_variants, 60, 3)
-        assert prom, "Prometheus never had stage timings of both variants"
-        # A scrape stamped just before generated_at may land after the gateway's query, so
-        # compare once every scrape up to then is in (5 s interval); a stats answer made
-        # before such a scrape landed is replaced by a fresh one (at most three tries).
-        for attempt in range(3):
-            time.sleep(6)
-            try:
-                assert_numbers_are_prometheus_own(prometheus, prom)
-                break
-            except AssertionError:
-                if attempt == 2:
-                    raise
-                prom = service.client.get("/v1/stats", params={"window_s": 300}).json()
-        set_gateway(service, prometheus_url=f"http://127.0.0.1:{free_port()}")
-        r = service.client.get("/v1/stats")
-    finally:
-        set_gateway(service, prometheus_url=None)
+    def both_variants():
+        r = service.client.get("/v1/stats", params={"window_s": 300})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if {x["variant"] for x in body["stages"]} == {"mita", "dense"} and all(
+                any(p["rps"] > 0 for p in body["timeline"] if p["variant"] == v)
+                for v in ("mita", "dense")):
+            return body
+        send()  # run alone, Prometheus needs increases across two scrapes
+        return None
+    prom = wait_for(both_variants, 60, 3)
+    assert prom, "Prometheus never had stage timings of both variants"
+    # A scrape stamped just before generated_at may land after the gateway's query, so
+    # compare once every scrape up to then is in (5 s interval); a stats answer made
+    # before such a scrape landed is replaced by a fresh one (at most three tries).
+    for attempt in range(3):
+        time.sleep(6)
+        try:
+            assert_numbers_are_prometheus_own(prometheus, prom)
+            break
+        except AssertionError:
+            if attempt == 2:
+                raise
+            prom = service.client.get("/v1/stats", params={"window_s": 300}).json()
+    set_gateway(service, prometheus_url=f"http://127.0.0.1:{free_port()}")
+    r = service.client.get("/v1/stats")
     assert r.status_code == 502 and "did not answer" in r.json()["error"], r.text
 
     assert (prom["source"], prom["scope"], prom["window_s"]) == ("prometheus", "all_replicas",
@@ -239,6 +236,7 @@ def test_stats_from_prometheus(service, prometheus):
             if p["p50_ms"] is not None} == served
 
 
+@pytest.mark.service  # no Ray: in this tier as under the file's old module mark
 def test_loadtest_refuses_non_loopback():
     check_loopback("http://127.0.0.1:8000")
     check_loopback("http://[::1]:8000")

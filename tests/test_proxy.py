@@ -114,7 +114,6 @@ def test_no_proxy_gets_this_machine_and_keeps_its_own(monkeypatch):
     assert os.environ["NO_PROXY"] == "corp.example,localhost,127.0.0.1,::1,10.1.2.3"
 
 
-@pytest.mark.service
 def test_processes_the_service_started_bypass_proxies_for_loopback(service):
     """A Ray worker of the running service (started by the same raylet as the replicas, with
     its environment) has loopback in NO_PROXY and no_proxy: with a proxy variable set, the

@@ -1,51 +1,24 @@
-"""Reliability and security of the real service (Ray Serve on loopback, in this process):
-fuzzed API, nasty bodies, overload, replica failure, timeouts, safe defaults, determinism."""
+"""Reliability of the real service (Ray Serve on loopback, in this process): timeouts,
+determinism, overload, replica failure, non-finite logits, readiness behind classify work."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import json
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil
-import pytest
 import ray
-import schemathesis
-import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from schemathesis import GenerationMode
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from loadtest.engine import LoadConfig, run_load
 from mita.data.listops import encode, generate_long
 from service import launch
 
-from .conftest import CHECKPOINT, counter, set_gateway, wait_for
-from .helpers import REFUSALS, REFUSALS_COUNTED, send_refusals
+from .helpers import CHECKPOINT, delta, set_gateway, wait_for
 
-pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def settled_metrics(service) -> str:
-    """Metrics text once earlier requests have been exported (two equal reads 1.5 s apart):
-    Ray exports every 0.5 s in tests, so a fresh snapshot can still miss the last test's."""
-    text = service.metrics_text()
-    for _ in range(20):
-        time.sleep(1.5)
-        again = service.metrics_text()
-        if counter(again, "ray_mita_serve_requests_total") == counter(
-                text, "ray_mita_serve_requests_total"):
-            return again
-        text = again
-    return text
 
 
 def save_report(name: str, report: dict) -> None:
@@ -56,223 +29,17 @@ def save_report(name: str, report: dict) -> None:
     (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
-def delta(text: str, text0: str, name: str, **labels) -> float:
-    """How much ``counter`` grew from exposition ``text0`` to ``text``."""
-    return counter(text, name, **labels) - counter(text0, name, **labels)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fuzzing: schemathesis against the service's own OpenAPI schema.
-
-def test_openapi_fuzz(service):
-    """Every request schemathesis generates from the service's own OpenAPI schema (valid and
-    invalid data, every operation) gets a status the schema documents, a body matching the
-    documented model, and never a 5xx. 25 examples per operation (schema-valid and
-    schema-invalid data mixed), derandomized. Not checked:
-    that every schema-valid body is accepted — the schema cannot express the ListOps
-    vocabulary, "exactly one of text/ids" or max_n, so such bodies get a documented 422."""
-    schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json")
-    operations = [r.ok() for r in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/classify", "/v1/classify/batch",
-                                              "/v1/models", "/v1/stats", "/healthz"}
-    seen: dict[str, set[int]] = {}  # operation → statuses answered
-    for op in operations:
-        @given(case=st.one_of(op.as_strategy(GenerationMode.POSITIVE),
-                              op.as_strategy(GenerationMode.NEGATIVE)))
-        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        def check(case):
-            response = case.call_and_validate(timeout=60, excluded_checks=[
-                positive_data_acceptance])
-            seen.setdefault(case.operation.label, set()).add(response.status_code)
-        check()
-    print(f"fuzz statuses: {seen}")
-    assert 422 in seen["POST /v1/classify"] and 422 in seen["POST /v1/classify/batch"]
-    assert max(max(codes) for codes in seen.values()) < 500
-    # The schema's own examples are real ListOps: answered 200, response schema checked.
-    classify = next(op for op in operations if op.label == "POST /v1/classify")
-    examples = schema.raw_schema["components"]["schemas"]["ClassifyRequest"]["examples"]
-    for example in examples:
-        case = classify.Case(body=example, media_type="application/json")
-        assert case.call_and_validate(timeout=60).status_code == 200
-
-
-# ---------------------------------------------------------------------------------------------
-# Hand-written nasty bodies (raw bytes, so the JSON itself can be odd).
-
-def raw(service, body: bytes | str, path="/v1/classify") -> httpx.Response:
-    data = body.encode() if isinstance(body, str) else body
-    return service.client.post(path, content=data, headers={"content-type": "application/json"})
-
-
-NASTY = [
-    ('{"ids": [9223372036854775808]}', 422, "out of range"),          # int64 max + 1
-    ('{"ids": [-9223372036854775809]}', 422, "out of range"),
-    ('{"ids": [3, -2]}', 422, "token id -2 at position 1"),
-    ('{"ids": [3.0]}', 422, "invalid request"),
-    ('{"ids": [1e400]}', 422, "invalid request"),
-    ('{"ids": [NaN]}', 422, "invalid request"),
-    ('{"ids": [[3, [4]]]}', 422, "invalid request"),
-    ('{"ids": ["3", 4]}', 422, "invalid request"),
-    ('{"ids": [true]}', 422, "invalid request"),
-    ('{"ids": null, "text": null}', 422, "exactly one of 'text' or 'ids'"),
-    ('{"text": "[MAX 2 ３ ]"}', 422, "unknown token '３'"),              # full-width digit
-    ('{"text": "[MAX 2 3 ] \\u0000"}', 422, "unknown token"),
-    ('{"text": "[MAX 2 💥 ]"}', 422, "unknown token '💥'"),
-    ('{"text": "\\ud800"}', 422, "unknown token"),                     # lone surrogate
-    ('{"text": "[MAX 2 3 ]", "text": "[MIN 4 ]"}', 400, "duplicate key 'text'"),
-    ('{"ids": [3], "ids": [4]}', 400, "duplicate key 'ids'"),
-    ('{"ids": ' + "[" * 5000 + "]" * 5000 + "}", 400, "malformed JSON"),  # nesting bomb
-    ('[{"text": "[MAX 2 3 ]"}]', 422, "invalid request"),
-    ('"[MAX 2 3 ]"', 422, "invalid request"),
-    ("{}", 422, "exactly one of 'text' or 'ids'"),
-    ('{"text": "[MAX 2 3 ]", "checkpoint": "/etc/passwd"}', 422, "checkpoint"),
-    ('{"ids": [' + "7" * 5000 + "]}", 400, "an integer with too many digits"),
-]
-
-
-@pytest.mark.parametrize("body,status,message", NASTY)
-def test_nasty_bodies(service, body, status, message):
-    r = raw(service, body)
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
-    assert message in r.json()["error"], r.json()
-
-
-def test_many_bad_items_answer_fast_and_small(service):
-    """Found by a user: 800,000 bad ids took 20 s (stalling the gateway) and returned a 70 MB
-    error. Now the first 10 errors are reported with the total."""
-    body = json.dumps({"ids": ["x"] * 200_000})
-    t0 = time.monotonic()
-    r = raw(service, body)
-    elapsed = time.monotonic() - t0
-    assert r.status_code == 422
-    assert "(200000 errors; the first 10 in detail)" in r.json()["error"]
-    assert len(r.json()["detail"]) == 10 and len(r.content) < 5000
-    assert elapsed < 5, elapsed
-
-
-def test_every_refusal_of_a_classify_request_is_counted(service):
-    """Found by a user: refusals by the middleware, the JSON parser, schema validation and the
-    router were missing from requests_total (and /v1/stats). Each one counts once, as
-    variant "none"; requests to other paths do not count."""
-    text0 = settled_metrics(service)
-    assert send_refusals(service.client) == [status for status, *_ in REFUSALS]
-
-    def counted():
-        text = service.metrics_text()
-        return {st: delta(text, text0, "ray_mita_serve_requests_total", variant="none",
-                          status=str(st)) for st in REFUSALS_COUNTED}
-    got = wait_for(lambda: (lambda g: g if g == REFUSALS_COUNTED else None)(counted()),
-                   timeout_s=20)
-    assert got == REFUSALS_COUNTED, counted()
-
-
-def test_body_limit_change_applies_without_restart(service):
-    """The middleware used to keep a pickled copy of the limit: a new max_body_bytes in the
-    user_config never reached it."""
-    body = json.dumps({"ids": [3] * 1500})  # 4.5 KB
-    assert raw(service, body).status_code == 200
-    set_gateway(service, max_body_bytes=2048)
-    try:
-        r = raw(service, body)
-    finally:
-        set_gateway(service)
-    assert r.status_code == 413
-    assert r.json()["error"] == f"request body of {len(body)} bytes exceeds the limit of 2048 bytes"
-    assert raw(service, body).status_code == 200
-
-
-def test_routing_before_body_checks_and_no_redirects(service):
-    c = service.client
-    r = c.post("/nope", content=b"x")  # no JSON content type: still a 404, not a 415
-    assert r.status_code == 404 and r.json() == {"error": "Not Found"}
-    r = c.post("/healthz", content=b"x")
-    assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
-    r = c.post("/v1/classify/", json={"text": "[MAX 2 3 ]"}, headers={"host": "evil.example"})
-    assert r.status_code == 404 and "location" not in r.headers  # no Host-built redirect
-    assert c.get("/redoc").status_code == 404  # ReDoc would load its script from a CDN
-
-
-def test_size_limits_and_max_n(service):
-    max_n = 16384
-    ten_mb = b'{"ids": [' + b"3," * (5 * 1024 * 1024) + b"3]}"
-    assert len(ten_mb) > 10 * 1024 * 1024
-    r = raw(service, ten_mb)
-    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]
-    ids = encode(generate_long(max_n, seed=3)[0])
-    assert len(ids) == max_n
-    r = service.post("/v1/classify", json={"ids": ids, "variant": "mita"})
-    assert r.status_code == 200 and r.json()["n"] == max_n
-    r = service.post("/v1/classify", json={"ids": ids + [3], "variant": "mita"})
-    assert r.status_code == 422
-    assert r.json()["error"] == f"sequence length N = {max_n + 1} exceeds max_n = {max_n}"
-    r = raw(service, json.dumps({"items": [{"ids": ids + [3]}]}), "/v1/classify/batch")
-    assert r.status_code == 422 and r.json()["error"].startswith("items[0]: sequence length")
-
-
 # ---------------------------------------------------------------------------------------------
 # Timeouts.
 
-def test_request_timeout_gives_504(service):
+def test_request_timeout_gives_504(service, serve_reset):
     ids = encode(generate_long(16384, seed=4)[0])  # ~1 s of CPU per forward
     set_gateway(service, request_timeout_s=0.05)
-    try:
-        r = service.post("/v1/classify", json={"ids": ids, "variant": "dense"})
-    finally:
-        set_gateway(service)
+    r = service.post("/v1/classify", json={"ids": ids, "variant": "dense"})
+    set_gateway(service)
     assert r.status_code == 504, r.text
     assert r.json()["error"] == "the dense classifier did not answer within 0.05 s"
     assert service.post("/v1/classify", json={"ids": ids[:100]}).status_code == 200
-
-
-# ---------------------------------------------------------------------------------------------
-# Safe defaults.
-
-def listening(port: int) -> set[str]:
-    return {c.laddr.ip for c in psutil.net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-
-
-def test_http_and_metrics_bind_to_loopback_no_dashboard(service):
-    http_port = int(service.url.rsplit(":", 1)[1])
-    metrics_port = int(service.metrics_url.split(":")[2].split("/")[0])
-    assert listening(http_port) == {"127.0.0.1"}
-    assert listening(metrics_port) == {"127.0.0.1"}
-    assert listening(8265) == set()  # Ray's dashboard port: not started by default
-
-
-def test_tampered_checkpoint_refuses_to_start(tmp_path):
-    bad = tmp_path / "ckpt"
-    shutil.copytree(ROOT / CHECKPOINT, bad)
-    weights = bytearray((bad / "model.safetensors").read_bytes())
-    weights[-1] ^= 1  # one flipped bit in the last tensor
-    (bad / "model.safetensors").write_bytes(bytes(weights))
-    config = (ROOT / "deploy" / "serve_config.yaml").read_text().replace(
-        "checkpoint: checkpoints/listops-default", f"checkpoint: {bad}")
-    (tmp_path / "serve.yaml").write_text(config)
-    t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "service", "--config",
-                           str(tmp_path / "serve.yaml")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 1
-    assert "refusing to start" in done.stderr and "does not match" in done.stderr
-    assert "SHA-256" in done.stderr
-    assert time.monotonic() - t0 < 60  # before Ray starts
-
-
-def test_no_endpoint_takes_paths(service):
-    spec = service.client.get("/openapi.json").json()
-    for path, ops in spec["paths"].items():
-        assert "{" not in path, path  # no path parameters
-        for op in ops.values():
-            for p in op.get("parameters", []):
-                # Strings only from a closed set (an enum cannot carry a path).
-                assert p["in"] == "query", (path, p)
-                assert "example" not in p, (path, p)  # was {} for every parameter
-                assert p["schema"].get("type") != "string" or "enum" in p["schema"], (path, p)
-    for name in ("ClassifyRequest", "BatchRequest"):
-        assert spec["components"]["schemas"][name]["additionalProperties"] is False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,7 +182,7 @@ def test_overloaded_shadow_does_not_fail_primary(service):
 # ---------------------------------------------------------------------------------------------
 # Replica failure: kill the MiTA classifier replica during a load run.
 
-def test_replica_killed_mid_load(service):
+def test_replica_killed_mid_load(service, serve_reset):
     set_gateway(service, request_timeout_s=30)
     old = replica_ids(service)["mita"]
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -445,7 +212,6 @@ def test_replica_killed_mid_load(service):
         recovery_s = time.monotonic() - killed_at
     finally:
         thread.join(timeout=120)
-        set_gateway(service)
     samples = result["samples"]
     statuses = [s.status for s in samples]
     failed = [s for s in samples if s.status != 200]
@@ -517,100 +283,6 @@ def test_non_finite_logits_answer_500_and_count_as_errors(service, tmp_path):
         launch.deploy(launch.load_config(launch.CPU_CONFIG, service.overrides))
         assert wait_for(lambda: "overflow@" not in service.client.get("/v1/models").json()[
             "variants"]["dense"]["model_id"], timeout_s=90)
-
-
-def own_instance(tmp_path, *args: str, route_prefix: str = "/"
-                 ) -> tuple[subprocess.Popen, int, int]:
-    """``python -m service`` on the shipped CPU config with the tests' fixed replicas, on free
-    loopback ports, as a subprocess with its own Ray; ``args``: more flags (default: no Ray
-    dashboard); ``route_prefix``: the application's. Returns (process, HTTP port, metrics
-    port)."""
-    from .conftest import TEST_OVERRIDES, free_port
-
-    http_port, metrics_port = free_port(), free_port()
-    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-    config["http_options"]["port"] = http_port
-    config["applications"][0]["route_prefix"] = route_prefix
-    for dep in config["applications"][0]["deployments"]:
-        for key, value in TEST_OVERRIDES["deployments"][dep["name"]].items():
-            if key != "user_config":
-                dep[key] = value
-    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--config",
-                             str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port),
-                             *(args or ("--dashboard-host", "off"))],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, http_port, metrics_port
-
-
-def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):
-    """SIGINT while Ray starts (its metrics exporter is up, the deployments are not): one
-    line, exit status 1, and no Ray process left holding the metrics port (a
-    KeyboardInterrupt inside ray.init left Ray's agents running, and the next start was
-    refused: "port ... is in use")."""
-    import signal
-
-    proc, http_port, metrics_port = own_instance(tmp_path)
-    try:
-        assert wait_for(lambda: listening(metrics_port), timeout_s=120, interval_s=0.1)
-        assert not listening(http_port)  # still starting
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, out[-2000:]
-    assert "mita-serve: stopping once start-up is done" in out, out[-2000:]
-    assert out.rstrip().endswith("mita-serve: interrupted during start-up; stopped"), out[-2000:]
-    assert "Traceback" not in out, out[-2000:]
-    assert wait_for(lambda: not listening(metrics_port), timeout_s=20), "Ray left running"
-
-
-def test_sigterm_drains_in_flight_requests(tmp_path):
-    """SIGTERM to ``python -m service`` while 6 dense requests are in flight: every one is
-    answered 200 (on main all failed after 0.2 s with "Server disconnected"), a request sent
-    during the drain gets 503 with Retry-After, /healthz stays 200 and /readyz says not ready,
-    and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
-    instance, loopback ports, and the application under a route prefix (the drain counted 0
-    requests in flight there and cut them)."""
-    import signal
-
-    proc, http_port, _ = own_instance(tmp_path, route_prefix="/m2")
-    url = f"http://127.0.0.1:{http_port}/m2"
-    try:
-        def up():
-            try:
-                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        assert wait_for(up, timeout_s=180), "service did not start"
-        ids = encode(generate_long(16384, seed=4)[0])  # dense: ~1-2 s per forward here
-
-        async def scenario():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                inflight = [asyncio.ensure_future(c.post("/v1/classify", json={
-                    "ids": ids, "variant": "dense"})) for _ in range(6)]
-                await asyncio.sleep(1.0)
-                proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
-                late = await c.post("/v1/classify", json={"ids": ids[:100]})
-                health = await c.get("/healthz")
-                ready = await c.get("/readyz")
-                return await asyncio.gather(*inflight), late, health, ready
-        answers, late, health, ready = asyncio.run(scenario())
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert [r.status_code for r in answers] == [200] * 6
-    assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
-    assert late.json()["error"] == "the service is shutting down; retry on another instance"
-    assert health.status_code == 200 and ready.status_code == 503
-    assert proc.returncode == 0, out[-2000:]
-    assert "drained (0 request(s) still in flight)" in out, out[-2000:]
-    assert "stopping once start-up is done" not in out  # said on every stop, once
 
 
 def test_readiness_does_not_wait_behind_classify_work(service):

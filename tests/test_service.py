@@ -19,10 +19,7 @@ from mita.model import load_checkpoint
 from service import launch
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 
-from .conftest import CHECKPOINT, set_classifier, set_gateway, wait_for
-from .helpers import EXAMPLES
-
-pytestmark = pytest.mark.service
+from .helpers import CHECKPOINT, EXAMPLES, set_classifier, set_gateway, wait_for
 
 
 def samples(text: str, name: str) -> dict[tuple, float]:
@@ -175,7 +172,7 @@ def test_batch_endpoint_matches_single(service):
                                               strict=True)) < 1e-6
 
 
-def test_padded_batching_end_to_end(service):
+def test_padded_batching_end_to_end(service, serve_reset):
     """``deterministic: false`` (classifier user_config) through HTTP: ``@serve.batch`` groups
     concurrent requests, the engine pads each power-of-two length group into one forward.
     Answers equal the one-forward-per-sequence answers to 1e-5 (padding changes BLAS blocking;
@@ -191,16 +188,14 @@ def test_padded_batching_end_to_end(service):
         return r.json()["results"]
     solo = {v: batch(v) for v in ("mita", "dense")}
     assert all(x["profile"]["batch_size"] == 1 for v in solo for x in solo[v])
-    # set_classifier redeploys from the session's overrides: one classifier at a time.
+    # set_classifier redeploys from the session's overrides: one classifier at a time (the
+    # next call puts the previous one back, serve_reset the last).
     for v, name in (("mita", "MiTAClassifier"), ("dense", "DenseClassifier")):
         set_classifier(service, name, deterministic=False)
-        try:
-            for _ in range(3):  # @serve.batch must catch two requests of one length group
-                padded = batch(v)
-                if max(x["profile"]["batch_size"] for x in padded) > 1:
-                    break
-        finally:
-            set_classifier(service, name, deterministic=True)
+        for _ in range(3):  # @serve.batch must catch two requests of one length group
+            padded = batch(v)
+            if max(x["profile"]["batch_size"] for x in padded) > 1:
+                break
         sizes = [x["profile"]["batch_size"] for x in padded]
         assert max(sizes) > 1, sizes
         grouped = [x for x in padded if x["profile"]["batch_size"] > 1]
@@ -244,7 +239,7 @@ def _fire(service, bodies, headers_list):
     return [r.json() for r in responses]
 
 
-def test_ab_split_stickiness_and_shadow(service):
+def test_ab_split_stickiness_and_shadow(service, serve_reset):
     short = "[MAX 2 [MIN 4 7 ] 0 ]"
     set_gateway(service, weights={"mita": 0.7, "dense": 0.3})
     n = 240
@@ -271,10 +266,7 @@ def test_ab_split_stickiness_and_shadow(service):
     set_gateway(service, weights={"mita": 1.0, "dense": 0.0}, shadow=True,
                 shadow_max_inflight=len(EXAMPLES))
     texts = [t for t, _ in EXAMPLES]
-    try:
-        got = _fire(service, [{"text": t} for t in texts], [{}] * len(texts))
-    finally:
-        set_gateway(service)
+    got = _fire(service, [{"text": t} for t in texts], [{}] * len(texts))
     assert all(r["variant"] == "mita" and r["shadow"] == "dense" for r in got)
     models = {v: load_checkpoint(CHECKPOINT, attention=v) for v in ("mita", "dense")}
     agree = 0
@@ -380,50 +372,47 @@ def test_overload_gets_503_with_retry_after(service):
                         ).status_code == 200
 
 
-def test_fused_mita_with_sampled_and_requested_staged_profiles(service):
+def test_fused_mita_with_sampled_and_requested_staged_profiles(service, serve_reset):
     """The shipped CPU config runs MiTA on the compiled CPU kernels (fused stages). Stage
     metrics come from staged forwards only: one forward in staged_profile_every, or one asked
     for with "profile": "staged" — all seven stages timed apart — so a stage name always means
     the same work. Forward metrics count every forward."""
     set_classifier(service, staged_profile_every=0)
-    try:
-        ids = encode(EXAMPLES[2][0])
-        before = service.metrics_text()
-        r = service.post("/v1/classify", json={"ids": ids, "variant": "mita", "profile": True})
-        prof = r.json()["profile"]
-        assert r.status_code == 200 and prof["staged"] is False
-        assert "topk" not in prof["stages_ms"] and "landmark_scores" in prof["stages_ms"]
-        r2 = service.post("/v1/classify", json={"ids": ids, "variant": "mita",
-                                                "profile": "staged"})
-        prof2 = r2.json()["profile"]
-        assert prof2["staged"] is True and set(MITA_STAGES) <= set(prof2["stages_ms"])
-        assert r2.json()["label"] == r.json()["label"]
-        assert max(abs(a - b) for a, b in zip(r.json()["probabilities"],
-                                              r2.json()["probabilities"], strict=True)) < 1e-5
-        bucket = n_bucket(len(ids))
+    ids = encode(EXAMPLES[2][0])
+    before = service.metrics_text()
+    r = service.post("/v1/classify", json={"ids": ids, "variant": "mita", "profile": True})
+    prof = r.json()["profile"]
+    assert r.status_code == 200 and prof["staged"] is False
+    assert "topk" not in prof["stages_ms"] and "landmark_scores" in prof["stages_ms"]
+    r2 = service.post("/v1/classify", json={"ids": ids, "variant": "mita",
+                                            "profile": "staged"})
+    prof2 = r2.json()["profile"]
+    assert prof2["staged"] is True and set(MITA_STAGES) <= set(prof2["stages_ms"])
+    assert r2.json()["label"] == r.json()["label"]
+    assert max(abs(a - b) for a, b in zip(r.json()["probabilities"],
+                                          r2.json()["probabilities"], strict=True)) < 1e-5
+    bucket = n_bucket(len(ids))
 
-        def counts():
-            s = samples(service.metrics_text(), "ray_mita_serve_stage_duration_seconds_count")
-            f = samples(service.metrics_text(), "ray_mita_serve_forward_duration_seconds_count")
-            b0 = samples(before, "ray_mita_serve_stage_duration_seconds_count")
-            f0 = samples(before, "ray_mita_serve_forward_duration_seconds_count")
-            stage = {dict(k)["stage"]: v - b0.get(k, 0.0) for k, v in s.items()
-                     if dict(k)["variant"] == "mita" and dict(k)["n_bucket"] == bucket}
-            fwd = sum(v - f0.get(k, 0.0) for k, v in f.items()
-                      if dict(k)["variant"] == "mita" and dict(k)["n_bucket"] == bucket)
-            return stage, fwd
-        want = {s: 1.0 for s in prof2["stages_ms"]}
-        got = wait_for(lambda: (lambda c: c if c[0] == want and c[1] == 2 else None)(counts()),
-                       timeout_s=20)
-        assert got, counts()  # two forwards, stage records from the staged one only
-        bad = service.post("/v1/classify", json={"ids": ids, "profile": "yes"})
-        assert bad.status_code == 422
-        r3 = service.client.post("/v1/classify/binary", content=bytes(ids),
-                                 params={"variant": "mita", "profile": "staged"},
-                                 headers={"content-type": "application/octet-stream"})
-        assert r3.status_code == 200 and r3.json()["profile"]["staged"] is True
-    finally:
-        set_classifier(service, staged_profile_every=1)
+    def counts():
+        s = samples(service.metrics_text(), "ray_mita_serve_stage_duration_seconds_count")
+        f = samples(service.metrics_text(), "ray_mita_serve_forward_duration_seconds_count")
+        b0 = samples(before, "ray_mita_serve_stage_duration_seconds_count")
+        f0 = samples(before, "ray_mita_serve_forward_duration_seconds_count")
+        stage = {dict(k)["stage"]: v - b0.get(k, 0.0) for k, v in s.items()
+                 if dict(k)["variant"] == "mita" and dict(k)["n_bucket"] == bucket}
+        fwd = sum(v - f0.get(k, 0.0) for k, v in f.items()
+                  if dict(k)["variant"] == "mita" and dict(k)["n_bucket"] == bucket)
+        return stage, fwd
+    want = {s: 1.0 for s in prof2["stages_ms"]}
+    got = wait_for(lambda: (lambda c: c if c[0] == want and c[1] == 2 else None)(counts()),
+                   timeout_s=20)
+    assert got, counts()  # two forwards, stage records from the staged one only
+    bad = service.post("/v1/classify", json={"ids": ids, "profile": "yes"})
+    assert bad.status_code == 422
+    r3 = service.client.post("/v1/classify/binary", content=bytes(ids),
+                             params={"variant": "mita", "profile": "staged"},
+                             headers={"content-type": "application/octet-stream"})
+    assert r3.status_code == 200 and r3.json()["profile"]["staged"] is True
 
 
 def test_classifier_replicas_as_the_controller_reports_them(service):

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 
 from mita.data.listops import encode, generate_long
 
-from .conftest import counter, set_gateway, wait_for
+from .helpers import counter, set_gateway, wait_for
 
-pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parent.parent
 FLOOD_N, PROBE_N = 2048, 4096  # a dense forward at 2K takes ~1/4 of one at 4K here
 FLOOD_CONCURRENCY, PROBES = 8, 16
@@ -51,7 +49,7 @@ async def flood_with_probes(url: str, flood_ids: list[int], probe_ids: list[int]
     return [t for t, _ in probed], [s for _, s in probed], flood_status
 
 
-def test_shadow_flood_does_not_delay_dense_primaries(service):
+def test_shadow_flood_does_not_delay_dense_primaries(service, serve_reset):
     """Found by a user: with shadow on and all traffic to MiTA, the dense queue filled with
     shadow calls and dense *primary* requests took 0.71, 10.2 and 45.4 s instead of ~0.5 s.
     Now shadow calls are capped per variant and shed while the variant serves primaries: the
@@ -63,31 +61,28 @@ def test_shadow_flood_does_not_delay_dense_primaries(service):
     probe_ids = encode(generate_long(PROBE_N, seed=22)[0])
     policy = {"weights": {"mita": 1.0, "dense": 0.0}}
     report = {"flood_n": FLOOD_N, "probe_n": PROBE_N, "concurrency": FLOOD_CONCURRENCY}
-    try:
-        set_gateway(service, **policy, shadow=False)
-        base, base_status, _ = asyncio.run(flood_with_probes(service.url, flood_ids, probe_ids))
-        set_gateway(service, **policy, shadow=True)
-        text0 = service.metrics_text()
-        shadowed, status, flood_status = asyncio.run(
-            flood_with_probes(service.url, flood_ids, probe_ids))
-        flood_done = len(flood_status)
+    set_gateway(service, **policy, shadow=False)
+    base, base_status, _ = asyncio.run(flood_with_probes(service.url, flood_ids, probe_ids))
+    set_gateway(service, **policy, shadow=True)
+    text0 = service.metrics_text()
+    shadowed, status, flood_status = asyncio.run(
+        flood_with_probes(service.url, flood_ids, probe_ids))
+    flood_done = len(flood_status)
 
-        def shadow_outcomes():  # each flood request's dense shadow: one outcome
-            text = service.metrics_text()
-            dropped = "ray_mita_serve_shadow_dropped_total"
-            got = {k: counter(text, name, **labels) - counter(text0, name, **labels)
-                   for k, (name, labels) in {
-                       "compared": ("ray_mita_serve_shadow_comparisons_total",
-                                    {"primary": "mita"}),
-                       "busy": (dropped, {"variant": "dense", "reason": "busy"}),
-                       "failed": (dropped, {"variant": "dense", "reason": "failed"}),
-                       "rejected": ("ray_mita_serve_rejections_total",
-                                    {"variant": "dense", "role": "shadow"}),
-                   }.items()}
-            return got if sum(got.values()) == flood_done else None
-        outcomes = wait_for(shadow_outcomes, timeout_s=60)
-    finally:
-        set_gateway(service)
+    def shadow_outcomes():  # each flood request's dense shadow: one outcome
+        text = service.metrics_text()
+        dropped = "ray_mita_serve_shadow_dropped_total"
+        got = {k: counter(text, name, **labels) - counter(text0, name, **labels)
+               for k, (name, labels) in {
+                   "compared": ("ray_mita_serve_shadow_comparisons_total",
+                                {"primary": "mita"}),
+                   "busy": (dropped, {"variant": "dense", "reason": "busy"}),
+                   "failed": (dropped, {"variant": "dense", "reason": "failed"}),
+                   "rejected": ("ray_mita_serve_rejections_total",
+                                {"variant": "dense", "role": "shadow"}),
+               }.items()}
+        return got if sum(got.values()) == flood_done else None
+    outcomes = wait_for(shadow_outcomes, timeout_s=60)
     p99 = {"off": float(np.percentile(base, 99)), "on": float(np.percentile(shadowed, 99))}
     report |= {"dense_p99_s": p99, "dense_p50_s": {"off": float(np.median(base)),
                                                    "on": float(np.median(shadowed))},

@@ -25,7 +25,7 @@ from mita.stages import pool
 from service.engine import ClassifierEngine
 from service.schemas import TopkPath, TopkReport
 
-from .conftest import CHECKPOINT
+from .helpers import CHECKPOINT
 
 # 1/√d for d = 16: a power of two, so the scaled float32 scores of small integers stay exact
 SCALE = 16 ** -0.5

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import run_smoke_here
-from .helpers import random_mask, triton_interpreter
+from .helpers import random_mask, run_smoke_here, triton_interpreter
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
 # Set by tests for their test kernels (jit code reaches other modules as globals).

@@ -1,0 +1,250 @@
+"""What ``python -m service`` checks around a start: command-line numbers, a busy port and
+a bad config refused before Ray starts, devices, hosts and checkpoints, cluster addresses, the
+applications others deployed, each instance's Prometheus file; and how the gateway reads
+Serve's replica states."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service import launch, preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+
+@pytest.mark.slow  # one interpreter per case
+@pytest.mark.parametrize("argv,message", [
+    (["-m", "service", "--metrics-port", "70000"], "--metrics-port: 70000 is outside [1, 65535]"),
+    (["-m", "service", "--metrics-interval-ms", "5e3"], "'5e3' is not a valid int"),
+    (["-m", "loadtest", "run", "--rate", "nan"], "--rate: 'nan' is not a finite number"),
+    (["-m", "loadtest", "run", "--rate", "0"], "--rate: 0 is outside (0.0, inf]"),
+    (["-m", "loadtest", "run", "--concurrency", "0"], "--concurrency: 0 is outside [1, inf]"),
+    (["-m", "profiler", "sweep", "--budget-s", "inf"], "--budget-s: 'inf' is not a finite"),
+    (["-m", "mita.train", "--lr", "-1"], "--lr: -1 is outside (0.0, inf]"),
+    (["-m", "mita.evaluate", "checkpoints/listops-default", "--test-size", "2.5"],
+     "--test-size: '2.5' is not a valid int"),
+    # Each of these was a traceback (ValueError / RuntimeError / AssertionError) after start.
+    (["-m", "mita.train", "--out", "/nonexistent/x", "--dim", "63"],
+     "config field 'dim' (63) must be even and divisible by num_heads (2)"),
+    (["-m", "mita.train", "--out", "/nonexistent/x", "--shared-scale", ""],
+     "--shared-scale: invalid choice: ''"),
+    (["-m", "mita.train", "--out", "/nonexistent/x", "--min-length", "500"],
+     "empty length range (500, 500)"),
+    (["-m", "profiler", "sweep", "--settings", "garbage"],
+     "setting 'garbage' is neither 'fig5' nor 'MxK'"),
+    (["-m", "profiler", "sweep", "--settings", "0x64"], "m and k must be at least 1"),
+    (["-m", "profiler", "sweep", "--device", "gpu"], "device 'gpu' is not a torch device"),
+    (["-m", "profiler", "sweep", "--heads", "3"], "'dim' (128) must be even and divisible by "
+                                                  "num_heads (3)"),
+    (["-m", "profiler", "sweep", "--settings", "99999999999x1"],
+     "'num_landmarks' must be an int in [1, 65536]"),
+    (["-m", "profiler", "sweep", "--out", "/dev/null/x"], "Not a directory"),
+    (["-m", "mita.evaluate", "/nonexistent"], "checkpoint file missing: /nonexistent"),
+    (["-m", "mita.evaluate", "checkpoints/listops-default", "--min-length", "500"],
+     "empty length range (500, 500)"),
+    # hung forever: no tree has length 2
+    (["-m", "mita.train", "--out", "/tmp/mita-never", "--min-length", "1", "--max-length", "3",
+      "--train-size", "1"], "drew 101,000 trees and found 0 of 1"),
+    (["-m", "loadtest", "run", "--url", "ftp://127.0.0.1:1"], "--url must start with http://"),
+    (["-m", "loadtest", "run", "--n", "2000000"], "--n: 2000000 is outside [1, 1048576]"),
+    (["-m", "loadtest", "run", "--out", "/dev/null/x"], "Not a directory"),
+    (["-m", "service", "--node-ip", "bogus"], "--node-ip: 'bogus' is not an IP address"),
+])
+def test_command_line_numbers_are_parsed_strictly(argv, message):
+    """Every numeric CLI flag is finite and in range (``mita.argtypes``); argparse exits 2
+    naming the flag before anything starts."""
+    import sys
+
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert message in done.stderr, done.stderr[-1000:]
+
+
+@pytest.mark.slow
+def test_busy_port_and_bad_config_refused_before_ray_starts(tmp_path):
+    """``python -m service`` on a port another process listens on exits at once naming the
+    port (it waited ~37 s for Ray's start-up timeout before); a config with a bad user_config
+    exits naming the deployment and field."""
+    import socket
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = yaml.safe_load((root / "deploy" / "serve_config.yaml").read_text())
+        config["http_options"]["port"] = port
+        (tmp_path / "busy.yaml").write_text(yaml.safe_dump(config))
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "service", "--config",
+                               str(tmp_path / "busy.yaml")], capture_output=True, text=True,
+                              timeout=120, cwd=root)
+        took = time.monotonic() - start
+    assert done.returncode == 1 and took < 30, (took, done.stderr[-800:])
+    assert (f"refusing to start: port {port} on 127.0.0.1 is in use" in done.stderr
+            and "http_options.port" in done.stderr), done.stderr[-800:]
+    config["http_options"]["port"] = 8000
+    config["applications"][0]["deployments"][1]["user_config"]["deterministic"] = "false"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "service", "--config", str(tmp_path / "bad.yaml")],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 1
+    assert (f"refusing to start: {tmp_path / 'bad.yaml'}: application 'mita-serve' deployment "
+            "'MiTAClassifier' user_config: deterministic: Input should be a valid boolean"
+            ) in done.stderr
+
+
+def test_each_instance_has_its_own_prometheus_sd_file(monkeypatch, tmp_path):
+    """Two instances on the host write two files (one target each) instead of one fixed path
+    the last launch overwrote; stop() removes only its own; the shipped prometheus.yml reads
+    the default --metrics-port's file."""
+    from service import launch
+
+    monkeypatch.setattr(launch, "PROMETHEUS_SD_DIR", tmp_path)
+    monkeypatch.setattr(launch, "_written_sd_files", [])
+    monkeypatch.setattr(launch.serve, "shutdown", lambda: None)  # no Ray here: files only
+    monkeypatch.setattr(launch.ray, "shutdown", lambda: None)
+    first = launch.write_prometheus_sd(9100)
+    launch._written_sd_files.clear()  # as if another process had written it
+    second = launch.write_prometheus_sd(9200)
+    assert first != second
+    assert json.loads(first.read_text())[0]["targets"] == ["127.0.0.1:9100"]
+    assert json.loads(second.read_text())[0]["targets"] == ["127.0.0.1:9200"]
+    launch.stop()
+    assert first.exists() and not second.exists()
+    shipped = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert shipped["scrape_configs"][0]["file_sd_configs"][0]["files"] == [
+        "/tmp/mita-serve/prometheus/metrics-9100.json"]
+    assert preflight.DEFAULT_METRICS_PORT == 9100
+
+
+def test_device_host_and_checkpoint_length_checked_before_start(monkeypatch, tmp_path):
+    """Refused before Ray starts: ``device: cuda`` without CUDA (the replicas failed one by
+    one after start), an HTTP host that is not this machine's (was reported as "port in
+    use"), and a checkpoint whose max_len is below the gateway's max_n (requests in between
+    were accepted, then failed)."""
+    from service import launch
+
+    monkeypatch.setattr(preflight, "local_gpu_count", lambda: 0)  # a machine without CUDA
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
+    cuda = launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:1"}})
+    with pytest.raises(ValueError, match=r"args: device 'cuda:1': this machine's torch .* sees 0 "
+                                         r"CUDA device\(s\); use device: auto or cpu"):
+        preflight.check_devices(cuda)
+    triton = launch.load_config(launch.CPU_CONFIG, {"args": {"mita_backend": "triton"}})
+    with pytest.raises(ValueError, match="mita_backend 'triton' needs a CUDA device"):
+        preflight.check_devices(triton)
+    preflight.check_devices(launch.load_config(launch.CPU_CONFIG))  # auto: fine
+    with pytest.raises(ValueError, match=r"device: String should match pattern"):
+        launch.load_config(launch.CPU_CONFIG, {"args": {"device": "cuda:" + "9" * 20}})
+    with pytest.raises(OSError, match=r"http_options.port in the config, --metrics-port "
+                                      r"must differ, got \[8000, 8000\]"):
+        preflight.check_ports_free(launch.load_config(launch.CPU_CONFIG), 8000)
+    with pytest.raises(OSError, match=r"--metrics-port, --dashboard-port must differ, got "
+                                      r"\[8000, 9100, 9100\]"):
+        preflight.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100,
+                                dashboard=("127.0.0.1", 9100))
+
+    for host, message in [("192.0.2.1", "cannot listen on 192.0.2.1:"),
+                          ("no-such-host.invalid", "http_options.host 'no-such-host.invalid' "
+                                                   "is not an address of this machine")]:
+        config = launch.load_config(launch.CPU_CONFIG, {"http_options": {"host": host}})
+        with pytest.raises(OSError, match=message):
+            preflight.check_ports_free(config, 0)
+    with pytest.raises(OSError, match=r"cannot listen on 192.0.2.1:9100 .* is --node-ip"):
+        preflight.check_ports_free(launch.load_config(launch.CPU_CONFIG), 9100, "192.0.2.1")
+
+    short = tmp_path / "short"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "checkpoints" / "listops-default",
+                    short)
+    meta = json.loads((short / "config.json").read_text())
+    meta["config"]["max_len"] = 1024
+    (short / "config.json").write_text(json.dumps(meta))
+    config = launch.load_config(launch.CPU_CONFIG, {"args": {"checkpoint": str(short)}})
+    with pytest.raises(ValueError, match=r"max_len \(1024\) is below the Gateway's max_n "
+                                         r"\(16384\)"):
+        preflight.verify_checkpoints(config)
+    preflight.verify_checkpoints(launch.load_config(launch.CPU_CONFIG, {
+        "args": {"checkpoint": str(short)},
+        "deployments": {"Gateway": {"user_config": {"max_n": 1024}}}}))
+
+
+@pytest.mark.parametrize("address,message", [
+    ("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1 (Connection refused)"),
+    ("head-node", "expected HOST:PORT"),
+    ("10.0.0.5:port", "expected HOST:PORT"),
+    ("http://10.0.0.5:8265", "not a URL"),  # the dashboard's address, as Ray's job CLI takes
+])
+def test_unreachable_cluster_address_refused_at_once(address, message):
+    # ray.init would retry a dead address for minutes
+    with pytest.raises(OSError, match=re.escape(message)):
+        preflight.check_cluster_reachable(address, timeout_s=2)
+    preflight.check_cluster_reachable("auto")  # Ray's own lookup, which fails fast by itself
+
+
+def test_a_server_that_is_not_rays_gcs_is_refused():
+    """An HTTP server (e.g. the metrics port given by mistake) accepts the connection, so a
+    plain connect passed and ray.init then retried for minutes: the probe wants gRPC."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(OSError, match="is not a Ray cluster's GCS"):
+            preflight.check_cluster_reachable(f"127.0.0.1:{server.server_address[1]}", 2)
+    finally:
+        server.shutdown()
+
+
+def test_joining_keeps_the_applications_others_deployed_from_a_config():
+    """Serve deletes every config-deployed application a new config does not name, so the
+    service deploys those, unchanged, with its own; Python-deployed ones are left alone."""
+    config = launch.load_config(DEPLOY / "serve_config.cluster.yaml")
+    other = {"name": "other", "route_prefix": "/other", "import_path": "shop.app:build",
+             "args": {"size": 3}}
+    details = {"applications": {
+        "other": {"source": "declarative", "deployed_app_config": other},
+        "from-python": {"source": "imperative", "deployed_app_config": None},
+        "broken": {"source": "declarative"}}}
+    merged = launch.with_cluster_apps(config, details)
+    assert [a.name for a in merged.applications] == ["other", "mita-serve"]
+    assert merged.applications[0].model_dump(exclude_unset=True) == other
+    assert merged.applications[1] == config.applications[0]
+    assert launch.with_cluster_apps(config, {"applications": {}}) is config
+
+
+def test_classifier_replicas_reads_serves_replica_states():
+    from service.replicas import classifier_replicas
+
+    def deployment(*states, min_replicas=1):
+        return {"replicas": [{"state": s} for s in states],
+                "deployment_config": {"autoscaling_config": {"min_replicas": min_replicas}}}
+    details = {"applications": {"app": {"deployments": {
+        "Gateway": deployment("RUNNING"),
+        "MiTAClassifier": deployment("STOPPING", "STARTING"),  # a lost node's, being replaced
+        "DenseClassifier": deployment(min_replicas=0)}}}}  # scaled to zero
+    assert classifier_replicas(details, "app") == {
+        "mita": {"serving": 0, "stopping": 1, "scales_to_zero": False},
+        "dense": {"serving": 0, "stopping": 0, "scales_to_zero": True}}
+    details["applications"]["app"]["deployments"]["MiTAClassifier"] = deployment(
+        "RUNNING", "UPDATING", "RECOVERING", "PENDING_MIGRATION", "STARTING")
+    assert classifier_replicas(details, "app")["mita"]["serving"] == 4
+    # as the controller's own objects come: str enums (str() of one is 'ReplicaState.RUNNING')
+    from ray.serve._private.common import ReplicaState
+    details["applications"]["app"]["deployments"]["MiTAClassifier"] = deployment(
+        ReplicaState.RUNNING, ReplicaState.STOPPING)
+    assert classifier_replicas(details, "app")["mita"] == {"serving": 1, "stopping": 1,
+                                                           "scales_to_zero": False}
