@@ -27,7 +27,7 @@ One prepared script for a short GPU lease (it must finish within 6 minutes on on
    ``torch.topk`` over them, flash SDPA with the landmarks as queries, matmul + argmax).
 3. Whole model: the Fig. 5 setting — 3 layers, dim 128, 2 heads (d = 64), FFN 256, batch 1,
    bfloat16, m = k = √(N/4) (m·k = N/4), s = 1, random weights and token ids — at N = 16K,
-   64K, 256K, 1M. Forward (no grad) timed with CUDA events (``profiler.StageTimer``), median
+   64K, 256K, 1M. Forward (no grad) timed with CUDA events (``mita.timer.StageTimer``), median
    of repeats after a warm-up (which compiles the kernels and times the top-k paths: the
    table names the one chosen); at N ≤ 64K also replayed from a CUDA graph
    (``service.graphs.cuda_capture``, as the service does), with the ratio; dense with

@@ -1,7 +1,7 @@
 """MiTA (Mixture-of-Top-k Attention) and dense attention on ``(B, H, N, d)`` tensors: the public
 ``mita_attention`` (check the inputs once, then dispatch to a backend) and ``dense_attention``.
-The stages themselves are in ``mita.stages``; this is the only module that imports
-``mita.kernels``.
+The stages themselves are in ``mita.stages``; within ``mita`` this is the only module that
+imports ``mita.kernels``' launchers.
 
 Source: Wen et al., *Mixture-of-Top-k Attention: Efficient Attention via Scalable Fast Weights*,
 arXiv:2602.01219 v6, §3.1 (dense, eqs. 1-4) and §3.2 (MiTA, eqs. 5-12).

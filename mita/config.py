@@ -16,6 +16,7 @@ ATTENTIONS = ("dense", "mita")
 SHARED_SCALES = ("paper", "official")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
+
 def check_setting(num_landmarks: int, topk: int, route_topk: int,
                   shared_scale: str = "paper") -> None:
     """The one check of a MiTA setting (§3.2): m, k, s ints ≥ 1, s ≤ m (a query picks s of
@@ -49,6 +50,7 @@ def clamp_topk(topk: int, n: int) -> int:
     cannot pick more keys than exist). Every path (attention, cost model, memory estimate)
     clamps through here."""
     return min(topk, n)
+
 
 _SETTING = re.compile(r"(\d+)[xX](\d+)(?:[xX](\d+))?")
 

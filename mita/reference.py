@@ -1,6 +1,6 @@
 """A float64 per-query loop reference for MiTA, written from eqs. 5-12 of arXiv:2602.01219.
 
-Deliberately naive and independent of ``mita.attention``: Python lists and numpy vectors, one
+Deliberately naive and independent of ``mita.stages``: Python lists and numpy vectors, one
 query at a time, explicit sorting with (-score, index) keys for the lowest-index tie rule.
 """
 

@@ -127,7 +127,7 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if a.data != "generated" and not Path(a.data).is_file():
             raise ValueError(f"--data {a.data}: " + ("a folder, not a file"
                                                      if Path(a.data).is_dir() else "no such file"))
-        pick_device(a.device, "the advisor")
+        pick_device(a.device, "the advisor", auto=False)
         cfg = advise.AdviseConfig(
             checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
             data_format=a.data_format, size=a.size, min_length=a.min_length,

@@ -236,14 +236,14 @@ def _latency(engine, ids: np.ndarray, repeats: int, dense=None) -> dict:
     for _ in range(repeats):
         profiles.append(engine.run([ids])[0]["profile"])
         if dense is not None:
-            dense_ms.append(dense.run([ids])[0]["profile"]["total_ms"])
-    stages = stage_sorted({s for p in profiles for s in p["stages_ms"]})
-    total = [p["total_ms"] for p in profiles]
+            dense_ms.append(dense.run([ids])[0]["profile"].total_ms)
+    stages = stage_sorted({s for p in profiles for s in p.stages_ms})
+    total = [p.total_ms for p in profiles]
     out = {"p50_ms": float(np.median(total)), "min_ms": min(total), "max_ms": max(total),
-           "stages_ms": {s: float(np.median([p["stages_ms"].get(s, 0.0) for p in profiles]))
+           "stages_ms": {s: float(np.median([p.stages_ms.get(s, 0.0) for p in profiles]))
                          for s in stages},
-           "peak_memory_bytes": profiles[-1]["peak_memory_bytes"],
-           "peak_memory_kind": profiles[-1]["peak_memory_kind"]}
+           "peak_memory_bytes": profiles[-1].peak_memory_bytes,
+           "peak_memory_kind": profiles[-1].peak_memory_kind}
     if dense is not None:
         out["dense_p50_ms"] = float(np.median(dense_ms))
     return out

@@ -67,7 +67,7 @@ class SweepConfig:
             for variant in self.variants:
                 for setting in self.settings if variant == "mita" else ["-"]:
                     self.model_config(n, variant, setting)
-        device = pick_device(self.device, "the sweep")
+        device = pick_device(self.device, "the sweep", auto=False)
         if self.mita_backend == "triton" and device.type != "cuda":
             raise ValueError("mita_backend 'triton' needs a CUDA device")
 

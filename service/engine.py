@@ -46,19 +46,20 @@ def resolve_checkpoint(path: str) -> Path:
     return p if p.is_absolute() else PROJECT_ROOT / p
 
 
-def pick_device(device: str, tool: str = "the service") -> torch.device:
+def pick_device(device: str, tool: str = "the service", auto: bool = True) -> torch.device:
     """The one device check, for the service's replicas and its pre-start checks, the sweep and
-    the advisor (``tool`` names which in the message). ``auto``: CUDA when available, else the
-    CPU; otherwise ``device`` (``cpu``, ``cuda`` or ``cuda:N``) as a torch device. Raises
+    the advisor (``tool`` names which in the message; ``auto=False``: the tool records the
+    device it ran on, so ``auto`` is refused). ``auto``: CUDA when available, else the CPU;
+    otherwise ``device`` (``cpu``, ``cuda`` or ``cuda:N``) as a torch device. Raises
     ValueError naming the device: not a torch device, not cpu or cuda, or a CUDA device this
     torch does not see."""
-    if device == "auto":
+    if device == "auto" and auto:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a torch device (auto, cpu, cuda, cuda:N)"
-                         ) from None
+        choices = "auto, cpu, cuda, cuda:N" if auto else "cpu, cuda, cuda:N"
+        raise ValueError(f"device {device!r} is not a torch device ({choices})") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: {tool} runs on cpu or cuda")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

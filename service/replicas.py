@@ -52,7 +52,6 @@ async def fetch_classifier_replicas(timeout_s: float) -> dict[str, dict]:
     return classifier_replicas(details, serve.get_replica_context().app_name)
 
 
-
 class ReplicaWatch:
     """Serve's controller's view of each classifier's replicas, asked every ``REPLICA_WATCH_S``
     by a task on the gateway replica's event loop (``start``)."""

@@ -24,7 +24,7 @@ STDLIB = set(sys.stdlib_module_names)
 # The third-party libraries each ground-floor module may use (beyond the standard library).
 GROUND = {"mita.config": set(), "mita.hooks": set(), "mita.data": {"numpy"}}
 STAGE_MODULES = {"mita.stages", "mita.topk"}
-# loadtest is a client of the service over HTTP: the mita modules it uses import no torch.
+# loadtest is a client of the service over HTTP: data, the stage names, CLI types and plots.
 LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.argtypes", "mita.plots"}
 NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
 RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.forward_stats"}

@@ -142,6 +142,36 @@ def test_padding_does_not_change_predictions(attention):
         assert batched[i].argmax() == alone[0].argmax()
 
 
+@pytest.mark.parametrize("attention", ["dense", "mita"])
+def test_the_mask_is_checked_once_per_forward_and_refused_when_bad(attention, monkeypatch):
+    """The model checks its padding mask once (not once per layer, 2 layers here) and refuses
+    a bad one itself, before any layer runs."""
+    from mita import model as model_module
+    from mita import stages
+
+    calls, check = [], stages.check_padding_mask
+
+    def counted(mask, B, N):
+        calls.append((B, N))
+        return check(mask, B, N)
+
+    monkeypatch.setattr(model_module, "check_padding_mask", counted)
+    monkeypatch.setattr(stages, "check_padding_mask", counted)  # what attention would call
+    model = EncoderClassifier(SMALL.replace(attention=attention)).eval()
+    ids, mask = sample_batch(4, seed=1)
+    with torch.no_grad():
+        model(ids, mask)
+    assert calls == [(4, ids.shape[1])]
+    empty = mask.clone()
+    empty[2] = True
+    with pytest.raises(ValueError, match=r"batch rows \[2\] are all padding"):
+        model(ids, empty)
+    with pytest.raises(ValueError, match="key_padding_mask must be bool, got torch.int64"):
+        model(ids, mask.long())
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(4, "):
+        model(ids, mask[:, :-1])
+
+
 def test_positions_work_up_to_one_million():
     pe = sinusoidal_positions(1_048_576, 8)
     assert pe.shape == (1_048_576, 8) and torch.isfinite(pe).all()

@@ -175,4 +175,10 @@ def test_pick_device_is_one_check_for_the_service_the_sweep_and_the_advisor():
     with pytest.raises(ValueError, match="device 'meta': the advisor runs on cpu or cuda"):
         pick_device("meta", "the advisor")
     with pytest.raises(ValueError, match=r"device 'gpu' is not a torch device \(auto, cpu, cuda"):
-        pick_device("gpu", "the sweep")
+        pick_device("gpu")  # the service: auto is one of its choices
+    # the sweep and the advisor record the device they ran on: auto is refused there, as before
+    for device in ("gpu", "auto"):
+        with pytest.raises(ValueError, match=rf"device '{device}' is not a torch device "
+                                             r"\(cpu, cuda, cuda:N\)"):
+            pick_device(device, "the sweep", auto=False)
+    assert pick_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,8 +1,9 @@
 """MiTA kernels: the Triton launcher ``triton_mita`` (GPU) and ``cpu`` (compiled C++ CPU kernels),
 each beside its kernels, and the limits they share.
 
-Both launchers are imported lazily by ``mita.attention`` (the only module above that imports
-this package's modules). This file imports none of them: Triton reads ``TRITON_INTERPRET`` when
+Both launchers are imported lazily by ``mita.attention`` (within ``mita``, the only module
+above that imports this package's modules; the service reads the limits and the top-k
+chooser's report). This file imports none of them: Triton reads ``TRITON_INTERPRET`` when
 a kernel is defined, so importing ``mita.kernels`` or ``mita.kernels.cpu`` must not define the
 Triton kernels early.
 """

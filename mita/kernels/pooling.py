@@ -1,12 +1,12 @@
 """Stage ``pool`` (arXiv:2602.01219, eq. 5) as one Triton kernel, for 1-D pooling.
 
-``mita.attention.pool`` on the device costs one mean in the unmasked N % m = 0 case but about
+``mita.stages.pool`` on the device costs one mean in the unmasked N % m = 0 case but about
 twenty small operations otherwise (ranks, segments, ``index_add`` per batch row, counts), and
 the Triton path then needs the landmarks in the input dtype and the key-padding mask as an
 int8 vector (the routing and attention kernels) and as an additive bias (SDPA). One launch of
 ``_pool_kernel`` writes all of them; a key-padding mask adds one ``cumsum`` before it.
 
-Segments are ``mita.attention.pool``'s 1-D rule: the L valid tokens of a row, in order, are cut
+Segments are ``mita.stages.pool``'s 1-D rule: the L valid tokens of a row, in order, are cut
 into m contiguous segments, the token of valid rank r going to segment ⌊r·m/L⌋, i.e. landmark
 i averages the valid ranks [⌈i·L/m⌉, ⌈(i+1)·L/m⌉). One program per (landmark, batch, head)
 finds the positions of its first and one-past-last rank by binary search on the running count
@@ -149,14 +149,14 @@ def pool_plan(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = N
 
 def pool_landmarks(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None):
     """Stage ``pool`` (eq. 5, 1-D) with what the Triton path's kernels read, in one launch (two
-    with a mask): the landmarks of ``mita.attention.pool`` (same segments, fp32 sums) and the
+    with a mask): the landmarks of ``mita.stages.pool`` (same segments, fp32 sums) and the
     key-padding mask in the forms the kernels and SDPA take.
 
     Args:
         q: ``(B, H, N, d)`` float16 / bfloat16 / float32 queries, d ≤ 128.
         num_landmarks: m ≥ 1 (N < m allowed: some landmarks are empty).
-        key_padding_mask: optional ``(B, N)`` bool, True = padding (checked by the caller,
-            ``mita_attention``: no all-padding row).
+        key_padding_mask: optional ``(B, N)`` bool, True = padding (checked once per forward
+            by ``stages.check_padding_mask``: no all-padding row).
     Returns:
         ``landmarks`` ``(B, H, m, d)`` float32 (zero where empty); the same in q's dtype
         (rounded once; the same tensor for float32 q); ``landmark_valid`` ``(B, m)`` bool;

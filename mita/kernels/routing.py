@@ -57,6 +57,8 @@ from .triton_common import (
 BLOCK_L = 16  # landmarks per top-k program (tl.dot needs ≥ 16 rows)
 MIN_K_PAD = 64  # shortest running list; K_PAD // BLOCK_N score tiles form one merge
 MAX_TOPK = 512  # K_PAD ≤ 512: two [16, 512] int64 lists per program already fill 128 KiB
+
+
 def k_pad(k: int) -> int:
     """Running-list length for top-k: k rounded up to a power of two, at least one tile."""
     return max(MIN_K_PAD, triton.next_power_of_2(k))
@@ -252,7 +254,7 @@ def landmark_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
         ``(B, H, m, k)`` int64 key indices in ascending order; ties broken by the lowest index
         (padded keys fill a row that has fewer than k real ones, lowest index first) — the
         contract of ``mita.stages.topk_tokens``. A landmark whose second pass did not take
-        exactly k keys is redone by ``topk._bisect_topk_kernel`` (a second launch that returns
+        exactly k keys is redone by ``bisect._bisect_topk_kernel`` (a second launch that returns
         at once when no landmark is flagged; no host synchronisation).
     Raises:
         ValueError: dtype, shapes, d > 128, k outside [1, min(N, 512)], B·H > 65,535.

@@ -22,12 +22,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # inside @jit must be a tl.constexpr: the GPU compiler rejects plain globals (the interpreter
 # does not), tests/test_kernel_compile.py compiles every specialisation to catch that class.
 NEG_INIT = tl.constexpr(-1.0e30)
-
-
 # Sort key of an out-of-range column: below every real key (a -inf score maps to
 # 0x807FFFFF), so it is never chosen while k ≤ N real keys exist.
 NO_KEY = tl.constexpr(-(2 ** 31))
-
 
 
 @triton.jit

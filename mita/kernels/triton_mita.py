@@ -24,7 +24,7 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     (no float32 copies; matrix products in the input dtype with fp32 accumulation):
     ``pool`` (``pooling.pool_landmarks``: the landmarks in float32 and in the input dtype, and
     the key-padding mask as the kernels' int8 vector and SDPA's additive bias, in one launch
-    plus a ``cumsum`` with a mask; 2-D grids: ``mita.attention.pool``); ``landmark_scores``
+    plus a ``cumsum`` with a mask; 2-D grids: ``mita.stages.pool``); ``landmark_scores``
     also does ``topk`` (``choose.CHOOSER``: the fastest exact path for the shape — the
     threshold select ``topk.threshold_topk``, the bitonic ``routing.landmark_topk`` (k ≤ 512),
     or float32 scores + ``torch.topk``; none of the Triton ones stores the m × N scores);
