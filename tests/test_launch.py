@@ -39,8 +39,9 @@ DEPLOY = ROOT / "deploy"
     (["-m", "mita.train", "--out", "/nonexistent/x", "--min-length", "500"],
      "empty length range (500, 500)"),
     (["-m", "profiler", "sweep", "--settings", "garbage"],
-     "setting 'garbage' is neither 'fig5' nor 'MxK'"),
-    (["-m", "profiler", "sweep", "--settings", "0x64"], "m and k must be at least 1"),
+     "setting 'garbage' is not 'fig5' or MxK (e.g. 32x128)"),
+    (["-m", "profiler", "sweep", "--settings", "0x64"],
+     "setting '0x64': 'num_landmarks' must be an int ≥ 1, got 0"),
     (["-m", "profiler", "sweep", "--device", "gpu"], "device 'gpu' is not a torch device"),
     (["-m", "profiler", "sweep", "--heads", "3"], "'dim' (128) must be even and divisible by "
                                                   "num_heads (3)"),
