@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import MAX_HEAD_DIM  # BLOCK_D ≤ 128: the tiles fit sm_80's registers and shared memory
-from .triton_common import DTYPES, NEG_INIT, as_int8, dot
+from .triton_common import DTYPES, NEG_INIT, as_int8, block_d_for, dot, key_valid_vector
 
 
 def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
@@ -343,8 +343,8 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
     if key_padding_mask is None:
         key_valid = None
     elif key_valid is None:
-        key_valid = (~key_padding_mask).view(torch.int8)
-    block_d = max(16, triton.next_power_of_2(max(d, dv)))
+        key_valid = key_valid_vector(key_padding_mask, B, N, q.device)
+    block_d = block_d_for(d, dv)
     block_m, block_n, num_warps, num_stages = _blocks(q.dtype, block_d)
     tiles = tile_table_plan(experts, key_valid, m, block_m)
     order, tile_e, tile_lo, tile_hi = tiles[3]

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import MAX_HEAD_DIM
-from .triton_common import DTYPES
+from .triton_common import DTYPES, block_d_for, key_valid_vector
 
 POOL_BLOCK_N = 64  # tokens per step
 
@@ -143,7 +143,7 @@ def pool_plan(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = N
     meta = dict(HAS_MASK=key_padding_mask is not None, BLOCK_N=POOL_BLOCK_N,
                 # 64 or 128: pooling reads each query once, and every BLOCK_D is one more
                 # specialisation to compile (tests/test_kernel_compile.py)
-                BLOCK_D=max(64, triton.next_power_of_2(d)))
+                BLOCK_D=max(64, block_d_for(d)))
     return (m, B * H), args, meta, (landmarks, landmarks_in, landmark_valid, key_valid, key_bias)
 
 
@@ -175,8 +175,8 @@ def key_vectors(key_padding_mask: Tensor | None, B: int, N: int, dtype: torch.dt
     """``pool_landmarks``' ``key_valid`` and ``key_bias`` from PyTorch operations, for the
     2-D pooling the kernel does not do: ``(B, N)`` int8 (1 = real key) and ``(B, 1, 1, N)``
     0 / -inf in ``dtype`` (None without a mask)."""
+    key_valid = key_valid_vector(key_padding_mask, B, N, device)
     if key_padding_mask is None:
-        return torch.ones(B, N, dtype=torch.int8, device=device), None
+        return key_valid, None
     bias = torch.zeros(B, 1, 1, N, dtype=dtype, device=device)
-    return ((~key_padding_mask).view(torch.int8),
-            bias.masked_fill_(key_padding_mask[:, None, None, :], float("-inf")))
+    return key_valid, bias.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))

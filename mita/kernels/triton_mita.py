@@ -40,7 +40,7 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
                          "CPU interpreter); use backend='torch' on CPU")
     triton_common.check_inputs(q, k)  # dtype and head dim, before a top-k path could take the blame
     B, H, N, d = q.shape
-    routing.check_grid(B * H)
+    triton_common.check_grid(B * H)
     c = S.shared_logit_scale(d, shared_scale)
     with hook.stage("pool"):
         if landmark_grid is None:
