@@ -45,12 +45,7 @@ class ForwardStats:
         """From the stage timer's ``profile`` and the engine's ``context`` (``dtype``,
         ``staged``, ``batch_size``, ``padded_n``, ``started_at``, ``cuda_graph``,
         ``topk_path``). Raises TypeError for a missing or unknown field."""
-        return cls(device=profile.device, total_ms=profile.total_ms,
-                   stages_ms=profile.stages_ms, layers_ms=profile.layers_ms,
-                   flops=profile.flops, flops_total=sum(profile.flops.values()),
-                   gflops_per_s=profile.gflops_per_s,
-                   peak_memory_bytes=profile.peak_memory_bytes,
-                   peak_memory_kind=profile.peak_memory_kind, **context)
+        return cls(**profile.as_dict(), flops_total=sum(profile.flops.values()), **context)
 
     def response(self, arrived_at: float) -> dict:
         """The response's ``profile`` (``schemas.StageProfile``): these fields and
