@@ -121,14 +121,21 @@ def key_valid_vector(key_padding_mask: Tensor | None, B: int, N: int, device) ->
 
 
 def block_d_for(*dims: int) -> int:
+    """``BLOCK_D`` for head dims ``dims`` (d, dv): the largest rounded up to a power of two,
+    at least 16 (``tl.dot``'s smallest inner size)."""
     return max(16, triton.next_power_of_2(max(dims)))
 
 
 def interpreter_upcast(t: Tensor, interpreter: bool | None) -> bool:
+    """The ``UPCAST`` constexpr of ``dot``: True only for bfloat16 under the CPU interpreter
+    (``interpreter`` None: inferred from ``t``'s device; the ahead-of-time compile passes
+    False)."""
     return t.dtype == torch.bfloat16 and (not t.is_cuda if interpreter is None else interpreter)
 
 
 def check_inputs(q: Tensor, k: Tensor) -> None:
+    """Refuse (ValueError) q, k ``(..., d)`` the Triton kernels cannot take: a dtype other
+    than float16 / bfloat16 / float32, two dtypes, or d > ``MAX_HEAD_DIM``."""
     if q.dtype not in DTYPES or k.dtype != q.dtype:
         raise ValueError(f"Triton routing kernels take one of float16/bfloat16/float32, got "
                          f"{q.dtype}, {k.dtype}")
