@@ -22,6 +22,7 @@ import torch
 from ray import serve
 from ray._private import ray_constants
 from ray.serve._private import api as serve_api
+from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeDeploySchema
 
 from . import PROJECT_ROOT
@@ -222,14 +223,27 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def driver_handle(deployment: str, app_name: str) -> DeploymentHandle:
+    """A handle to ``deployment`` of ``app_name`` that this (synchronous) process can call
+    with ``.remote().result()`` in either of Ray Serve's modes. With
+    ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` Serve runs a handle's router on the caller's event
+    loop, and a call from outside one raised "No event loop running"; this handle's router
+    runs on Serve's own router thread, as in the default mode (the way Ray's own LLM
+    broadcast helper initialises its handles)."""
+    handle = serve.get_deployment_handle(deployment, app_name=app_name)
+    if not handle.is_initialized:  # Serve hands out one cached handle per deployment
+        handle._init(_run_router_in_separate_loop=True)
+    return handle
+
+
 def gateway_exporter(app_name: str) -> tuple[int, str]:
     """``(port, ip)`` of Ray's metrics exporter on the node that runs application
     ``app_name``'s Gateway replica (asked of the replica, then looked up in ``ray.nodes()``).
     The gateway records all of the service's metrics, from the profiles the classifiers send
     back, so on a cluster this one exporter has them whichever node ran the forwards.
     Raises RuntimeError when Ray lists no such node."""
-    gateway = serve.get_deployment_handle(DEPLOYMENTS["gateway"], app_name=app_name)
-    node_id = gateway.node_id.remote().result(timeout_s=30)
+    node_id = driver_handle(DEPLOYMENTS["gateway"], app_name).node_id.remote().result(
+        timeout_s=30)
     node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
     if node is None:
         raise RuntimeError(f"the Gateway's node {node_id} is not among Ray's live nodes")
@@ -310,7 +324,7 @@ def drain(config: ServeDeploySchema, timeout_s: float | None = None) -> int:
     deadline = time.monotonic() + timeout_s
     left = 0
     for app in config.applications:
-        gateway = serve.get_deployment_handle(DEPLOYMENTS["gateway"], app_name=app.name)
+        gateway = driver_handle(DEPLOYMENTS["gateway"], app.name)
         left = gateway.drain.remote().result(timeout_s=10)
         while left > 0 and time.monotonic() < deadline:
             time.sleep(0.2)

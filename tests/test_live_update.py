@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import httpx
-from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from mita.data.listops import encode, generate_long
@@ -101,7 +100,7 @@ def test_every_check_holds_under_a_route_prefix(service):
     the drain saw 0 requests in flight. The whole refusal table and the in-flight count,
     under a prefix."""
     app_name = service.config.applications[0].name
-    gateway = serve.get_deployment_handle("Gateway", app_name=app_name)
+    gateway = launch.driver_handle("Gateway", app_name)
     try:
         serve_deploy(service, route_prefix="/m2")
         assert wait_for(lambda: service.client.get("/m2/healthz").status_code == 200)

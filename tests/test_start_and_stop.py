@@ -5,6 +5,7 @@ service`` in a subprocess, with its own Ray)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -62,12 +63,13 @@ def test_tampered_checkpoint_refuses_to_start(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Stopping: Ctrl-C during start-up and SIGTERM, each to its own python -m service.
 
-def own_instance(tmp_path, *args: str, route_prefix: str = "/"
+def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None = None
                  ) -> tuple[subprocess.Popen, int, int]:
     """``python -m service`` on the shipped CPU config with the tests' fixed replicas, on free
     loopback ports, as a subprocess with its own Ray; ``args``: more flags (default: no Ray
-    dashboard); ``route_prefix``: the application's. Returns (process, HTTP port, metrics
-    port)."""
+    dashboard); ``route_prefix``: the application's; ``env``: added to this process's
+    environment. Returns (process, HTTP port, metrics port); the config is
+    ``tmp_path / "serve.yaml"``."""
     from .helpers import TEST_OVERRIDES, free_port
 
     http_port, metrics_port = free_port(), free_port()
@@ -82,7 +84,8 @@ def own_instance(tmp_path, *args: str, route_prefix: str = "/"
     proc = subprocess.Popen([sys.executable, "-m", "service", "--config",
                              str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port),
                              *(args or ("--dashboard-host", "off"))],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | (env or {}))
     return proc, http_port, metrics_port
 
 
@@ -156,3 +159,70 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
     assert "stopping once start-up is done" not in out  # said on every stop, once
+
+
+@pytest.mark.service  # its own Ray, in a subprocess
+def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
+    """With ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (Ray's mode for high request rates; on main
+    ``python -m service`` died at start-up: "No event loop running", from the driver's handle
+    call to the gateway): both variants classify, a live ``serve deploy`` of new A/B weights
+    (Ray's own CLI, as the README says) reroutes the policy's traffic, and SIGTERM drains the
+    requests in flight and exits 0."""
+    import signal
+
+    from .helpers import free_port
+
+    dashboard = free_port()
+    proc, http_port, _ = own_instance(tmp_path, "--dashboard-port", str(dashboard),
+                                      env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"})
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        def up():
+            try:
+                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert wait_for(up, timeout_s=180), "service did not start"
+        text = "[MAX 2 [MIN 4 7 ] 0 ]"
+        for variant in ("mita", "dense"):
+            r = httpx.post(f"{url}/v1/classify", json={"text": text, "variant": variant},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["variant"] == variant, r.text
+            assert r.json()["n"] == 8 and abs(sum(r.json()["probabilities"]) - 1) < 1e-9
+        config = yaml.safe_load((tmp_path / "serve.yaml").read_text())
+        gateway = next(d for d in config["applications"][0]["deployments"]
+                       if d["name"] == "Gateway")
+        gateway["user_config"]["weights"] = {"mita": 0.0, "dense": 1.0}
+        (tmp_path / "live.yaml").write_text(yaml.safe_dump(config))
+        cli = subprocess.run([str(Path(sys.executable).parent / "serve"), "deploy",
+                              str(tmp_path / "live.yaml"), "-a",
+                              f"http://127.0.0.1:{dashboard}"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env=os.environ | {"RAY_AUTH_MODE": "token"})
+        assert cli.returncode == 0, cli.stderr[-2000:]
+        assert wait_for(lambda: httpx.get(f"{url}/v1/models", timeout=10).json()[
+            "ab_policy"]["weights"] == {"mita": 0.0, "dense": 1.0}, timeout_s=60)
+        routed = [httpx.post(f"{url}/v1/classify", json={"text": text}, timeout=60)
+                  for _ in range(6)]
+        assert [r.json()["variant"] for r in routed] == ["dense"] * 6
+        ids = encode(generate_long(16384, seed=4)[0])  # dense: ~1-2 s per forward here
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                inflight = [asyncio.ensure_future(c.post("/v1/classify", json={
+                    "ids": ids, "variant": "dense"})) for _ in range(4)]
+                await asyncio.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                late = await c.post("/v1/classify", json={"ids": ids[:100]})
+                return await asyncio.gather(*inflight), late
+        answers, late = asyncio.run(scenario())
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert [r.status_code for r in answers] == [200] * 4
+    assert late.status_code == 503, late.text
+    assert proc.returncode == 0, out[-2000:]
+    assert "drained (0 request(s) still in flight)" in out, out[-2000:]
+    assert "Traceback" not in out, out[-3000:]
