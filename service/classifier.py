@@ -2,8 +2,12 @@
 
 A thin Serve wrapper around ``service.engine.ClassifierEngine``, which holds all the serving
 logic (device, dtype, grouping, padding, profiled forward, probabilities) and runs without Ray.
-Requests arrive one sequence each (a numpy array of ids) and are batched by ``@serve.batch``;
-forwards run in a worker thread (the event loop stays free for health checks and queueing).
+Requests arrive one sequence each (a numpy array of ids). Forwards run one at a time in one
+worker thread (the event loop stays free for health checks and queueing). No request waits
+for a batch that cannot help it: with ``deterministic`` every sequence runs its own forward
+anyway, so it goes straight to the forward thread; with padded batching a request that finds
+the replica empty does too, and only requests that arrive while others are inside go through
+``@serve.batch``, whose wait then overlaps the forward they would wait behind anyway.
 The forward's profile (stage times, FLOPs, peak memory) goes back in each answer; the
 gateway's ``service.recorder`` turns it into metrics (a classifier replica exports none).
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -47,6 +52,9 @@ class Classifier:
             # On a cluster: which node this replica was placed on (hex id, as `ray list nodes`).
             "node_id": ray.get_runtime_context().get_node_id()}
         self.deterministic = True
+        # One forward at a time, in arrival order, whichever path a request takes.
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self._inside = 0  # classify calls in this replica that have not answered yet
         context = serve.get_replica_context()
         self.live = LiveConfig(ClassifierConfig, f"deployment {context.deployment!r} user_config",
                                store_key(context.app_name, context.deployment),
@@ -66,7 +74,10 @@ class Classifier:
         self.forward_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
 
     def info(self) -> dict:
+        cfg = self.live.value  # None until the first reconfigure
         return self.info_dict | {"deterministic": self.deterministic,
+                                 "max_batch_size": cfg and cfg.max_batch_size,
+                                 "batch_wait_timeout_s": cfg and cfg.batch_wait_timeout_s,
                                  "staged_profile_every": self.engine.staged_every,
                                  "config_update": self.live.status(),
                                  "topk": self.engine.topk_report()}  # decided as shapes come
@@ -78,11 +89,17 @@ class Classifier:
         cancels this call: client disconnect, gateway timeout) gets no forward if its sequence
         has not started."""
         gone = threading.Event()  # read by the engine's thread before each forward
+        self._inside += 1
         try:
-            result = await self.forward_batch(ids, staged, gone)
+            if self.deterministic or self._inside == 1:
+                result = (await self._forward([ids], [staged], [gone]))[0]
+            else:
+                result = await self.forward_batch(ids, staged, gone)
         except asyncio.CancelledError:
             gone.set()
             raise
+        finally:
+            self._inside -= 1
         return result | {"replica": self.info_dict["replica"]}  # peak memory is per replica
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
@@ -91,5 +108,11 @@ class Classifier:
         """The requests ``@serve.batch`` gathered, run by the engine off the event loop.
         Serve drops a request cancelled before the batch starts; ``gone`` lets the engine skip
         one cancelled while earlier sequences of the batch run."""
-        return await asyncio.to_thread(self.engine.run, batch, self.deterministic, staged,
-                                       [g.is_set for g in gone])
+        return await self._forward(batch, staged, gone)
+
+    async def _forward(self, batch: list[np.ndarray], staged: list[bool],
+                       gone: list[threading.Event]) -> list[dict]:
+        """``engine.run`` on the forward thread (one forward at a time, in arrival order)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._forward_thread, self.engine.run, batch, self.deterministic, staged,
+            [g.is_set for g in gone])
