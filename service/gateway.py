@@ -10,7 +10,7 @@ classifier deployment handle (``mita`` or ``dense``) → response; in shadow mod
 variant runs too and the two answers are compared. Every outcome goes through one
 ``service.recorder.Recorder`` into Prometheus and the ``StatsWindow`` that ``/v1/stats``
 summarises for the ``/dashboard`` page (or Prometheus does, when ``prometheus_url`` is
-configured). A classify request refused before routing is counted once, by the ``check_body``
+configured). A classify request refused before routing is counted once, by the ``CheckBody``
 middleware, whichever layer refused it; a routed one is recorded by ``_classify``.
 """
 
@@ -49,7 +49,7 @@ from .inputs import ApiError, binary_ids, to_ids
 from .live_config import LiveConfig, store_key
 from .policy import choose_variant, shadow_comparison
 from .recorder import Recorder
-from .replicas import REPLICA_WATCH_S, ReplicaWatch, fetch_classifier_replicas, no_replica
+from .replicas import fetch_classifier_replicas
 from .schemas import (
     DEPLOYMENTS,
     VARIANTS,
@@ -63,6 +63,11 @@ from .schemas import (
     Variant,
 )
 from .stats import PrometheusError, ab_split, prometheus_summary, summarize
+
+# A resent classification waits this long first, doubling up to the maximum: Serve learns of
+# a dead replica from the failed call itself, and of its replacement within a health check.
+RETRY_BACKOFF_S = 0.05
+MAX_RETRY_BACKOFF_S = 1.0
 
 
 def drop(response, answer: asyncio.Future) -> None:
@@ -82,6 +87,8 @@ class Gateway:
 
     def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, vocab: Vocabulary):
         self.handles = {"mita": mita, "dense": dense}
+        # handle.classify makes a new handle on every access: made once here.
+        self._classify_calls = {v: h.classify for v, h in self.handles.items()}
         self.vocab = vocab
         self.config = GatewayConfig()
         context = serve.get_replica_context()
@@ -97,7 +104,6 @@ class Gateway:
         self._primaries = dict.fromkeys(VARIANTS, 0)
         self._variant_info: dict = {}  # last answer of the classifiers' info(), for /v1/stats
         self._variant_info_at = -math.inf
-        self.replica_watch = ReplicaWatch()
 
     def reconfigure(self, config: dict) -> None:
         """Apply a ``user_config`` (``GatewayConfig``, parsed strictly). A live update that is
@@ -115,47 +121,57 @@ class Gateway:
             *(asyncio.ensure_future(self.handles[v].info.remote()) for v in VARIANTS)),
             timeout_s)
 
-    async def _call(self, variant: str, ids: np.ndarray, staged: bool = False) -> dict:
-        """One call to ``variant``'s classifier; its forward is recorded whenever an answer
-        comes back. Raises ApiError: 503 (back-pressure: ``rejected``; the replica died; no
-        replica of ``variant`` runs while the request waits: ``ReplicaWatch.unserved``,
-        within about ``REPLICA_WATCH_S`` plus one controller answer), 504 (no answer within
+    async def _call(self, variant: str, ids: np.ndarray, staged: bool = False,
+                    retry: bool = True) -> dict:
+        """One classification by ``variant``'s classifier; its forward is recorded whenever an
+        answer comes back. Classification is idempotent, so with ``retry`` (primary calls;
+        never shadow ones) a call whose replica died, or that found the deployment
+        unavailable, is sent again — Serve routes it to a live replica, or holds it until the
+        replacement runs — while ``request_timeout_s`` allows; each resend is counted in
+        ``retries_total``. Raises ApiError: 503 (back-pressure: ``rejected``; the replica
+        failed and no time was left to resend), 504 (no answer within
         ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
-        self.replica_watch.start()
-        sent_at = time.monotonic()
-        response = self.handles[variant].classify.remote(ids, staged)
-        answer = asyncio.ensure_future(response)
-        deadline = time.monotonic() + self.config.request_timeout_s
-        try:
-            while not answer.done():
-                left = deadline - time.monotonic()
-                if left <= 0:
+        timeout_s = self.config.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        backoff_s = RETRY_BACKOFF_S
+        while True:
+            response = self._classify_calls[variant].remote(ids, staged)
+            answer = asyncio.ensure_future(response)
+            try:
+                done, _ = await asyncio.wait({answer}, timeout=deadline - time.monotonic())
+                if not done:
                     drop(response, answer)
                     raise ApiError(504, f"the {variant} classifier did not answer within "
-                                        f"{self.config.request_timeout_s} s")
-                await asyncio.wait({answer}, timeout=min(left, REPLICA_WATCH_S))
-                if not answer.done() and self.replica_watch.unserved(variant, sent_at):
-                    drop(response, answer)
-                    raise no_replica(variant, self.config.retry_after_s)
-            result = answer.result()
-        except asyncio.CancelledError:  # the client went away: so does the request
-            drop(response, answer)
-            raise
-        except BackPressureError:
-            raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
-                           {"Retry-After": str(self.config.retry_after_s)},
-                           rejected=True) from None
-        except RayActorError as e:  # the replica died mid-request; Serve replaces it
-            raise ApiError(503, f"the {variant} classifier replica failed while handling "
-                                f"the request ({type(e).__name__}); retry later",
-                           {"Retry-After": str(self.config.retry_after_s)}) from None
-        except DeploymentUnavailableError:  # e.g. it failed to deploy: not a bug, a wait
-            raise no_replica(variant, self.config.retry_after_s) from None
-        except ApiError:
-            raise
-        except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
-            raise ApiError(500, f"the {variant} classifier failed: "
-                                f"{type(e).__name__}") from None
+                                        f"{timeout_s} s")
+                result = answer.result()
+                break
+            except asyncio.CancelledError:  # the client went away: so does the request
+                drop(response, answer)
+                raise
+            except BackPressureError:
+                raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
+                               {"Retry-After": str(self.config.retry_after_s)},
+                               rejected=True) from None
+            except (RayActorError, DeploymentUnavailableError) as e:
+                # The replica died mid-request (Serve replaces it), or none could take it.
+                reason = "replica_died" if isinstance(e, RayActorError) else "unavailable"
+                left = deadline - time.monotonic()
+                if not retry or left <= backoff_s:
+                    resend = ("" if not retry else
+                              f"; too little of request_timeout_s ({timeout_s} s) was left to "
+                              "send it again")
+                    raise ApiError(503, f"the {variant} classifier replica failed while "
+                                        f"handling the request ({type(e).__name__}){resend}; "
+                                        "retry later",
+                                   {"Retry-After": str(self.config.retry_after_s)}) from None
+                self.recorder.retry(variant, reason)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, MAX_RETRY_BACKOFF_S)
+            except ApiError:
+                raise
+            except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
+                raise ApiError(500, f"the {variant} classifier failed: "
+                                    f"{type(e).__name__}") from None
         self.recorder.forward(variant, len(ids), result["profile"], result["replica"])
         if "error" in result:  # e.g. non-finite logits: never a 200 with NaN probabilities
             raise ApiError(500, f"the {variant} classifier failed: {result['error']}")
@@ -177,7 +193,7 @@ class Gateway:
 
     async def _shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> None:
         try:
-            other = await self._call(shadow, ids)
+            other = await self._call(shadow, ids, retry=False)
         except ApiError as e:  # the shadow is best effort; the primary already answered
             if e.rejected:
                 self.recorder.rejection(shadow, "shadow")

@@ -53,13 +53,15 @@ GAUGE_REFRESH_S = 5.0
 KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
 
 # The ``status`` values of ``requests_total``. A routed request (variant mita or dense) is
-# answered 200, 500 (a replica error, non-finite logits), 503 (its replica died, or none runs)
-# or 504 (timeout): ``Gateway._call``. One refused before routing (variant "none") gets one of
-# the refusals of ``check_body``, routing, parsing and validation, or 503 while draining.
+# answered 200, 500 (a replica error, non-finite logits), 503 (its replica died with no time
+# left to resend) or 504 (timeout): ``Gateway._call``. One refused before routing (variant
+# "none") gets one of the refusals of ``CheckBody``, routing, parsing and validation, or
+# 503 while draining.
 ROUTED_STATUSES = (200, 500, 503, 504)
 REFUSED_STATUSES = (400, 405, 411, 413, 415, 422, 503)
 REJECTION_ROLES = ("primary", "shadow")
 SHADOW_DROP_REASONS = ("busy", "failed")  # shadow_dropped_total's reason label
+RETRY_REASONS = ("replica_died", "unavailable")  # retries_total's reason label
 
 
 METRIC_NAMES = {  # ServiceMetrics' attribute → the metric's name, declared once here
@@ -68,6 +70,7 @@ METRIC_NAMES = {  # ServiceMetrics' attribute → the metric's name, declared on
     "request_duration": "mita_serve_request_duration_seconds",
     "requests": "mita_serve_requests_total",
     "rejections": "mita_serve_rejections_total",
+    "retries": "mita_serve_retries_total",
     "tokens": "mita_serve_tokens_total",
     "flops": "mita_serve_flops_total",
     "peak_memory": "mita_serve_peak_memory_bytes",
@@ -113,6 +116,13 @@ class ServiceMetrics:
                         "(max_queued_requests) and answered 503 + Retry-After; role=shadow "
                         "when only the shadow call was refused (the primary answered).",
             tag_keys=("variant", "role"))
+        self.retries = Counter(
+            METRIC_NAMES["retries"],
+            description="Primary classifications sent again by the gateway within their "
+                        "deadline: reason=replica_died when the replica failed mid-request, "
+                        "unavailable when no replica could take it (shadow calls are never "
+                        "resent).",
+            tag_keys=("variant", "reason"))
         self.tokens = Counter(
             METRIC_NAMES["tokens"],
             description="Tokens of the forwards whose answers reached the gateway.",
@@ -161,6 +171,8 @@ class ServiceMetrics:
                  for s in REFUSED_STATUSES]
         zero += [(self.rejections, {"variant": v, "role": r})
                  for v in VARIANTS for r in REJECTION_ROLES]
+        zero += [(self.retries, {"variant": v, "reason": r})
+                 for v in VARIANTS for r in RETRY_REASONS]
         zero += [(c, {"variant": v}) for c in (self.tokens, self.flops) for v in VARIANTS]
         zero += [(self.shadow_comparisons, {"primary": v, "agree": a})
                  for v in VARIANTS for a in ("true", "false")]

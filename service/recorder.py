@@ -78,10 +78,19 @@ class Recorder:
         m.tokens.inc(n, {"variant": variant})
         m.flops.inc(stats.flops_total / stats.batch_size, {"variant": variant})
         if stats.peak_memory_bytes is not None:
+            key = (variant, stats.peak_memory_kind, replica)
             with self._lock:
-                self._peak[(variant, stats.peak_memory_kind, replica)] = (
-                    stats.peak_memory_bytes, time.monotonic())
-            self._set_gauges()
+                changed = self._peak.get(key, (None,))[0] != stats.peak_memory_bytes
+                self._peak[key] = (stats.peak_memory_bytes, time.monotonic())
+            if changed:  # else the gauge holds it, and _keep_gauges sets it again
+                self.metrics.peak_memory.set(stats.peak_memory_bytes, {
+                    "variant": variant, "kind": stats.peak_memory_kind,
+                    "classifier_replica": replica})
+
+    def retry(self, variant: str, reason: str) -> None:
+        """A primary classification sent to ``variant`` again: ``reason`` ``replica_died``
+        (its replica failed mid-request) or ``unavailable`` (no replica could take it)."""
+        self.metrics.retries.inc(1, {"variant": variant, "reason": reason})
 
     def shadow(self, primary: str, agree: bool, kl: float) -> None:
         """A shadow comparison of ``primary``'s answer: labels ``agree``, ``kl`` =

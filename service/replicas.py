@@ -1,22 +1,16 @@
-"""The gateway's watch of its classifiers' replicas, as Serve's controller reports them: what
-``/readyz`` answers from, and what lets a request whose classifier has no replica left fail
-fast (503) instead of waiting out ``request_timeout_s``.
+"""The classifiers' replicas as Serve's controller reports them: what ``/readyz`` answers
+from. Never asked on a classification's path: a request to a classifier with no replica left
+waits, within its deadline, for Serve's replacement (``Gateway._call``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 
 from ray import serve
 
-from .inputs import ApiError
 from .schemas import DEPLOYMENTS, VARIANTS
 
-# How often the gateway asks Serve's controller which classifiers have a running replica, and
-# so how long a request waits, at most, after its classifier's last replica is gone.
-REPLICA_WATCH_S = 1.0
 # Replica states (Serve's ReplicaState) in which a replica takes requests.
 SERVING_STATES = ("RUNNING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
 
@@ -50,50 +44,3 @@ async def fetch_classifier_replicas(timeout_s: float) -> dict[str, dict]:
         return _get_global_client().get_serve_details()
     details = await asyncio.wait_for(asyncio.to_thread(ask), timeout_s)
     return classifier_replicas(details, serve.get_replica_context().app_name)
-
-
-class ReplicaWatch:
-    """Serve's controller's view of each classifier's replicas, asked every ``REPLICA_WATCH_S``
-    by a task on the gateway replica's event loop (``start``)."""
-
-    def __init__(self):
-        # classifier_replicas as Serve's controller last reported them (_watch); empty until
-        # the first answer and after a failed one, so nothing is refused on a guess.
-        self.replicas: dict[str, dict] = {}
-        self.replicas_at = -math.inf
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        """Start the watch unless it runs (again, if it ended); from the event loop."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """Keep ``replicas`` current: Serve's controller is asked every ``REPLICA_WATCH_S``
-        about each classifier's replicas (``replicas_at``: when the answer was asked for).
-        A request's handle call would otherwise wait, with no replica, until one is back or
-        ``request_timeout_s`` passes (a lost node's replicas take as long as the node)."""
-        while True:
-            asked_at = time.monotonic()
-            try:
-                self.replicas = await fetch_classifier_replicas(10.0)
-                self.replicas_at = asked_at
-            except Exception:  # controller busy or restarting: no answer is not "none run"
-                self.replicas = {}
-            await asyncio.sleep(REPLICA_WATCH_S)
-
-    def unserved(self, variant: str, sent_at: float) -> bool:
-        """The controller, asked after a request to ``variant`` was sent at ``sent_at``, had
-        no replica of it that takes requests or is still finishing some: the request is
-        queued with nowhere to go. Never for a deployment that scales to zero, where a
-        request is what starts a replica. (Asked after, not before: a snapshot from just
-        before a replica came up would refuse requests it could serve.)"""
-        r = self.replicas.get(variant)
-        return (self.replicas_at > sent_at and bool(r) and not r["scales_to_zero"]
-                and r["serving"] == 0 and r["stopping"] == 0)
-
-
-def no_replica(variant: str, retry_after_s: int) -> ApiError:
-    return ApiError(503, f"no {variant} classifier replica is running (Serve is starting "
-                         "one: it failed, or its node was lost); retry later",
-                    {"Retry-After": str(retry_after_s)})

@@ -318,3 +318,29 @@ def counted_window() -> StatsWindow:
     for variant in ("dense", "dense", "mita", "dense"):  # shadow calls that gave no comparison
         w.add_shadow_drop(variant)
     return w
+
+
+class Spy:
+    """Stands in for one Ray metric: keeps every call as (method, value, tags)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def inc(self, value, tags):
+        self.calls.append(("inc", value, tags))
+
+    def observe(self, value, tags):
+        self.calls.append(("observe", value, tags))
+
+    def set(self, value, tags):
+        self.calls.append(("set", value, tags))
+
+
+def spied_recorder():
+    """A real ``Recorder`` whose Ray metrics are ``Spy``s."""
+    from service.recorder import Recorder
+
+    rec = Recorder()
+    for name in list(vars(rec.metrics)):
+        setattr(rec.metrics, name, Spy())
+    return rec

@@ -10,9 +10,9 @@ import pytest
 import service.recorder as recorder_mod
 from service.forward_stats import ForwardStats
 from service.metrics import DURATION_BUCKETS_S, N_BUCKETS, _one_two_five, n_bucket
-from service.recorder import PEAK_MEMORY_TTL_S, Recorder
+from service.recorder import PEAK_MEMORY_TTL_S
 
-from .helpers import FakeClock
+from .helpers import FakeClock, spied_recorder
 
 # numpy's linear interpolation and the s -> ms conversion round in the last bits; every
 # mistake these tests look for moves a value by far more than this.
@@ -21,27 +21,6 @@ REL = 1e-9
 
 # ---- the recorder: what Prometheus and the window get -------------------------------------
 
-class Spy:
-    """Stands in for one Ray metric: keeps every call as (method, value, tags)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def inc(self, value, tags):
-        self.calls.append(("inc", value, tags))
-
-    def observe(self, value, tags):
-        self.calls.append(("observe", value, tags))
-
-    def set(self, value, tags):
-        self.calls.append(("set", value, tags))
-
-
-def spied_recorder() -> Recorder:
-    rec = Recorder()
-    for name in list(vars(rec.metrics)):
-        setattr(rec.metrics, name, Spy())
-    return rec
 
 
 def profile(staged=False, stages=None, total_ms=8.0, flops=1_000_000, batch=1, peak=None,

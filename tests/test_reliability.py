@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import ray
 
 from loadtest.engine import LoadConfig, run_load
@@ -139,13 +140,18 @@ OVERLOAD_REPORT: dict = {}
 
 
 def test_overloaded_shadow_does_not_fail_primary(service):
-    """Primary dense (fast), shadow MiTA limited to one request in flight and one queued, the
-    gateway's shadow cap lifted so that the classifier's back-pressure is what refuses: every
-    primary answers 200; each shadow call is either compared or counted as a rejection with
-    role=shadow."""
+    """Primary dense (padded batching), shadow MiTA limited to one request in flight and one
+    queued, the gateway's shadow cap lifted so that the classifier's back-pressure is what
+    refuses: every primary answers 200; each shadow call is either compared or counted as a
+    rejection with role=shadow."""
     overrides = copy.deepcopy(service.overrides)
     overrides["deployments"]["MiTAClassifier"].update(max_ongoing_requests=1,
                                                        max_queued_requests=1)
+    # Dense primaries of one padded batch answer together, so their shadows reach MiTA at
+    # once (one forward per request would answer, and start the shadows, one by one).
+    overrides["deployments"]["DenseClassifier"]["user_config"] = {
+        **overrides["deployments"]["DenseClassifier"].get("user_config", {}),
+        "deterministic": False, "batch_wait_timeout_s": 0.05}
     gateway = next(d for d in launch.load_config(launch.CPU_CONFIG).applications[0].deployments
                    if d.name == "Gateway").user_config
     overrides["deployments"]["Gateway"]["user_config"] = {
@@ -183,6 +189,9 @@ def test_overloaded_shadow_does_not_fail_primary(service):
 # Replica failure: kill the MiTA classifier replica during a load run.
 
 def test_replica_killed_mid_load(service, serve_reset):
+    """The only MiTA replica is killed under a closed loop of 8: the requests it held are sent
+    again by the gateway (counted in retries_total) and answered once Serve's replacement
+    runs, so none fails (on main 23 of 1,148 got a 503), none waits past the deadline."""
     set_gateway(service, request_timeout_s=30)
     old = replica_ids(service)["mita"]
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -190,6 +199,7 @@ def test_replica_killed_mid_load(service, serve_reset):
     cfg = LoadConfig(url=service.url, ns=[1024], variants=["mita"], warmup=0, mode="closed",
                      concurrency=8, requests=100_000, duration_s=20, timeout_s=45)
     result: dict = {}
+    text0 = service.metrics_text()
 
     def run():
         result["samples"] = asyncio.run(run_load(cfg))
@@ -214,17 +224,25 @@ def test_replica_killed_mid_load(service, serve_reset):
         thread.join(timeout=120)
     samples = result["samples"]
     statuses = [s.status for s in samples]
-    failed = [s for s in samples if s.status != 200]
-    KILL_REPORT.update(sent=len(samples), ok=statuses.count(200), failed=len(failed),
+    latencies = np.array([s.latency_s for s in samples])
+
+    def retries():
+        text = service.metrics_text()
+        return sum(delta(text, text0, "ray_mita_serve_retries_total", variant="mita",
+                         reason=r) for r in ("replica_died", "unavailable")) or None
+    counted = wait_for(retries, timeout_s=20)
+    KILL_REPORT.update(sent=len(samples), ok=statuses.count(200),
+                       failed=len(samples) - statuses.count(200),
                        failed_by_status={st: statuses.count(st) for st in set(statuses)
                                          if st != 200},
-                       recovery_s=round(recovery_s, 1))
+                       retries=counted, recovery_s=round(recovery_s, 1),
+                       p50_s=round(float(np.percentile(latencies, 50)), 3),
+                       p99_s=round(float(np.percentile(latencies, 99)), 3),
+                       max_s=round(float(latencies.max()), 2))
     save_report("replica_kill", KILL_REPORT)
-    assert 0 not in statuses  # every request got an HTTP reply (no transport error/hang)
-    assert set(statuses) <= {200, 503}, KILL_REPORT
-    assert all("replica" in s.error for s in failed)  # explicit error naming the failure
-    assert max(s.latency_s for s in samples) < 30 + 5  # nothing past the request timeout
-    assert statuses.count(200) > 0 and samples[-1].status == 200
+    assert statuses == [200] * len(samples), KILL_REPORT  # nothing lost to the death
+    assert counted is not None and counted >= 1, KILL_REPORT  # the resends were counted
+    assert latencies.max() < 30 + 5  # nothing past the request timeout
     assert recovery_s < 90
 
 

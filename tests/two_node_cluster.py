@@ -17,7 +17,11 @@ Run by ``tests/test_cluster.py`` in its own process (``python tests/two_node_clu
    Serve's own status shows 2 running replicas, then none; the status is polled until 1.
 6. Node loss: the worker is killed (SIGKILL, no drain) during a closed-loop load, restarted
    after ``--outage-s``; the load goes on until both classifiers answer again, and 5 s more.
-7. Teardown: SIGTERM to the service (drain, delete the application), then every node.
+   A probe sent while no classifier runs anywhere waits for the replacement.
+7. Node loss with a replica of each classifier on the surviving node (redeployed: two
+   replicas each, at most one per node, on a resource both nodes offer): the worker is killed
+   again under load, which goes on for 8 s on the head's replicas.
+8. Teardown: SIGTERM to the service (drain, delete the application), then every node.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from service import launch  # noqa: E402
 
 APP = "mita-serve"
-WORKER = {"num_cpus": 2, "resources": {"mita_classifier": 4}}
+WORKER = {"num_cpus": 2, "resources": {"mita_classifier": 4, "mita_spread": 4}}
 T0 = time.monotonic()
 
 
@@ -70,6 +74,71 @@ def cluster_config(path: Path, http_port: int) -> None:
             dep["autoscaling_config"].update(metrics_interval_s=0.5, look_back_period_s=2.0,
                                              upscale_delay_s=1.0, downscale_delay_s=3.0)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def _written(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+class Probe:
+    """One MiTA request sent ``at_s`` seconds from now, in its own thread: (status, latency,
+    Retry-After, body)."""
+
+    def __init__(self, url: str, at_s: float):
+        self.out: dict = {}
+        self.thread = threading.Thread(target=self._run, args=(url, at_s), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, at_s: float) -> None:
+        time.sleep(at_s)
+        t = time.monotonic()
+        r = httpx.post(f"{url}/v1/classify", json={"ids": [12, 3, 5, 15], "variant": "mita"},
+                       timeout=150)
+        self.out = {"status": r.status_code, "latency_s": round(time.monotonic() - t, 2),
+                    "retry_after": r.headers.get("retry-after"), "body": r.json()}
+
+    def result(self) -> dict:
+        self.thread.join(timeout=160)
+        return self.out
+
+
+def loss_report(samples: list, killed_at: float, restarted_at: float | None) -> dict:
+    """What a closed loop saw around a node's loss at ``killed_at``: answers, failures (by
+    status, with their messages), latency p50/p99/max, and the first answer and the last
+    failure after ``restarted_at`` (when the node came back, if it did)."""
+    statuses = [s.status for _, s in samples]
+    ends = sorted((t + s.latency_s, s.status) for t, s in samples)
+    failed = [s for _, s in samples if s.status != 200]
+    last_failed = max((t for t, st in ends if st != 200), default=None)
+    lat = np.array([s.latency_s for _, s in samples])
+    out = {"load": {"n": 256, "variants": "ab", "concurrency": 4},
+           "sent": len(samples), "ok": statuses.count(200), "failed": len(failed),
+           "failed_by_status": {str(st): statuses.count(st) for st in set(statuses)
+                                if st != 200},
+           "errors": sorted({s.error for s in failed}),
+           "p50_latency_s": round(float(np.percentile(lat, 50)), 3),
+           "p99_latency_s": round(float(np.percentile(lat, 99)), 2),
+           "max_latency_s": round(float(lat.max()), 2),
+           # requests that were in flight or sent while the node was gone
+           "during_loss": sum(1 for t, s in samples if t + s.latency_s > killed_at
+                              and (restarted_at is None or t < restarted_at)),
+           "last_status": ends[-1][1] if ends else None,
+           "ok_after_last_failure": sum(1 for t, st in ends
+                                        if last_failed is not None and t > last_failed)}
+    if restarted_at is not None:
+        first_ok = next((t for t, st in ends if st == 200 and t > restarted_at), None)
+        out["first_ok_after_restart_s"] = (None if first_ok is None
+                                           else round(first_ok - restarted_at, 1))
+    return out
+
+
+def retries(target: str) -> dict[str, float]:
+    """``retries_total`` per variant at the exporter ``target``."""
+    m = metric_sums(target)
+    return {v: sum(val for k, val in m.items()
+                   if k.startswith(f"ray_mita_serve_retries_total|variant={v}"))
+            for v in ("mita", "dense")}
 
 
 def replica_nodes() -> dict[str, list[str]]:
@@ -145,7 +214,8 @@ def main() -> None:
     launch.loopback_only()
     head_metrics, worker_metrics, http_port = free_port(), free_port(), free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": "127.0.0.1", "num_cpus": 1, "resources": {"mita_gateway": 1},
+        "node_ip_address": "127.0.0.1", "num_cpus": 2,
+        "resources": {"mita_gateway": 1, "mita_spread": 4},
         "metrics_export_port": head_metrics, "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),
         "_system_config": {"metrics_report_interval_ms": 500}})
@@ -265,21 +335,14 @@ def main() -> None:
             "final": counts[-1][1]}
         log("autoscaling", report["autoscaling"]["max_running"], counts[-1])
 
-        # -- node loss -----------------------------------------------------------------------
+        # -- node loss: no classifier replica on the surviving node ------------------------
         load = Load(url, n=256, variant="ab", concurrency=4)
         time.sleep(4)
         killed_at = time.monotonic()
         cluster.remove_node(worker, allow_graceful=False)
         log("worker killed")
-        during = []
-        while time.monotonic() - killed_at < a.outage_s:
-            t = time.monotonic()
-            r = client.post("/v1/classify", json={"ids": [12, 3, 5, 15], "variant": "mita"})
-            during.append({"at_s": round(t - killed_at, 2), "status": r.status_code,
-                           "latency_s": round(time.monotonic() - t, 2),
-                           "retry_after": r.headers.get("retry-after"),
-                           "body": r.json()})
-            time.sleep(0.5)
+        probe = Probe(url, at_s=1.0)  # one request sent while no classifier runs anywhere
+        time.sleep(a.outage_s)
         restarted_at = time.monotonic()
         worker = cluster.add_node(node_ip_address="127.0.0.1",
                                   metrics_export_port=free_port(), **WORKER)
@@ -291,34 +354,36 @@ def main() -> None:
         while not both_answer() and time.monotonic() - restarted_at < 150:
             time.sleep(0.5)
         time.sleep(5)  # the load goes on with the service back
-        samples = load.stop()
-        statuses = [s.status for _, s in samples]
-        ends = sorted((t + s.latency_s, s.status) for t, s in samples)
-        first_ok = next((t for t, st in ends if st == 200 and t > restarted_at), None)
-        last_failed = max((t for t, st in ends if st != 200), default=None)
-        failed = [s for _, s in samples if s.status != 200]
-        report["node_loss"] = {
-            "load": {"n": 256, "variants": "ab", "concurrency": 4},
-            "sent": len(samples), "ok": statuses.count(200), "failed": len(failed),
-            "failed_by_status": {str(st): statuses.count(st) for st in set(statuses)
-                                 if st != 200},
-            "errors": sorted({s.error for s in failed}),
-            "max_latency_s": round(max(s.latency_s for _, s in samples), 2),
-            "outage_s": round(restarted_at - killed_at, 1),
-            # first answer again, and the end of the last failure (both variants back)
-            "first_ok_after_restart_s": None if first_ok is None
-            else round(first_ok - restarted_at, 1),
-            "last_failure_after_restart_s": None if last_failed is None
-            else round(last_failed - restarted_at, 1),
-            "ok_after_last_failure": sum(1 for t, st in ends
-                                         if last_failed is not None and t > last_failed),
-            "last_status": ends[-1][1] if ends else None,
-            "probes_during_outage": during,
+        report["node_loss"] = loss_report(load.stop(), killed_at, restarted_at) | {
+            "outage_s": round(restarted_at - killed_at, 1), "probe": probe.result(),
             "answers_after": {v: client.post("/v1/classify", json={
                 "ids": [12, 3, 5, 15], "variant": v}).status_code for v in ("mita", "dense")},
-            "placement_after": replica_nodes(), "new_worker": worker.node_id}
-        log("node loss", {k: v for k, v in report["node_loss"].items()
-                          if k != "probes_during_outage"})
+            "placement_after": replica_nodes(), "new_worker": worker.node_id,
+            "retries": retries(target)}
+        log("node loss", report["node_loss"])
+
+        # -- node loss: a replica of each classifier on the surviving node too ------------
+        # Both nodes offer mita_spread; two replicas of each classifier, at most one a node.
+        spread = yaml.safe_load(config.read_text())
+        for dep in spread["applications"][0]["deployments"]:
+            if dep["name"] != "Gateway":
+                dep.pop("autoscaling_config")
+                dep.update(num_replicas=2, max_replicas_per_node=1)
+                dep["ray_actor_options"]["resources"] = {"mita_spread": 1}
+        launch.deploy(launch.load_config(_written(a.out / "spread.yaml", spread)))
+        report["spread_placement"] = replica_nodes()
+        log("spread", report["spread_placement"])
+        load = Load(url, n=256, variant="ab", concurrency=4)
+        time.sleep(4)
+        before = retries(target)
+        killed_at = time.monotonic()
+        cluster.remove_node(worker, allow_graceful=False)
+        log("worker killed again")
+        time.sleep(8)  # the load goes on with one replica of each classifier, on the head
+        report["node_loss_spread"] = loss_report(load.stop(), killed_at, None) | {
+            "retries": {k: v - before.get(k, 0) for k, v in retries(target).items()},
+            "placement_after": replica_nodes()}
+        log("node loss, spread", report["node_loss_spread"])
     finally:
         if service is not None:
             service.send_signal(signal.SIGTERM)
