@@ -200,13 +200,15 @@ class ClassifierEngine:
     def _stages(self, staged: bool):
         """Run the forward inside with the PyTorch MiTA stages when ``staged`` (one forward at
         a time: the backend is a model attribute)."""
+        switch = staged and self.fused()  # else the model already runs self.backend
         with self._lock:
-            if staged and self.fused():
+            if switch:
                 set_mita_backend(self.model, "torch")
             try:
                 yield
             finally:
-                set_mita_backend(self.model, self.backend)
+                if switch:
+                    set_mita_backend(self.model, self.backend)
 
     def run(self, batch: Sequence[Sequence[int] | np.ndarray], deterministic: bool = True,
             staged: Sequence[bool] | None = None,

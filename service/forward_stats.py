@@ -51,4 +51,7 @@ class ForwardStats:
         """The response's ``profile`` (``schemas.StageProfile``): these fields and
         ``pre_forward_ms``, the milliseconds from ``arrived_at`` (the gateway's wall clock at
         the request's arrival) to ``started_at``."""
-        return dataclasses.asdict(self) | {"pre_forward_ms": (self.started_at - arrived_at) * 1e3}
+        # A shallow copy: dataclasses.asdict deep-copies every dict and list, ~0.4 ms a
+        # request, and the response is serialised straight away.
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return out | {"pre_forward_ms": (self.started_at - arrived_at) * 1e3}

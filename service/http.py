@@ -2,7 +2,7 @@
 routes: ``service.gateway``), the refusals made before routing, the JSON error answers and the
 dashboard's static files.
 
-A classify request refused before routing is counted once, by the ``check_body`` middleware,
+A classify request refused before routing is counted once, by the ``CheckBody`` middleware,
 whichever layer refused it; a routed one is recorded by ``Gateway._classify``. The handlers
 here read the replica's state as ``replica_state.X`` (why: ``service.replica_state``).
 """
@@ -93,8 +93,7 @@ def query_refusal(request: Request, path: str) -> tuple[int, str] | None:
     return None
 
 
-@app.middleware("http")
-async def check_body(request: Request, call_next):
+class CheckBody:
     """Before any parsing: POST bodies to the classify endpoints must be JSON (binary ids for
     ``/v1/classify/binary``) with a Content-Length within the limit (other paths and methods
     go on to routing: 404/405). Stamps the arrival time the response's ``pre_forward_ms`` and
@@ -103,27 +102,54 @@ async def check_body(request: Request, call_next):
     The one place a classify request refused before routing is counted
     (``requests_total{variant="none"}`` and the stats window), whichever layer refused it:
     this middleware, routing (404/405), parsing, validation or the endpoint's own checks.
-    Requests that were routed were recorded with their variant where they were routed."""
-    request.scope[ARRIVED] = time.time()
-    path = route_path(request)
-    response = await _answer(request, call_next, path)
-    gateway = replica_state.gateway
-    if (gateway is not None and path in CLASSIFY_PATHS
-            and not request.scope.get(ROUTED)):
-        gateway.recorder.request("none", response.status_code)
-    return response
+    Requests that were routed were recorded with their variant where they were routed.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) runs
+    the app in a task of its own behind a memory stream, a cost on every request
+    (``benchmarks/serve_overhead.py``)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope[ARRIVED] = time.time()
+        request = Request(scope)
+        path = route_path(request)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        refusal = refusal_of(request, path)
+        if refusal is not None:
+            await refusal(scope, receive, send_status)
+        elif request.method == "POST" and path in CLASSIFY_PATHS:
+            replica_state.inflight += 1
+            try:
+                await self.app(scope, receive, send_status)
+            finally:
+                replica_state.inflight -= 1
+        else:
+            await self.app(scope, receive, send_status)
+        gateway = replica_state.gateway
+        if gateway is not None and path in CLASSIFY_PATHS and not scope.get(ROUTED):
+            gateway.recorder.request("none", status)
 
 
-async def _answer(request: Request, call_next, path: str):
+def refusal_of(request: Request, path: str) -> JSONResponse | None:
+    """The answer to a request refused before parsing (draining, query parameters, the
+    classify endpoints' Content-Type, -Encoding and -Length), or None."""
     if replica_state.draining and path != "/healthz":
         # shutting down: in-flight requests finish, new ones go elsewhere (liveness stays ok)
         retry = replica_state.gateway.config.retry_after_s if replica_state.gateway else 1
         return _error(503, "the service is shutting down; retry on another instance",
                       headers={"Retry-After": str(retry)})
     refusal = query_refusal(request, path)
-    if refusal is not None:
-        return _error(*refusal)
-    if request.method == "POST" and path in CLASSIFY_PATHS:
+    if refusal is None and request.method == "POST" and path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         length = request.headers.get("content-length", "").strip()
         limit = replica_state.max_body_bytes
@@ -147,14 +173,10 @@ async def _answer(request: Request, call_next, path: str):
         elif int(length) > limit:
             refusal = (413, f"request body of {length} bytes exceeds the limit of "
                             f"{limit} bytes")
-        if refusal is not None:
-            return _error(*refusal)
-        replica_state.inflight += 1
-        try:
-            return await call_next(request)
-        finally:
-            replica_state.inflight -= 1
-    return await call_next(request)
+    return None if refusal is None else _error(*refusal)
+
+
+app.add_middleware(CheckBody)
 
 
 @app.exception_handler(StarletteHTTPException)
