@@ -3,18 +3,27 @@ then drain (new requests 503, in-flight ones finish) and stop."""
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
 import os
-import signal
-import subprocess
 import sys
-import threading
-from pathlib import Path
 
-from mita.argtypes import bounded
+# Ray Serve reads RAY_SERVE_THROUGHPUT_OPTIMIZED once, when it is imported (with launch,
+# below): python -m service runs Ray's throughput mode unless the variable is set or
+# --ray-serve-default-mode is given (benchmarks/serve_overhead.py: faster in both latency
+# and throughput). Only when run as a program: importing this module changes nothing.
+DEFAULT_MODE_FLAG = "--ray-serve-default-mode"
+if __name__ == "__main__" and DEFAULT_MODE_FLAG not in sys.argv[1:]:
+    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 
-from . import launch, preflight
+import argparse  # noqa: E402
+import ipaddress  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mita.argtypes import bounded  # noqa: E402
+
+from . import launch, preflight  # noqa: E402
 
 
 def ip_address(text: str) -> str:
@@ -61,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
                         "Ray here; Ctrl-C then drains and deletes only this application. "
                         "--metrics-*, --node-ip and --dashboard-* are the cluster's own and "
                         "are not used")
+    p.add_argument(DEFAULT_MODE_FLAG, action="store_true",
+                   help="run Ray Serve in its default mode instead of its throughput mode "
+                        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1, which python -m service sets "
+                        "unless the variable is already set); on a cluster joined with "
+                        "--address the nodes run the mode they were started in")
     p.add_argument("--check", action="store_true",
                    help="run every check a start makes that starts nothing (the file, its "
                         "user_configs, checkpoints, devices, listening addresses; with "
@@ -116,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
+    throughput = os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"  # as Serve reads it
+    print("Ray Serve mode: " + ("throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; "
+                                f"{DEFAULT_MODE_FLAG} for the default mode)" if throughput
+                                else "default"))
     metrics_port, metrics_ip = launch.metrics_exporter
     print(f"Prometheus metrics: http://{netloc(metrics_ip, metrics_port)}/metrics (the Gateway's "
           f"node; file-SD list {launch.prometheus_sd_file(metrics_port)}; "

@@ -60,6 +60,8 @@ def test_service_metrics_record_every_counter_series_at_zero(monkeypatch):
             for v, s in REQUEST_SERIES} <= zeros
     assert {("mita_serve_rejections_total", (("role", r), ("variant", v)))
             for v, r in REJECTION_SERIES} <= zeros
+    assert {("mita_serve_retries_total", (("reason", r), ("variant", v)))
+            for v in ("mita", "dense") for r in ("replica_died", "unavailable")} <= zeros
     assert all(value == 0 for _, value, _ in calls)  # nothing but the zeros
 
 

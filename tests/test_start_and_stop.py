@@ -114,6 +114,34 @@ def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):
     assert wait_for(lambda: not listening(metrics_port), timeout_s=20), "Ray left running"
 
 
+def is_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def sigterm_under_load(proc: subprocess.Popen, url: str, inflight: int) -> tuple:
+    """SIGTERM to ``proc`` 1 s after ``inflight`` long dense requests (N = 16,384: ~1-2 s per
+    forward here) were sent; 0.5 s later one more request, /healthz and /readyz. Returns
+    (the in-flight answers, the late answer, /healthz, /readyz)."""
+    import signal
+
+    ids = encode(generate_long(16384, seed=4)[0])
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
+                "ids": ids, "variant": "dense"})) for _ in range(inflight)]
+            await asyncio.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            late = await c.post("/v1/classify", json={"ids": ids[:100]})
+            health, ready = await c.get("/healthz"), await c.get("/readyz")
+            return await asyncio.gather(*sent), late, health, ready
+    return asyncio.run(scenario())
+
+
 @pytest.mark.service  # its own Ray, in a subprocess
 def test_sigterm_drains_in_flight_requests(tmp_path):
     """SIGTERM to ``python -m service`` while 6 dense requests are in flight: every one is
@@ -122,31 +150,14 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
     instance, loopback ports, and the application under a route prefix (the drain counted 0
     requests in flight there and cut them)."""
-    import signal
-
-    proc, http_port, _ = own_instance(tmp_path, route_prefix="/m2")
+    # Ray Serve's default mode (python -m service runs its throughput mode otherwise, which
+    # test_rays_throughput_mode_serves_updates_live_and_drains drains)
+    proc, http_port, _ = own_instance(tmp_path, "--dashboard-host", "off",
+                                      "--ray-serve-default-mode", route_prefix="/m2")
     url = f"http://127.0.0.1:{http_port}/m2"
     try:
-        def up():
-            try:
-                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        assert wait_for(up, timeout_s=180), "service did not start"
-        ids = encode(generate_long(16384, seed=4)[0])  # dense: ~1-2 s per forward here
-
-        async def scenario():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                inflight = [asyncio.ensure_future(c.post("/v1/classify", json={
-                    "ids": ids, "variant": "dense"})) for _ in range(6)]
-                await asyncio.sleep(1.0)
-                proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
-                late = await c.post("/v1/classify", json={"ids": ids[:100]})
-                health = await c.get("/healthz")
-                ready = await c.get("/readyz")
-                return await asyncio.gather(*inflight), late, health, ready
-        answers, late, health, ready = asyncio.run(scenario())
+        assert wait_for(lambda: is_ready(url), timeout_s=180), "service did not start"
+        answers, late, health, ready = sigterm_under_load(proc, url, 6)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -159,6 +170,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
     assert "stopping once start-up is done" not in out  # said on every stop, once
+    assert "Ray Serve mode: default" in out, out[-2000:]
 
 
 @pytest.mark.service  # its own Ray, in a subprocess
@@ -168,8 +180,6 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
     call to the gateway): both variants classify, a live ``serve deploy`` of new A/B weights
     (Ray's own CLI, as the README says) reroutes the policy's traffic, and SIGTERM drains the
     requests in flight and exits 0."""
-    import signal
-
     from .helpers import free_port
 
     dashboard = free_port()
@@ -177,12 +187,7 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
                                       env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"})
     url = f"http://127.0.0.1:{http_port}"
     try:
-        def up():
-            try:
-                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        assert wait_for(up, timeout_s=180), "service did not start"
+        assert wait_for(lambda: is_ready(url), timeout_s=180), "service did not start"
         text = "[MAX 2 [MIN 4 7 ] 0 ]"
         for variant in ("mita", "dense"):
             r = httpx.post(f"{url}/v1/classify", json={"text": text, "variant": variant},
@@ -204,18 +209,7 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
         routed = [httpx.post(f"{url}/v1/classify", json={"text": text}, timeout=60)
                   for _ in range(6)]
         assert [r.json()["variant"] for r in routed] == ["dense"] * 6
-        ids = encode(generate_long(16384, seed=4)[0])  # dense: ~1-2 s per forward here
-
-        async def scenario():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                inflight = [asyncio.ensure_future(c.post("/v1/classify", json={
-                    "ids": ids, "variant": "dense"})) for _ in range(4)]
-                await asyncio.sleep(1.0)
-                proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
-                late = await c.post("/v1/classify", json={"ids": ids[:100]})
-                return await asyncio.gather(*inflight), late
-        answers, late = asyncio.run(scenario())
+        answers, late, _, _ = sigterm_under_load(proc, url, 4)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -226,3 +220,4 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
+    assert "Ray Serve mode: throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in out, out[-2000:]

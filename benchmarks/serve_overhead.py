@@ -1,0 +1,263 @@
+"""What the service adds around a forward, against a bare Ray Serve app of the same shape,
+side by side in one run, in Ray Serve's default mode and with ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``.
+
+    python benchmarks/serve_overhead.py [--requests 60] [--warmup 10] [--duration-s 5]
+
+Each mode runs in a fresh process (Serve reads the variable when it is imported), which starts
+Ray, the real service (deploy/serve_config.yaml, shipped checkpoint, CPU) and, in the same
+Serve instance, the bare app written below: HTTP proxy → FastAPI ingress → one
+``DeploymentHandle`` call to a second deployment that returns ``len(ids)``. Both get the same
+bodies, one request to each in turn:
+
+- **sequential**: for N = 64, 1,024, 16,384 and JSON (``{"ids": [...]}``) and binary
+  (uint8) bodies, ``--warmup`` untimed then ``--requests`` timed requests to each app. The
+  product's overhead is its round trip minus the forward's own ``profile.total_ms`` (the
+  request asks ``"profile": true``, and pays for it); the bare app's is its round trip.
+  "bare + wait" is the bare app whose second deployment first sleeps, in a worker thread,
+  the forward time the product reported just before: its overhead (round trip − the wait)
+  is what Serve adds around a downstream call that takes as long as the product's forward.
+- **closed loop**: N = 64, JSON, ``concurrency`` clients each sending the next request when
+  the last answered, for ``--duration-s``, twice per app in the order product, bare, product,
+  bare; throughput is answered requests per second over both rounds.
+
+The product runs the MiTA classifier (``variant: mita``), ``deterministic: true`` as shipped.
+Client and servers share the machine's cores; the client is one asyncio process (aiohttp).
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see the bare endpoint's real types
+# in the replica, where the cloudpickled functions cannot resolve the names.
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = (64, 1024, 16384)
+CONCURRENCY = (1, 8, 32)
+MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+BARE_PREFIX = "/bare"
+
+
+class Body(BaseModel):
+    ids: list[int]
+
+
+def bare_app():
+    """The bare Ray Serve app of the service's shape, without anything of the service.
+    ``?wait_ms=``: the second deployment first waits that long in a worker thread, as the
+    product's classifier runs its forward (0: it answers at once)."""
+    import asyncio
+    import time
+
+    from fastapi import FastAPI, Request
+    from ray import serve
+
+    api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Count:
+        async def count(self, ids, wait_s: float) -> int:
+            if wait_s > 0:
+                await asyncio.get_running_loop().run_in_executor(None, time.sleep, wait_s)
+            return len(ids)
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    @serve.ingress(api)
+    class Ingress:
+        def __init__(self, count):
+            self.count = count
+
+        @api.post("/v1/classify")
+        async def classify(self, body: Body, wait_ms: float = 0.0) -> dict:
+            return {"n": await self.count.count.remote(np.asarray(body.ids), wait_ms / 1e3)}
+
+        @api.post("/v1/classify/binary")
+        async def binary(self, request: Request, wait_ms: float = 0.0) -> dict:
+            ids = np.frombuffer(await request.body(), dtype=np.uint8)
+            return {"n": await self.count.count.remote(ids, wait_ms / 1e3)}
+
+    return Ingress.bind(Count.bind())
+
+
+def bodies(n: int) -> dict[str, tuple[str, bytes, str, str]]:
+    """(path, body, content type, query) of the JSON and binary request for N = ``n``."""
+    ids = np.random.default_rng(n).integers(1, 16, n).astype(np.uint8)
+    return {"json": ("/v1/classify", json.dumps({"ids": ids.tolist(), "variant": "mita",
+                                                  "profile": True}).encode(),
+                     "application/json", ""),
+            "binary": ("/v1/classify/binary", ids.tobytes(), "application/octet-stream",
+                       "?variant=mita&profile=true")}
+
+
+async def post(session, url: str, body: bytes, ctype: str) -> tuple[float, dict]:
+    """(round trip in ms, JSON answer); raises on a status other than 200."""
+    t0 = time.perf_counter()
+    async with session.post(url, data=body, headers={"content-type": ctype}) as r:
+        answer = await r.json()
+    rt_ms = 1e3 * (time.perf_counter() - t0)
+    if r.status != 200:
+        raise RuntimeError(f"{url}: {r.status} {answer}")
+    return rt_ms, answer
+
+
+async def sequential(session, urls: dict[str, str], requests: int, warmup: int) -> list[dict]:
+    """Per (N, body): the product, the bare app, and the bare app waiting the forward time
+    the product just reported, in turn."""
+    rows = []
+    for n in NS:
+        for fmt, (path, body, ctype, query) in bodies(n).items():
+            got = {"product": [], "bare": [], "bare_wait": []}
+            sep = "&" if query else "?"
+            for i in range(warmup + requests):
+                rt, answer = await post(session, urls["product"] + path + query, body, ctype)
+                fwd = answer["profile"]["total_ms"]
+                rt_bare, _ = await post(session, urls["bare"] + path, body, ctype)
+                rt_wait, _ = await post(session, f"{urls['bare']}{path}{query}{sep}"
+                                        f"wait_ms={fwd}", body, ctype)
+                if i >= warmup:
+                    got["product"].append((rt, rt - fwd, fwd))
+                    got["bare"].append((rt_bare, rt_bare, 0.0))
+                    got["bare_wait"].append((rt_wait, rt_wait - fwd, fwd))
+            row = {"n": n, "format": fmt}
+            for app, samples in got.items():
+                a = np.asarray(samples)
+                row[app] = {"round_trip_p50_ms": float(np.percentile(a[:, 0], 50)),
+                            "overhead_p50_ms": float(np.percentile(a[:, 1], 50)),
+                            "overhead_p99_ms": float(np.percentile(a[:, 1], 99)),
+                            "forward_p50_ms": float(np.percentile(a[:, 2], 50))}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+async def closed_loop(session, url: str, body: bytes, concurrency: int,
+                      duration_s: float) -> tuple[int, int, float]:
+    """(answered 200, other answers, seconds) of ``concurrency`` clients for ``duration_s``."""
+    counts = [0, 0]
+    stop_at = time.perf_counter() + duration_s
+
+    async def client():
+        while time.perf_counter() < stop_at:
+            async with session.post(url, data=body,
+                                    headers={"content-type": "application/json"}) as r:
+                await r.read()
+                counts[r.status != 200] += 1
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return counts[0], counts[1], time.perf_counter() - t0
+
+
+async def throughput(session, urls: dict[str, str], duration_s: float) -> list[dict]:
+    path, body, _, _ = bodies(64)["json"]
+    body = json.dumps({**json.loads(body), "profile": False}).encode()
+    rows = []
+    for c in CONCURRENCY:
+        done = {app: [0, 0, 0.0] for app in urls}
+        for _ in range(2):
+            for app, base in urls.items():
+                ok, bad, s = await closed_loop(session, base + path, body, c, duration_s)
+                done[app] = [done[app][0] + ok, done[app][1] + bad, done[app][2] + s]
+        row = {"concurrency": c, **{app: {"rps": ok / s, "non_200": bad}
+                                    for app, (ok, bad, s) in done.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def child(mode: str, a: argparse.Namespace) -> dict:
+    import aiohttp
+    import torch
+    from ray import serve
+
+    sys.path.insert(0, str(ROOT))
+    from service import launch
+
+    cfg = launch.load_config(launch.CPU_CONFIG, {"http_options": {"port": a.port},
+                                                 "args": {"device": "cpu"}})
+    url = launch.start(cfg, metrics_port=a.port + 1)
+    try:
+        serve.run(bare_app(), name="bare", route_prefix=BARE_PREFIX)
+        urls = {"product": url, "bare": url + BARE_PREFIX}
+
+        async def run():
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0),
+                    timeout=aiohttp.ClientTimeout(total=300)) as session:
+                return (await sequential(session, urls, a.requests, a.warmup),
+                        await throughput(session, urls, a.duration_s))
+        seq, tput = asyncio.run(run())
+    finally:
+        launch.stop()
+    return {"mode": mode, "sequential": seq, "throughput": tput,
+            "torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def table(results: list[dict], a: argparse.Namespace) -> str:
+    lines = [f"MiTA classifier (shipped checkpoint, m = k = 16, s = 1), deterministic, batch 1, "
+             f"float32, cpu ({results[0]['cpus']} cores, client included); torch "
+             f"{results[0]['torch']}; {a.requests} timed requests per cell after {a.warmup} "
+             f"warm-ups, one to each app in turn; closed loops {2 * a.duration_s:g} s per "
+             "cell, 2 rounds alternating\n",
+             "### Sequential: overhead = round trip − forward (bare app: round trip; bare + "
+             "wait: round trip − the wait)\n",
+             "| mode | N | body | product overhead p50 ms | bare p50 ms | product − bare ms | "
+             "bare + wait p50 ms | product − (bare + wait) ms | product overhead p99 ms | "
+             "bare p99 ms | product forward p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for row in r["sequential"]:
+            p, b, w = row["product"], row["bare"], row["bare_wait"]
+            lines.append(f"| {r['mode']} | {row['n']} | {row['format']} | "
+                         f"{p['overhead_p50_ms']:.2f} | {b['overhead_p50_ms']:.2f} | "
+                         f"{p['overhead_p50_ms'] - b['overhead_p50_ms']:+.2f} | "
+                         f"{w['overhead_p50_ms']:.2f} | "
+                         f"{p['overhead_p50_ms'] - w['overhead_p50_ms']:+.2f} | "
+                         f"{p['overhead_p99_ms']:.2f} | {b['overhead_p99_ms']:.2f} | "
+                         f"{p['forward_p50_ms']:.2f} |")
+    lines += ["", "### Closed loop, N = 64, JSON: answered requests per second\n",
+              "| mode | concurrency | product req/s | bare req/s | product / bare | non-200 |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        for row in r["throughput"]:
+            p, b = row["product"], row["bare"]
+            lines.append(f"| {r['mode']} | {row['concurrency']} | {p['rps']:.0f} | "
+                         f"{b['rps']:.0f} | {p['rps'] / b['rps']:.2f} | "
+                         f"{p['non_200'] + b['non_200']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--duration-s", type=float, default=5.0)
+    p.add_argument("--port", type=int, default=8785)
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    p.add_argument("--child", choices=tuple(MODES), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        a.out.write_text(json.dumps(child(a.child, a)))
+        return
+    results = []
+    for mode in a.modes:
+        out = Path(f"/tmp/serve_overhead-{os.getpid()}-{mode}.json")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_THROUGHPUT")}
+        subprocess.run([sys.executable, __file__, "--child", mode, "--out", str(out),
+                        "--requests", str(a.requests), "--warmup", str(a.warmup),
+                        "--duration-s", str(a.duration_s), "--port", str(a.port)],
+                       env=env | MODES[mode], check=True)
+        results.append(json.loads(out.read_text()))
+        out.unlink()
+    print("\n" + table(results, a))
+
+
+if __name__ == "__main__":
+    main()
