@@ -7,12 +7,15 @@ import os
 import sys
 
 # Ray Serve reads RAY_SERVE_THROUGHPUT_OPTIMIZED once, when it is imported (with launch,
-# below): python -m service runs Ray's throughput mode unless the variable is set or
-# --ray-serve-default-mode is given (benchmarks/serve_overhead.py: faster in both latency
+# below): python -m service runs Ray's throughput mode unless --ray-serve-default-mode is
+# given or the variable is set (benchmarks/serve_overhead.py: faster in both latency
 # and throughput). Only when run as a program: importing this module changes nothing.
 DEFAULT_MODE_FLAG = "--ray-serve-default-mode"
-if __name__ == "__main__" and DEFAULT_MODE_FLAG not in sys.argv[1:]:
-    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+if __name__ == "__main__":
+    if DEFAULT_MODE_FLAG in sys.argv[1:]:
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "0"  # the flag wins over the variable
+    else:
+        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 
 import argparse  # noqa: E402
 import ipaddress  # noqa: E402
@@ -45,7 +48,9 @@ def ip_address_or_off(text: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    # allow_abbrev=False: DEFAULT_MODE_FLAG is looked for whole, before argparse runs
+    p = argparse.ArgumentParser(prog="python -m service", description=__doc__,
+                                allow_abbrev=False)
     p.add_argument("--config", type=Path, default=None,
                    help="Serve config file (default: deploy/serve_config.yaml, or "
                         "deploy/serve_config.gpu.yaml when CUDA is available)")
@@ -73,8 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(DEFAULT_MODE_FLAG, action="store_true",
                    help="run Ray Serve in its default mode instead of its throughput mode "
                         "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1, which python -m service sets "
-                        "unless the variable is already set); on a cluster joined with "
-                        "--address the nodes run the mode they were started in")
+                        "unless the variable is already set; this flag sets it to 0); on a "
+                        "cluster joined with --address the replicas run the mode their nodes "
+                        "were started in")
     p.add_argument("--check", action="store_true",
                    help="run every check a start makes that starts nothing (the file, its "
                         "user_configs, checkpoints, devices, listening addresses; with "

@@ -7,7 +7,7 @@ worker thread (the event loop stays free for health checks and queueing). No req
 for a batch that cannot help it: with ``deterministic`` every sequence runs its own forward
 anyway, so it goes straight to the forward thread; with padded batching a request that finds
 the replica empty does too, and only requests that arrive while others are inside go through
-``@serve.batch``, whose wait then overlaps the forward they would wait behind anyway.
+``@serve.batch`` (whose wait overlaps the forward running then, when that is longer).
 The forward's profile (stage times, FLOPs, peak memory) goes back in each answer; the
 gateway's ``service.recorder`` turns it into metrics (a classifier replica exports none).
 """

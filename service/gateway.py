@@ -1,6 +1,6 @@
 """Gateway deployment: the ingress's routes, the A/B policy and the recording of outcomes
 (its FastAPI app and the refusals before routing: ``service.http``; input parsing and id
-checks: ``service.inputs``; the watch of the classifiers' replicas: ``service.replicas``).
+checks: ``service.inputs``; the classifiers' replicas for ``/readyz``: ``service.replicas``).
 
 (No ``from __future__ import annotations`` here: FastAPI must see the real types of the
 endpoint parameters of the ingress class.)
@@ -26,8 +26,10 @@ import numpy as np
 import ray
 from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, Response
+from grpc import StatusCode
+from grpc.aio import AioRpcError
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -68,6 +70,14 @@ from .stats import PrometheusError, ab_split, prometheus_summary, summarize
 # a dead replica from the failed call itself, and of its replacement within a health check.
 RETRY_BACKOFF_S = 0.05
 MAX_RETRY_BACKOFF_S = 1.0
+# At most this many resends of one request: a request that itself kills its replica (a crash,
+# an OOM kill) must not take down every replacement, and the requests beside it, for the
+# whole deadline.
+MAX_RESENDS = 3
+# In Ray's throughput mode calls between deployments go over gRPC; Ray turns UNAVAILABLE into
+# ActorUnavailableError, and these other codes of a call cut by a dying replica come as they are.
+REPLICA_LOST_CODES = (StatusCode.UNAVAILABLE, StatusCode.UNKNOWN, StatusCode.INTERNAL,
+                      StatusCode.ABORTED)
 
 
 def drop(response, answer: asyncio.Future) -> None:
@@ -125,15 +135,18 @@ class Gateway:
                     retry: bool = True) -> dict:
         """One classification by ``variant``'s classifier; its forward is recorded whenever an
         answer comes back. Classification is idempotent, so with ``retry`` (primary calls;
-        never shadow ones) a call whose replica died, or that found the deployment
-        unavailable, is sent again — Serve routes it to a live replica, or holds it until the
-        replacement runs — while ``request_timeout_s`` allows; each resend is counted in
-        ``retries_total``. Raises ApiError: 503 (back-pressure: ``rejected``; the replica
-        failed and no time was left to resend), 504 (no answer within
-        ``request_timeout_s``), 500 (a replica error, non-finite logits)."""
+        never shadow ones) a call whose replica failed while holding it (``RayActorError``:
+        the actor died or became unreachable; in Ray's throughput mode also a gRPC error of
+        the call) is sent again, at most ``MAX_RESENDS`` times, while ``request_timeout_s``
+        allows: Serve routes it to a live replica, or holds it until the replacement runs.
+        Each resend is counted in ``retries_total`` as it is sent. Raises ApiError: 503
+        (back-pressure: ``rejected``; the deployment is unavailable — failed to deploy or
+        deleted: waiting cannot help; the replica failed and the resends or the time ran
+        out), 504 (no answer within ``request_timeout_s``), 500 (a replica error, non-finite
+        logits)."""
         timeout_s = self.config.request_timeout_s
         deadline = time.monotonic() + timeout_s
-        backoff_s = RETRY_BACKOFF_S
+        backoff_s, resends = RETRY_BACKOFF_S, 0
         while True:
             response = self._classify_calls[variant].remote(ids, staged)
             answer = asyncio.ensure_future(response)
@@ -152,21 +165,32 @@ class Gateway:
                 raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
                                {"Retry-After": str(self.config.retry_after_s)},
                                rejected=True) from None
-            except (RayActorError, DeploymentUnavailableError) as e:
-                # The replica died mid-request (Serve replaces it), or none could take it.
-                reason = "replica_died" if isinstance(e, RayActorError) else "unavailable"
+            except DeploymentUnavailableError:  # failed to deploy, or deleted: not a wait
+                raise ApiError(503, f"no {variant} classifier replica is running (its "
+                                    "deployment is unavailable: it failed to deploy or is "
+                                    "being deleted); retry later",
+                               {"Retry-After": str(self.config.retry_after_s)}) from None
+            except (RayActorError, AioRpcError) as e:
+                # The replica died or became unreachable mid-request; Serve replaces it.
+                if isinstance(e, AioRpcError) and e.code() not in REPLICA_LOST_CODES:
+                    raise ApiError(500, f"the {variant} classifier call failed: gRPC "
+                                        f"{e.code().name}") from None
+                reason = ("replica_died" if isinstance(e, ActorDiedError)
+                          else "replica_unavailable")
                 left = deadline - time.monotonic()
-                if not retry or left <= backoff_s:
-                    resend = ("" if not retry else
-                              f"; too little of request_timeout_s ({timeout_s} s) was left to "
-                              "send it again")
+                if not retry or resends == MAX_RESENDS or left <= backoff_s:
+                    why = ("" if not retry else
+                           f"; sent {resends + 1} times" if resends == MAX_RESENDS else
+                           f"; too little of request_timeout_s ({timeout_s} s) was left to "
+                           "send it again")
                     raise ApiError(503, f"the {variant} classifier replica failed while "
-                                        f"handling the request ({type(e).__name__}){resend}; "
+                                        f"handling the request ({type(e).__name__}){why}; "
                                         "retry later",
                                    {"Retry-After": str(self.config.retry_after_s)}) from None
-                self.recorder.retry(variant, reason)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(2 * backoff_s, MAX_RETRY_BACKOFF_S)
+                resends += 1
+                self.recorder.retry(variant, reason)
             except ApiError:
                 raise
             except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving

@@ -61,7 +61,7 @@ ROUTED_STATUSES = (200, 500, 503, 504)
 REFUSED_STATUSES = (400, 405, 411, 413, 415, 422, 503)
 REJECTION_ROLES = ("primary", "shadow")
 SHADOW_DROP_REASONS = ("busy", "failed")  # shadow_dropped_total's reason label
-RETRY_REASONS = ("replica_died", "unavailable")  # retries_total's reason label
+RETRY_REASONS = ("replica_died", "replica_unavailable")  # retries_total's reason label
 
 
 METRIC_NAMES = {  # ServiceMetrics' attribute → the metric's name, declared once here
@@ -119,9 +119,9 @@ class ServiceMetrics:
         self.retries = Counter(
             METRIC_NAMES["retries"],
             description="Primary classifications sent again by the gateway within their "
-                        "deadline: reason=replica_died when the replica failed mid-request, "
-                        "unavailable when no replica could take it (shadow calls are never "
-                        "resent).",
+                        "deadline after their classifier replica failed mid-request: "
+                        "reason=replica_died (the actor died) or replica_unavailable (it "
+                        "became unreachable); shadow calls are never resent.",
             tag_keys=("variant", "reason"))
         self.tokens = Counter(
             METRIC_NAMES["tokens"],

@@ -79,17 +79,19 @@ class Recorder:
         m.flops.inc(stats.flops_total / stats.batch_size, {"variant": variant})
         if stats.peak_memory_bytes is not None:
             key = (variant, stats.peak_memory_kind, replica)
+            # the gauge is set under the lock, as in _set_gauges: a refresh that read the old
+            # value cannot set it after this new one
             with self._lock:
                 changed = self._peak.get(key, (None,))[0] != stats.peak_memory_bytes
                 self._peak[key] = (stats.peak_memory_bytes, time.monotonic())
-            if changed:  # else the gauge holds it, and _keep_gauges sets it again
-                self.metrics.peak_memory.set(stats.peak_memory_bytes, {
-                    "variant": variant, "kind": stats.peak_memory_kind,
-                    "classifier_replica": replica})
+                if changed:  # else the gauge holds it, and _keep_gauges sets it again
+                    self.metrics.peak_memory.set(stats.peak_memory_bytes, {
+                        "variant": variant, "kind": stats.peak_memory_kind,
+                        "classifier_replica": replica})
 
     def retry(self, variant: str, reason: str) -> None:
-        """A primary classification sent to ``variant`` again: ``reason`` ``replica_died``
-        (its replica failed mid-request) or ``unavailable`` (no replica could take it)."""
+        """A primary classification sent to ``variant`` again after its replica failed
+        mid-request: ``reason`` ``replica_died`` or ``replica_unavailable``."""
         self.metrics.retries.inc(1, {"variant": variant, "reason": reason})
 
     def shadow(self, primary: str, agree: bool, kl: float) -> None:
@@ -112,10 +114,9 @@ class Recorder:
             for key, (_, at) in list(self._peak.items()):
                 if now - at > PEAK_MEMORY_TTL_S:
                     del self._peak[key]
-            peaks = list(self._peak.items())
-        for (variant, kind, replica), (value, _) in peaks:
-            self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind,
-                                                 "classifier_replica": replica})
+            for (variant, kind, replica), (value, _) in self._peak.items():
+                self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind,
+                                                     "classifier_replica": replica})
 
     def _keep_gauges(self, period_s: float = GAUGE_REFRESH_S) -> None:
         while True:

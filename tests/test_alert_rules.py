@@ -61,7 +61,7 @@ def test_service_metrics_record_every_counter_series_at_zero(monkeypatch):
     assert {("mita_serve_rejections_total", (("role", r), ("variant", v)))
             for v, r in REJECTION_SERIES} <= zeros
     assert {("mita_serve_retries_total", (("reason", r), ("variant", v)))
-            for v in ("mita", "dense") for r in ("replica_died", "unavailable")} <= zeros
+            for v in ("mita", "dense") for r in ("replica_died", "replica_unavailable")} <= zeros
     assert all(value == 0 for _, value, _ in calls)  # nothing but the zeros
 
 

@@ -229,7 +229,7 @@ def test_replica_killed_mid_load(service, serve_reset):
     def retries():
         text = service.metrics_text()
         return sum(delta(text, text0, "ray_mita_serve_retries_total", variant="mita",
-                         reason=r) for r in ("replica_died", "unavailable")) or None
+                         reason=r) for r in ("replica_died", "replica_unavailable")) or None
     counted = wait_for(retries, timeout_s=20)
     KILL_REPORT.update(sent=len(samples), ok=statuses.count(200),
                        failed=len(samples) - statuses.count(200),

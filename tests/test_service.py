@@ -416,7 +416,7 @@ def test_fused_mita_with_sampled_and_requested_staged_profiles(service, serve_re
 
 
 def test_classifier_replicas_as_the_controller_reports_them(service):
-    """The gateway's view of its classifiers (what /readyz and the fast 503 use), from the
+    """The gateway's view of its classifiers (what /readyz uses), from the
     running controller's own details: one serving replica each (num_replicas 1 here)."""
     from ray.serve.context import _get_global_client
 

@@ -142,6 +142,35 @@ def sigterm_under_load(proc: subprocess.Popen, url: str, inflight: int) -> tuple
     return asyncio.run(scenario())
 
 
+def kill_under_load(proc: subprocess.Popen, url: str, deployment: str) -> dict:
+    """SIGKILL to ``proc``'s replica of ``deployment`` (a Ray worker among its descendants) 1.5 s
+    into 4 closed-loop clients of that variant (N = 1,024), which run 12 s more. Returns the
+    statuses of all their answers (0: no HTTP answer)."""
+    ids = encode(generate_long(1024, seed=5)[0])
+    variant = "mita" if deployment == "MiTAClassifier" else "dense"
+    replica = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if f"ServeReplica:mita-serve:{deployment}" in " ".join(p.cmdline()))
+
+    async def scenario():
+        statuses: list[int] = []
+        stop_at = asyncio.get_running_loop().time() + 13.5
+
+        async def client(c):
+            while asyncio.get_running_loop().time() < stop_at:
+                try:
+                    r = await c.post("/v1/classify", json={"ids": ids, "variant": variant})
+                    statuses.append(r.status_code)
+                except httpx.HTTPError:
+                    statuses.append(0)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            clients = [asyncio.ensure_future(client(c)) for _ in range(4)]
+            await asyncio.sleep(1.5)
+            replica.kill()
+            await asyncio.gather(*clients)
+        return statuses
+    return {"statuses": asyncio.run(scenario())}
+
+
 @pytest.mark.service  # its own Ray, in a subprocess
 def test_sigterm_drains_in_flight_requests(tmp_path):
     """SIGTERM to ``python -m service`` while 6 dense requests are in flight: every one is
@@ -178,8 +207,8 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
     """With ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (Ray's mode for high request rates; on main
     ``python -m service`` died at start-up: "No event loop running", from the driver's handle
     call to the gateway): both variants classify, a live ``serve deploy`` of new A/B weights
-    (Ray's own CLI, as the README says) reroutes the policy's traffic, and SIGTERM drains the
-    requests in flight and exits 0."""
+    (Ray's own CLI, as the README says) reroutes the policy's traffic, a killed MiTA replica
+    loses no request, and SIGTERM drains the requests in flight and exits 0."""
     from .helpers import free_port
 
     dashboard = free_port()
@@ -209,6 +238,10 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
         routed = [httpx.post(f"{url}/v1/classify", json={"text": text}, timeout=60)
                   for _ in range(6)]
         assert [r.json()["variant"] for r in routed] == ["dense"] * 6
+        # The MiTA replica killed (SIGKILL) under 4 closed-loop MiTA clients: the calls it
+        # held are sent again (between replicas this mode calls over gRPC).
+        killed = kill_under_load(proc, url, "MiTAClassifier")
+        assert killed["statuses"] and set(killed["statuses"]) == {200}, killed
         answers, late, _, _ = sigterm_under_load(proc, url, 4)
         out, _ = proc.communicate(timeout=60)
     finally:
