@@ -53,8 +53,9 @@ GAUGE_REFRESH_S = 5.0
 KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
 
 # The ``status`` values of ``requests_total``. A routed request (variant mita or dense) is
-# answered 200, 500 (a replica error, non-finite logits), 503 (its replica died with no time
-# left to resend) or 504 (timeout): ``Gateway._call``. One refused before routing (variant
+# answered 200, 500 (a replica error, non-finite logits), 503 (its replica failed and the
+# resends or the time ran out, or its deployment is unavailable) or 504 (timeout):
+# ``Gateway._call``. One refused before routing (variant
 # "none") gets one of the refusals of ``CheckBody``, routing, parsing and validation, or
 # 503 while draining.
 ROUTED_STATUSES = (200, 500, 503, 504)

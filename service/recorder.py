@@ -85,9 +85,7 @@ class Recorder:
                 changed = self._peak.get(key, (None,))[0] != stats.peak_memory_bytes
                 self._peak[key] = (stats.peak_memory_bytes, time.monotonic())
                 if changed:  # else the gauge holds it, and _keep_gauges sets it again
-                    self.metrics.peak_memory.set(stats.peak_memory_bytes, {
-                        "variant": variant, "kind": stats.peak_memory_kind,
-                        "classifier_replica": replica})
+                    self._set_peak(key, stats.peak_memory_bytes)
 
     def retry(self, variant: str, reason: str) -> None:
         """A primary classification sent to ``variant`` again after its replica failed
@@ -114,9 +112,14 @@ class Recorder:
             for key, (_, at) in list(self._peak.items()):
                 if now - at > PEAK_MEMORY_TTL_S:
                     del self._peak[key]
-            for (variant, kind, replica), (value, _) in self._peak.items():
-                self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind,
-                                                     "classifier_replica": replica})
+            for key, (value, _) in self._peak.items():
+                self._set_peak(key, value)
+
+    def _set_peak(self, key: tuple[str, str, str], value: int) -> None:
+        """The peak-memory gauge of ``key`` = (variant, kind, replica); under ``_lock``."""
+        variant, kind, replica = key
+        self.metrics.peak_memory.set(value, {"variant": variant, "kind": kind,
+                                             "classifier_replica": replica})
 
     def _keep_gauges(self, period_s: float = GAUGE_REFRESH_S) -> None:
         while True:

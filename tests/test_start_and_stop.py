@@ -89,6 +89,13 @@ def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None
     return proc, http_port, metrics_port
 
 
+def reap(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if a test left it running, and collect it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.service  # its own Ray, in a subprocess
 def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):
     """SIGINT while Ray starts (its metrics exporter is up, the deployments are not): one
@@ -104,9 +111,7 @@ def test_ctrl_c_during_start_up_stops_ray_cleanly(tmp_path):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 1, out[-2000:]
     assert "mita-serve: stopping once start-up is done" in out, out[-2000:]
     assert out.rstrip().endswith("mita-serve: interrupted during start-up; stopped"), out[-2000:]
@@ -189,9 +194,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         answers, late, health, ready = sigterm_under_load(proc, url, 6)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert [r.status_code for r in answers] == [200] * 6
     assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
     assert late.json()["error"] == "the service is shutting down; retry on another instance"
@@ -245,9 +248,7 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
         answers, late, _, _ = sigterm_under_load(proc, url, 4)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert [r.status_code for r in answers] == [200] * 4
     assert late.status_code == 503, late.text
     assert proc.returncode == 0, out[-2000:]

@@ -73,7 +73,7 @@ def cluster_config(path: Path, http_port: int) -> None:
         if "autoscaling_config" in dep:
             dep["autoscaling_config"].update(metrics_interval_s=0.5, look_back_period_s=2.0,
                                              upscale_delay_s=1.0, downscale_delay_s=3.0)
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    _written(path, raw)
 
 
 def _written(path: Path, raw: dict) -> Path:
