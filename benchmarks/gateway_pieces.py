@@ -12,8 +12,9 @@ on a real request and a real classifier answer (the shipped checkpoint's MiTA en
 - ``A/B choice``: ``choose_variant``;
 - ``recorder``: ``Recorder.forward`` and ``Recorder.request`` (Ray's metric calls, the stats
   window) — Ray is started locally so the metrics are Ray's real ones;
-- ``response``: the answer dict, its ``profile`` and the JSON body (FastAPI validates it
-  against the endpoint's ``response_model`` and serialises it).
+- ``response``: the answer's JSON body as the endpoints build it (``gateway.response_body``
+  rendered by ``JSONResponse``), and beside it what they did before: the full answer
+  validated against ``response_model`` with None left out, then rendered.
 
 - ``middleware mechanism``: one request through a FastAPI app whose middleware does nothing,
   written as Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``, what
@@ -25,6 +26,7 @@ here: ``benchmarks/serve_overhead.py`` measures it against a bare Serve app.
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -96,10 +98,12 @@ def main() -> None:
 
     import ray
     import torch
+    from fastapi.responses import JSONResponse
     from starlette.requests import Request
 
     from mita.data.vocab import Vocabulary
     from service.engine import ClassifierEngine
+    from service.gateway import response_body
     from service.http import refusal_of, route_path
     from service.inputs import StrictJSONRequest, binary_ids, to_ids
     from service.policy import choose_variant
@@ -144,12 +148,20 @@ def main() -> None:
         arrived = time.time()
 
         def response():
+            return JSONResponse(response_body(answer, None, arrived)).body
+
+        def response_model():
+            # what the endpoints did before: the full answer through FastAPI's
+            # response_model=ClassifyResponse, response_model_exclude_none=True
+            stats = answer["profile"]
             out = {k: answer[k] for k in ("label", "probabilities", "variant", "n",
                                           "model_id")}
             out["shadow"] = None
-            out["profile"] = answer["profile"].response(arrived)
-            # what FastAPI does with the endpoint's response_model
-            ClassifyResponse.model_validate(out).model_dump_json(exclude_none=True)
+            out["profile"] = {f.name: getattr(stats, f.name)
+                              for f in dataclasses.fields(stats)}
+            out["profile"]["pre_forward_ms"] = (stats.started_at - arrived) * 1e3
+            return JSONResponse(ClassifyResponse.model_validate(out).model_dump(
+                mode="json", exclude_none=True)).body
 
         pieces = {
             "middleware": middleware,
@@ -159,6 +171,7 @@ def main() -> None:
             "recorder": lambda: (recorder.forward("mita", n, answer["profile"], "r"),
                                  recorder.request("mita", 200, n, 0.01)),
             "response": response,
+            "response via response_model (before)": response_model,
         }
         return {name: median_us(fn, a.repeats) for name, fn in pieces.items()}
 
@@ -176,7 +189,8 @@ def main() -> None:
     print("| N | " + " | ".join(names) + " | sum (JSON) |")
     print("|---|" + "---|" * (len(names) + 1))
     for n, t in rows:
-        total = sum(v for k, v in t.items() if k != "parse binary + ids")
+        total = sum(v for k, v in t.items()
+                    if k not in ("parse binary + ids", "response via response_model (before)"))
         print(f"| {n} | " + " | ".join(f"{t[k]:.0f}" for k in names) + f" | {total:.0f} |")
 
 

@@ -5,10 +5,14 @@ no sink reshapes what another one reads. Ray-free: the engine runs without Ray."
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from mita.timer import ForwardProfile
+
+from .schemas import StageProfile
+
+# What a response's profile carries, in the schema's order (started_at, cuda_graph stay inside)
+PROFILE_FIELDS = tuple(StageProfile.model_fields)
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,15 @@ class ForwardStats:
         return cls(**profile.as_dict(), flops_total=sum(profile.flops.values()), **context)
 
     def response(self, arrived_at: float) -> dict:
-        """The response's ``profile`` (``schemas.StageProfile``): these fields and
-        ``pre_forward_ms``, the milliseconds from ``arrived_at`` (the gateway's wall clock at
-        the request's arrival) to ``started_at``."""
-        # A shallow copy: dataclasses.asdict deep-copies every dict and list, ~0.4 ms a
-        # request, and the response is serialised straight away.
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return out | {"pre_forward_ms": (self.started_at - arrived_at) * 1e3}
+        """The response's ``profile`` as its JSON carries it: the fields of
+        ``schemas.StageProfile`` in its order, None left out, with ``pre_forward_ms``, the
+        milliseconds from ``arrived_at`` (the gateway's wall clock at the request's arrival) to
+        ``started_at``. A shallow copy (``dataclasses.asdict`` deep-copies every dict and
+        list, ~0.4 ms a request), serialised straight away."""
+        pre_forward_ms = (self.started_at - arrived_at) * 1e3
+        out = {}
+        for name in PROFILE_FIELDS:
+            value = pre_forward_ms if name == "pre_forward_ms" else getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out

@@ -20,12 +20,13 @@ import json
 import math
 import random
 import time
+from functools import partial
 from typing import Annotated, Literal
 
 import numpy as np
 import ray
 from fastapi import Query, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from grpc import StatusCode
 from grpc.aio import AioRpcError
 from ray import serve
@@ -38,6 +39,7 @@ from mita.hooks import STAGE_COLORS, VARIANT_COLORS
 
 from . import replica_state
 from .http import (
+    AFTER_RESPONSE,
     ARRIVED,
     BINARY_PATH,
     DASHBOARD_HTML,
@@ -78,6 +80,21 @@ MAX_RESENDS = 3
 # ActorUnavailableError, and these other codes of a call cut by a dying replica come as they are.
 REPLICA_LOST_CODES = (StatusCode.UNAVAILABLE, StatusCode.UNKNOWN, StatusCode.INTERNAL,
                       StatusCode.ABORTED)
+
+
+def response_body(result: dict, shadow: str | None, arrived_at: float | None) -> dict:
+    """A classifier's answer ``result`` as the JSON of ``ClassifyResponse`` with None left
+    out (what FastAPI's response-model serialisation makes of it, without validating it
+    again): ``shadow`` the variant run in shadow, or None; with ``arrived_at`` (the gateway's
+    wall clock at the request's arrival, Unix seconds) the forward's ``profile``, whose
+    ``pre_forward_ms`` counts from it (body parsing, validation, the hop to the classifier,
+    batching wait and queueing; both clocks are this machine's)."""
+    out = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
+    if shadow is not None:
+        out["shadow"] = shadow
+    if arrived_at is not None:
+        out["profile"] = result["profile"].response(arrived_at)
+    return out
 
 
 def drop(response, answer: asyncio.Future) -> None:
@@ -132,7 +149,7 @@ class Gateway:
             timeout_s)
 
     async def _call(self, variant: str, ids: np.ndarray, staged: bool = False,
-                    retry: bool = True) -> dict:
+                    retry: bool = True, after: list | None = None) -> dict:
         """One classification by ``variant``'s classifier; its forward is recorded whenever an
         answer comes back. Classification is idempotent, so with ``retry`` (primary calls;
         never shadow ones) a call whose replica failed while holding it (``RayActorError``:
@@ -143,7 +160,8 @@ class Gateway:
         (back-pressure: ``rejected``; the deployment is unavailable — failed to deploy or
         deleted: waiting cannot help; the replica failed and the resends or the time ran
         out), 504 (no answer within ``request_timeout_s``), 500 (a replica error, non-finite
-        logits)."""
+        logits). ``after``: the forward's recording of an answer without error is appended
+        here instead of run at once (``http.AFTER_RESPONSE``)."""
         timeout_s = self.config.request_timeout_s
         deadline = time.monotonic() + timeout_s
         backoff_s, resends = RETRY_BACKOFF_S, 0
@@ -196,9 +214,15 @@ class Gateway:
             except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
                 raise ApiError(500, f"the {variant} classifier failed: "
                                     f"{type(e).__name__}") from None
-        self.recorder.forward(variant, len(ids), result["profile"], result["replica"])
+        record = partial(self.recorder.forward, variant, len(ids), result["profile"],
+                         result["replica"])
         if "error" in result:  # e.g. non-finite logits: never a 200 with NaN probabilities
+            record()
             raise ApiError(500, f"the {variant} classifier failed: {result['error']}")
+        if after is None:
+            record()
+        else:
+            after.append(record)
         return result
 
     def _start_shadow(self, primary: str, shadow: str, ids: np.ndarray, served: dict) -> bool:
@@ -237,8 +261,10 @@ class Gateway:
                                          self.rng)
         request.scope[ROUTED] = True
         self._primaries[primary] += 1
+        # the answer's recording runs once the response is out (CheckBody)
+        after = request.scope.setdefault(AFTER_RESPONSE, [])
         try:
-            result = await self._call(primary, ids, profile == "staged")
+            result = await self._call(primary, ids, profile == "staged", after=after)
         except ApiError as e:
             if e.rejected:  # overload refusal: not an error, not in requests_total
                 self.recorder.rejection(primary, "primary")
@@ -247,24 +273,19 @@ class Gateway:
             raise
         finally:
             self._primaries[primary] -= 1
-        self.recorder.request(primary, 200, len(ids), time.time() - arrived_at,
-                              override=variant is not None)
+        after.append(partial(self.recorder.request, primary, 200, len(ids),
+                             time.time() - arrived_at, override=variant is not None))
         if shadow is not None and not self._start_shadow(primary, shadow, ids, result):
             shadow = None
-        out = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
-        out["shadow"] = shadow
-        if profile:
-            # Arrival → forward start: body parsing, validation, the hop to the classifier,
-            # batching wait and queueing (both clocks are this machine's wall clock).
-            out["profile"] = result["profile"].response(arrived_at)
-        return out
+        return response_body(result, shadow, arrived_at if profile else None)
 
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS,
               response_model_exclude_none=True)
-    async def classify(self, body: ClassifyRequest, request: Request) -> dict:
+    async def classify(self, body: ClassifyRequest, request: Request) -> JSONResponse:
         """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
         ids = to_ids(body, self.config.max_n, self.vocab)
-        return await self._classify(ids, body.variant, body.profile, request)
+        # already the response model's JSON form: FastAPI's validation would only copy it
+        return JSONResponse(await self._classify(ids, body.variant, body.profile, request))
 
     @app.post(BINARY_PATH, response_model=ClassifyResponse, responses=ERRORS,
               response_model_exclude_none=True, openapi_extra={"requestBody": {
@@ -281,13 +302,13 @@ class Gateway:
                             "every MiTA stage apart in this forward")] = "false",
             dtype: Annotated[Literal["uint8", "int32"], Query(
                 description="id width: uint8 (1 byte per token) or int32 (4 bytes)")] = "uint8",
-    ) -> dict:
+    ) -> JSONResponse:
         """Classify one sequence sent as binary token ids (``application/octet-stream``): the
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
         ids = binary_ids(await request.body(), dtype, self.config.max_n, self.vocab)
         mode = {"true": True, "false": False, "staged": "staged"}[profile]
-        return await self._classify(ids, variant, mode, request)
+        return JSONResponse(await self._classify(ids, variant, mode, request))
 
     @app.post("/v1/classify/batch", response_model=BatchResponse, responses=ERRORS,
               response_model_exclude_none=True)

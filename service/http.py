@@ -7,6 +7,7 @@ whichever layer refused it; a routed one is recorded by ``Gateway._classify``. T
 here read the replica's state as ``replica_state.X`` (why: ``service.replica_state``).
 """
 
+import asyncio
 import time
 from importlib.metadata import version
 from importlib.resources import files
@@ -49,6 +50,9 @@ BINARY_PATH = "/v1/classify/binary"
 CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch", BINARY_PATH)
 ARRIVED = "mita_serve.arrived_at"  # ASGI scope key: Unix seconds the request reached the gateway
 ROUTED = "mita_serve.routed"  # ASGI scope key: set once a variant is chosen; recorded by _classify
+# ASGI scope key: a list of callables (the recording of an answered request) that CheckBody
+# runs once the response has been handed to Serve, so the client does not wait for them.
+AFTER_RESPONSE = "mita_serve.after_response"
 # The query parameters each endpoint takes; on these paths any other is refused (422), so a
 # ?variant= sent to the JSON endpoint is not silently ignored. Other paths (the dashboard
 # page reads its own ?refresh_s=) are not checked.
@@ -133,11 +137,20 @@ class CheckBody:
                 await self.app(scope, receive, send_status)
             finally:
                 replica_state.inflight -= 1
+                if scope.get(AFTER_RESPONSE):
+                    # on the loop's next pass: Serve's sender, woken by the response's
+                    # messages, is queued before it and ships them first
+                    asyncio.get_running_loop().call_soon(_run_all, scope[AFTER_RESPONSE])
         else:
             await self.app(scope, receive, send_status)
         gateway = replica_state.gateway
         if gateway is not None and path in CLASSIFY_PATHS and not scope.get(ROUTED):
             gateway.recorder.request("none", status)
+
+
+def _run_all(calls: list) -> None:
+    for call in calls:
+        call()
 
 
 def refusal_of(request: Request, path: str) -> JSONResponse | None:
