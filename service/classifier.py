@@ -4,8 +4,8 @@ A thin Serve wrapper around ``service.engine.ClassifierEngine``, which holds all
 logic (device, dtype, grouping, padding, profiled forward, probabilities) and runs without Ray.
 Requests arrive one sequence each (a numpy array of ids). Forwards run one at a time, in
 arrival order, in one worker thread (the event loop stays free for health checks and
-queueing) — except a short one (``INLINE_MAX_N``) of a request alone in the replica, which runs
-on the event loop and saves the two thread hops. No request waits
+queueing) — except, with ``deterministic``, a short one (``INLINE_MAX_N``) of a request alone
+in the replica, which runs on the event loop and saves the two thread hops. No request waits
 for a batch that cannot help it: with ``deterministic`` every sequence runs its own forward
 anyway, so it goes straight to the forward thread; with padded batching a request that finds
 the replica empty does too, and only requests that arrive while others are inside go through
@@ -28,8 +28,8 @@ from .engine import ClassifierEngine
 from .live_config import LiveConfig, store_key
 from .schemas import ClassifierConfig
 
-# A lone request of at most this many tokens, of a length this replica has run before, runs
-# its forward on the replica's event loop instead of the forward thread: the two thread hops
+# With deterministic forwards, a lone request of at most this many tokens, of a length this
+# replica has run before, runs its forward on the replica's event loop instead of the forward thread: the two thread hops
 # (0.2-0.3 ms on a loaded 2-core machine) are then a sizeable part of the request, and the loop
 # is blocked only for a short forward (CPU, shipped model: MiTA ~3 ms, dense ~9 ms at
 # N = 1,024), never for a first one (kernel compiles, the top-k choice, a CUDA-graph capture).
@@ -102,9 +102,11 @@ class Classifier:
         gone = threading.Event()  # read by the engine's thread before each forward
         self._inside += 1
         try:
-            if self._inside == 1 and self._pending == 0 and len(ids) in self._ran:
+            if (self.deterministic and self._inside == 1 and self._pending == 0
+                    and len(ids) in self._ran):
                 # Alone in the replica and nothing left in the forward thread: nothing else
-                # waits for the loop or for this forward (INLINE_MAX_N)
+                # waits for the loop or for this forward (INLINE_MAX_N). Not with padded
+                # batching: requests could not gather behind a forward that holds the loop.
                 result = self.engine.run([ids], self.deterministic, [staged])[0]
             elif self.deterministic or self._inside == 1:
                 result = (await self._forward([ids], [staged], [gone]))[0]

@@ -146,6 +146,19 @@ def test_a_lone_short_request_runs_on_the_loop_once_its_length_ran(engine):
     assert c._pending == 0 and c._inside == 0 and got[1]["replica"] == "r1"
 
 
+def test_with_padded_batching_every_forward_keeps_the_thread(engine):
+    # a forward holding the loop would keep requests from gathering into a batch
+    c, threads = replica(engine)
+    c.deterministic = False
+    x = ids_of(64)
+
+    async def main():
+        return [await c.classify(x) for _ in range(3)]
+    got = asyncio.run(main())
+    assert threads == ["forward_0"] * 3 and c._ran == {64}
+    assert got[2]["probabilities"] == engine.run([x])[0]["probabilities"]
+
+
 def test_a_request_beside_another_or_a_running_job_goes_to_the_thread(engine):
     c, threads = replica(engine)
     x, long = ids_of(64), ids_of(8192)
