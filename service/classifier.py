@@ -29,10 +29,11 @@ from .live_config import LiveConfig, store_key
 from .schemas import ClassifierConfig
 
 # With deterministic forwards, a lone request of at most this many tokens, of a length this
-# replica has run before, runs its forward on the replica's event loop instead of the forward thread: the two thread hops
-# (0.2-0.3 ms on a loaded 2-core machine) are then a sizeable part of the request, and the loop
-# is blocked only for a short forward (CPU, shipped model: MiTA ~3 ms, dense ~9 ms at
-# N = 1,024), never for a first one (kernel compiles, the top-k choice, a CUDA-graph capture).
+# replica has run before, runs its forward on the replica's event loop instead of the forward
+# thread: the two thread hops (0.2-0.3 ms on a loaded 2-core machine) are then a sizeable part
+# of the request, and the loop is blocked only for a short forward (CPU, shipped model: MiTA
+# ~3 ms, dense ~9 ms at N = 1,024), never for a first one (kernel compiles, the top-k choice,
+# a CUDA-graph capture).
 INLINE_MAX_N = 1024
 
 
