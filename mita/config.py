@@ -84,6 +84,12 @@ LIMITS = {"vocab_size": 1 << 20, "num_classes": 1 << 16, "dim": 16384, "depth": 
 OPTIONAL_FIELDS = {"landmark_grid": None}
 
 
+
+def setting_name(m: int, k: int, s: int, shared_scale: str) -> str:
+    """A MiTA setting as the advisor's reports name it (their ``setting`` column) and the
+    gateway looks it up in one: ``setting_name(16, 16, 1, "paper")`` = ``"m16 k16 s1 paper"``."""
+    return f"m{m} k{k} s{s} {shared_scale}"
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Model hyper-parameters; round-trips through ``config.json``.

@@ -69,7 +69,7 @@ class Setting:
 
     @property
     def name(self) -> str:
-        return f"m{self.m} k{self.k} s{self.s} {self.shared_scale}"
+        return config.setting_name(self.m, self.k, self.s, self.shared_scale)
 
     def overrides(self) -> dict:
         return {"num_landmarks": self.m, "topk": self.k, "route_topk": self.s,

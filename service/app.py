@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from mita.config import setting_name
 from mita.data.vocab import Vocabulary
 from mita.model import ModelConfig, checkpoint_config
 
@@ -60,4 +61,5 @@ def build_app(args: dict) -> Application:
     dense = Classifier.options(name=DEPLOYMENTS["dense"]).bind(
         a.checkpoint, "dense", a.device, "auto", a.dtype, a.cuda_graphs)
     return Gateway.options(name=DEPLOYMENTS["gateway"]).bind(
-        mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id))
+        mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id),
+        setting_name(cfg.num_landmarks, cfg.topk, cfg.route_topk, cfg.shared_scale))

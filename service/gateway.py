@@ -63,6 +63,7 @@ from .schemas import (
     ClassifyResponse,
     ErrorResponse,
     GatewayConfig,
+    RoutingResponse,
     StatsResponse,
     Variant,
 )
@@ -112,8 +113,12 @@ class Gateway:
     """Ingress. ``user_config`` is a ``GatewayConfig`` (A/B weights, sticky header, shadow,
     limits); it can change without a restart."""
 
-    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, vocab: Vocabulary):
+    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, vocab: Vocabulary,
+                 mita_setting: str | None = None):
         self.handles = {"mita": mita, "dense": dense}
+        # the served MiTA setting as advisor reports name it: policy auto's warm start reads
+        # that row of a report
+        self.mita_setting = mita_setting
         # handle.classify makes a new handle on every access: made once here.
         self._classify_calls = {v: h.classify for v, h in self.handles.items()}
         self.vocab = vocab
@@ -140,6 +145,7 @@ class Gateway:
         self.config = self.live.value
         replica_state.max_body_bytes = self.config.max_body_bytes
         self.recorder.window.retention_s = self.config.stats_window_s
+        self.recorder.routing.configure(self.config.auto, self.mita_setting)
 
     async def _infos(self, timeout_s: float | None = None) -> list[dict]:
         """Both classifiers' ``info()``, in ``VARIANTS`` order. Raises asyncio.TimeoutError
@@ -248,7 +254,7 @@ class Gateway:
             else:
                 self.recorder.shadow_dropped(shadow, "failed")
             return
-        self.recorder.shadow(primary, *shadow_comparison(primary, served, other))
+        self.recorder.shadow(primary, *shadow_comparison(primary, served, other), len(ids))
 
     async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool | str,
                         request: Request) -> dict:
@@ -256,9 +262,17 @@ class Gateway:
         the outcome and answer; ``profile``: False, True or ``"staged"`` (the forward times
         every stage apart). Raises ApiError as ``_call``."""
         arrived_at = request.scope[ARRIVED]
-        primary, shadow = choose_variant(self.config, variant,
-                                         request.headers.get(self.config.sticky_header),
-                                         self.rng)
+        client_key = request.headers.get(self.config.sticky_header)
+        primary, shadow = choose_variant(self.config, variant, client_key, self.rng)
+        if self.config.policy == "auto" and variant is None and not client_key:
+            # an explicit variant and the sticky header win; else the bucket's decision, and
+            # a share of the requests shadowed to the other variant to keep its evidence
+            primary, reason, explore = self.recorder.routing.decide(len(ids))
+            if self.config.shadow or self.rng.random() < explore:
+                shadow = next(v for v in VARIANTS if v != primary)
+            else:
+                shadow = None
+            self.recorder.routed(len(ids), primary, reason)
         request.scope[ROUTED] = True
         self._primaries[primary] += 1
         # the answer's recording runs once the response is out (CheckBody)
@@ -337,6 +351,15 @@ class Gateway:
             if isinstance(r, BaseException):
                 raise r
         return {"results": results}
+
+    @app.get("/v1/routing", response_model=RoutingResponse)
+    async def routing(self) -> dict:
+        """Policy ``auto``'s decisions per N bucket, with the evidence behind each: both
+        variants' median forward times and counts, MiTA's label agreement with dense (its
+        Wilson lower bound and the number of shadow comparisons), the mean KL, the reason, and
+        whether a warm start's prior still stands in. Shown under either policy (``policy``
+        says which routes requests); this gateway replica's own evidence."""
+        return self.recorder.routing.report(self.config.policy)
 
     @app.get("/v1/models", responses={503: {"model": ErrorResponse}})
     async def models(self) -> dict:

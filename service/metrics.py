@@ -63,6 +63,9 @@ REFUSED_STATUSES = (400, 405, 411, 413, 415, 422, 503)
 REJECTION_ROLES = ("primary", "shadow")
 SHADOW_DROP_REASONS = ("busy", "failed")  # shadow_dropped_total's reason label
 RETRY_REASONS = ("replica_died", "replica_unavailable")  # retries_total's reason label
+# routing_decisions_total's (variant, reason) pairs under policy auto (service.routing)
+ROUTING_DECISIONS = (("mita", "faster_and_agreeing"), ("dense", "slower"),
+                     ("dense", "agreement_too_low"), ("dense", "not_enough_data"))
 
 
 METRIC_NAMES = {  # ServiceMetrics' attribute → the metric's name, declared once here
@@ -78,6 +81,7 @@ METRIC_NAMES = {  # ServiceMetrics' attribute → the metric's name, declared on
     "shadow_comparisons": "mita_serve_shadow_comparisons_total",
     "shadow_dropped": "mita_serve_shadow_dropped_total",
     "shadow_kl": "mita_serve_shadow_kl_divergence",
+    "routing_decisions": "mita_serve_routing_decisions_total",
 }
 EXPORTED_PREFIX = "ray_"  # Ray's metrics agent prefixes every application metric
 
@@ -158,6 +162,12 @@ class ServiceMetrics:
             description="KL(dense || MiTA) of the class probabilities of a shadow comparison, "
                         "in nats, whichever variant is primary.",
             boundaries=KL_BUCKETS, tag_keys=("primary",))
+        self.routing_decisions = Counter(
+            METRIC_NAMES["routing_decisions"],
+            description="Requests routed by policy auto, by N bucket, the variant chosen and "
+                        "why: faster_and_agreeing (mita), slower, agreement_too_low, "
+                        "not_enough_data (dense).",
+            tag_keys=("n_bucket", "variant", "reason"))
         self.start_at_zero()
 
     def start_at_zero(self) -> None:
@@ -179,6 +189,8 @@ class ServiceMetrics:
                  for v in VARIANTS for a in ("true", "false")]
         zero += [(self.shadow_dropped, {"variant": v, "reason": r})
                  for v in VARIANTS for r in SHADOW_DROP_REASONS]
+        zero += [(self.routing_decisions, {"n_bucket": b, "variant": v, "reason": r})
+                 for b in N_BUCKETS for v, r in ROUTING_DECISIONS]
         for counter, tags in zero:
             counter._record(0, tags)
 

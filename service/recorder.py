@@ -1,6 +1,7 @@
 """The service's one recorder (vLLM's stats/logger pattern): each outcome is recorded once,
-here, into both Prometheus (``ServiceMetrics``) and the gateway's ``StatsWindow`` (what
-``/v1/stats`` and the dashboard summarise), so the two cannot disagree.
+here, into Prometheus (``ServiceMetrics``), the gateway's ``StatsWindow`` (what ``/v1/stats``
+and the dashboard summarise) and the ``auto`` policy's ``RoutingTable`` (forward times and
+shadow agreement per N bucket), so they cannot disagree.
 
 It lives in the gateway replica. The classifier replicas record nothing: every forward's
 profile (stage times, FLOPs, peak memory) comes back in the answer, and the gateway records it
@@ -15,6 +16,7 @@ import time
 
 from .forward_stats import ForwardStats
 from .metrics import GAUGE_REFRESH_S, ServiceMetrics, n_bucket
+from .routing import RoutingTable
 from .stats import StatsWindow
 
 PEAK_MEMORY_TTL_S = 60.0  # a replica's peak is dropped when it has not answered for this long
@@ -39,6 +41,7 @@ class Recorder:
     def __init__(self, window: StatsWindow | None = None):
         self.metrics = ServiceMetrics()
         self.window = window if window is not None else StatsWindow()
+        self.routing = RoutingTable()
         # Ray drops a gauge series that is not set for a while (~20 s): the last peak memory
         # of each classifier replica is set again every few seconds until that replica has
         # not answered for PEAK_MEMORY_TTL_S. (variant, kind, replica) -> (bytes, monotonic s)
@@ -75,6 +78,7 @@ class Recorder:
                 m.stage_duration.observe(ms / 1e3, tags | {"stage": stage})
             self.window.add_forward(variant, bucket, stats.stages_ms)
         m.forward_duration.observe(stats.total_ms / 1e3, tags)
+        self.routing.add_forward(variant, n, stats.total_ms)
         m.tokens.inc(n, {"variant": variant})
         m.flops.inc(stats.flops_total / stats.batch_size, {"variant": variant})
         if stats.peak_memory_bytes is not None:
@@ -92,12 +96,21 @@ class Recorder:
         mid-request: ``reason`` ``replica_died`` or ``replica_unavailable``."""
         self.metrics.retries.inc(1, {"variant": variant, "reason": reason})
 
-    def shadow(self, primary: str, agree: bool, kl: float) -> None:
-        """A shadow comparison of ``primary``'s answer: labels ``agree``, ``kl`` =
-        KL(dense ‖ MiTA) in nats (``mita.quality.kl_divergence``), whichever is primary."""
+    def shadow(self, primary: str, agree: bool, kl: float, n: int | None = None) -> None:
+        """A shadow comparison of ``primary``'s answer to a request of ``n`` tokens: labels
+        ``agree``, ``kl`` = KL(dense ‖ MiTA) in nats (``mita.quality.kl_divergence``),
+        whichever is primary (``n`` None: not counted in the routing table's buckets)."""
         self.metrics.shadow_comparisons.inc(1, {"primary": primary, "agree": str(agree).lower()})
         self.metrics.shadow_kl.observe(kl, {"primary": primary})
         self.window.add_shadow(primary, agree, kl)
+        if n is not None:
+            self.routing.add_pair(n, agree, kl)
+
+    def routed(self, n: int, variant: str, reason: str) -> None:
+        """A request of ``n`` tokens sent to ``variant`` by policy auto, for ``reason``
+        (``service.routing``)."""
+        self.metrics.routing_decisions.inc(1, {"n_bucket": n_bucket(n), "variant": variant,
+                                               "reason": reason})
 
     def shadow_dropped(self, variant: str, reason: str) -> None:
         """A shadow call to ``variant`` that gave no comparison: ``reason`` ``busy`` (shed

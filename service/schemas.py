@@ -191,6 +191,37 @@ def validated(model: type[BaseModel], values: dict | None, where: str) -> BaseMo
         raise ValueError(f"{where}: {describe_errors(e)}") from None
 
 
+class AutoPolicy(BaseModel):
+    """The thresholds of the gateway's ``policy: auto`` (``service.routing``): per N bucket,
+    MiTA serves when its median forward is at most (1 − ``margin``) × dense's and the lower
+    bound of its label agreement with dense (Wilson score interval at ``confidence_z``, over
+    at least ``min_pairs`` shadow comparisons) is at least ``min_agreement``; else dense."""
+
+    model_config = STRICT_CONFIG
+
+    margin: float = Field(0.1, ge=0, lt=1, description="MiTA must be faster than dense by "
+                          "this fraction of dense's median forward")
+    min_agreement: float = Field(0.95, ge=0, le=1, description="lowest admissible lower "
+                                 "confidence bound of MiTA's label agreement with dense")
+    confidence_z: float = Field(1.96, ge=0, le=5, description="standard normal quantile of "
+                                "the Wilson bound (1.96: two-sided 95 %)")
+    min_pairs: int = Field(30, ge=1, le=100_000, description="shadow comparisons a bucket "
+                           "needs before MiTA can serve it")
+    min_latency_samples: int = Field(5, ge=1, le=10_000, description="forwards of each "
+                                     "variant a bucket needs before either can be called "
+                                     "faster")
+    explore: float = Field(0.05, ge=0, le=1, description="fraction of auto requests also "
+                           "shadowed to the other variant in a bucket with enough data")
+    explore_unsettled: float = Field(0.5, ge=0, le=1, description="the same while the bucket "
+                                     "has too few forwards or pairs")
+    window: int = Field(200, ge=10, le=100_000, description="recent forwards per variant and "
+                        "shadow comparisons kept per bucket")
+    warm_start: str | None = Field(None, min_length=1, max_length=4096, description="an "
+                                   "advisor report (python -m profiler advise's advise.json) "
+                                   "whose latencies and agreement for the served MiTA "
+                                   "setting stand in until live evidence replaces them")
+
+
 class GatewayConfig(BaseModel):
     """The gateway's ``user_config`` (Serve config file); changes apply without a restart."""
 
@@ -199,6 +230,10 @@ class GatewayConfig(BaseModel):
     # Each weight at most 1e6, so that their sum stays finite.
     weights: dict[Variant, Annotated[float, Field(ge=0, le=1e6)]] = Field(
         default_factory=lambda: {"mita": 0.5, "dense": 0.5})
+    policy: Literal["weighted", "auto"] = Field(
+        "weighted", description="weighted: the A/B split by weights; auto: per N bucket the "
+        "faster variant whose agreement with dense is high enough (auto's thresholds)")
+    auto: AutoPolicy = Field(default_factory=AutoPolicy)
     sticky_header: str = Field("x-client-key", pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$",
                                description="an HTTP header name (RFC 9110 token)")
     shadow: bool = False
@@ -233,6 +268,33 @@ class GatewayConfig(BaseModel):
         if any(v < 0 for v in w.values()) or sum(w.values()) <= 0:
             raise ValueError("weights must be ≥ 0 with a positive sum")
         return w
+
+
+class RoutingBucket(BaseModel):
+    """One N bucket of policy ``auto`` (``service.routing``)."""
+
+    n_bucket: str = Field(description="the bucket's label: N up to the number (le_1024 …)")
+    variant: Variant = Field(description="where auto sends this bucket's requests now")
+    reason: Literal["faster_and_agreeing", "slower", "agreement_too_low", "not_enough_data"]
+    mita_p50_ms: float | None = Field(description="median recent MiTA forward, ms")
+    dense_p50_ms: float | None = Field(description="median recent dense forward, ms")
+    mita_forwards: int
+    dense_forwards: int
+    pairs: int = Field(description="shadow comparisons (MiTA and dense on one request)")
+    agreement: float | None = Field(description="share of pairs with equal labels")
+    agreement_lower_bound: float = Field(description="its Wilson score lower bound (0 "
+                                                     "without pairs)")
+    kl_mean: float | None = Field(description="mean KL(dense ‖ MiTA) of the pairs, nats")
+    from_warm_start: bool = Field(description="a warm start's prior still stands in for "
+                                              "missing live evidence")
+
+
+class RoutingResponse(BaseModel):
+    policy: Literal["weighted", "auto"]
+    auto: AutoPolicy
+    warm_start: dict | None = Field(description="the report read (file), the buckets it "
+                                    "seeded, or why it could not be used (error)")
+    buckets: list[RoutingBucket]
 
 
 class VariantInfo(BaseModel):

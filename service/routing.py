@@ -1,0 +1,217 @@
+"""Latency-optimal routing: the gateway policy ``auto``.
+
+Per N bucket (``metrics.n_bucket``, the buckets of the latency metrics), the gateway keeps
+each variant's recent forward times and, from shadowed requests, whether MiTA's label agreed
+with dense's and the KL between their probabilities. A request of that bucket goes to MiTA
+when MiTA's median forward is faster than dense's by ``margin`` **and** the lower bound of the
+agreement's Wilson score interval reaches ``min_agreement``; otherwise to dense, the
+reference. A fraction of ``auto`` requests is also shadowed to the other variant, more while
+a bucket has too little evidence, so both latencies and the agreement stay current.
+
+``RoutingTable`` holds the evidence (bounded deques, one gateway replica's own) and answers
+``decide``; ``decide_bucket`` is the rule on plain numbers. Ray-free: tested without Serve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import PROJECT_ROOT
+from .metrics import N_BUCKETS, ROUTING_DECISIONS, n_bucket
+from .schemas import AutoPolicy
+
+# Why a bucket's requests go where they go (the decision counter's ``reason`` label):
+# faster_and_agreeing → mita; slower (MiTA not faster than dense by the margin),
+# agreement_too_low (its lower bound below min_agreement), not_enough_data (too few forwards
+# of a variant, or shadow pairs) → dense
+(_, FASTER_AND_AGREEING), (_, SLOWER), (_, AGREEMENT_TOO_LOW), (_, NOT_ENOUGH_DATA) = (
+    ROUTING_DECISIONS)
+
+
+def wilson_lower(agree: float, pairs: float, z: float) -> float:
+    """Lower end of the Wilson score interval (Wilson 1927) of a proportion: ``agree``
+    successes in ``pairs`` trials at ``z`` standard normal quantiles (1.96: two-sided 95 %).
+    0 for no pairs. Raises ValueError unless 0 ≤ agree ≤ pairs and z ≥ 0."""
+    if not 0 <= agree <= pairs or z < 0:
+        raise ValueError(f"need 0 ≤ agree ≤ pairs and z ≥ 0, got {agree}, {pairs}, {z}")
+    if pairs == 0:
+        return 0.0
+    p, z2 = agree / pairs, z * z
+    centre = p + z2 / (2 * pairs)
+    spread = z * math.sqrt(p * (1 - p) / pairs + z2 / (4 * pairs * pairs))
+    return max(0.0, (centre - spread) / (1 + z2 / pairs))
+
+
+def decide_bucket(mita_ms: float | None, dense_ms: float | None, samples: tuple[int, int],
+                  agree: float, pairs: float, policy: AutoPolicy) -> tuple[str, str]:
+    """(variant, reason) for one bucket: ``mita_ms``/``dense_ms`` the variants' median
+    forward times (ms; None without any), ``samples`` how many forwards of (mita, dense) they
+    are medians of, ``agree`` of ``pairs`` shadow comparisons with equal labels. Checked in
+    this order: too few forwards of either → not_enough_data; MiTA not faster than
+    (1 − margin) × dense → slower; too few pairs → not_enough_data; Wilson lower bound below
+    min_agreement → agreement_too_low; else MiTA, faster_and_agreeing."""
+    if min(samples) < policy.min_latency_samples or mita_ms is None or dense_ms is None:
+        return "dense", NOT_ENOUGH_DATA
+    if mita_ms > (1 - policy.margin) * dense_ms:
+        return "dense", SLOWER
+    if pairs < policy.min_pairs:
+        return "dense", NOT_ENOUGH_DATA
+    if wilson_lower(agree, pairs, policy.confidence_z) < policy.min_agreement:
+        return "dense", AGREEMENT_TOO_LOW
+    return "mita", FASTER_AND_AGREEING
+
+
+@dataclass
+class Evidence:
+    """One bucket's recent evidence: forward times (ms) per variant, shadow pairs (labels
+    agree, KL nats), and a prior from a warm start (counted as that many pairs and forwards
+    until live ones replace it)."""
+
+    forwards: dict[str, deque]
+    pairs: deque
+    prior: dict | None = None
+
+    def medians(self) -> dict[str, float | None]:
+        return {v: (float(np.median(d)) if d else
+                    (self.prior or {}).get("latency_ms", {}).get(v)) for v, d in
+                self.forwards.items()}
+
+    def samples(self) -> dict[str, int]:
+        return {v: len(d) if d else int((self.prior or {}).get("latency_samples", {}).get(v, 0))
+                for v, d in self.forwards.items()}
+
+    def agreement(self) -> tuple[float, float, float | None]:
+        """(agreeing pairs, pairs, mean KL or None): live pairs, else the prior's."""
+        if self.pairs:
+            agree = sum(1 for a, _ in self.pairs if a)
+            return float(agree), float(len(self.pairs)), float(np.mean([k for _, k in
+                                                                        self.pairs]))
+        prior = self.prior or {}
+        return (float(prior.get("agree", 0.0)), float(prior.get("pairs", 0.0)),
+                prior.get("kl_mean"))
+
+
+class RoutingTable:
+    """The ``auto`` policy's evidence and decisions, per N bucket, in one gateway replica.
+    Thread-safe (the recorder may feed it from Serve's threads)."""
+
+    def __init__(self, policy: AutoPolicy | None = None):
+        self.policy = policy or AutoPolicy()
+        self._lock = threading.Lock()
+        self.warm_start: dict | None = None  # what the warm start loaded, or why it did not
+        self._buckets: dict[str, Evidence] = {}
+        self.configure(self.policy)
+
+    def configure(self, policy: AutoPolicy, mita_setting: str | None = None) -> None:
+        """Apply ``policy`` (live): the evidence kept is trimmed or extended to its
+        ``window``, and its ``warm_start`` file (``python -m profiler advise``'s
+        ``advise.json``) is read for the served MiTA setting ``mita_setting`` (e.g.
+        ``"m16 k16 s1 paper"``) when it names a new file. A file that cannot be used leaves
+        the buckets without a prior and says why in ``warm_start``."""
+        with self._lock:
+            old = self._buckets
+            self._buckets = {b: Evidence(
+                {v: deque(old[b].forwards[v] if b in old else (), maxlen=policy.window)
+                 for v in ("mita", "dense")},
+                deque(old[b].pairs if b in old else (), maxlen=policy.window),
+                old[b].prior if b in old else None) for b in N_BUCKETS}
+            file = policy.warm_start
+            if file != (self.warm_start or {}).get("file"):
+                for e in self._buckets.values():
+                    e.prior = None
+                self.warm_start = None
+                if file is not None:
+                    self.warm_start = {"file": file}
+                    path = Path(file)
+                    try:  # a relative path: from the project root, as the checkpoint's
+                        priors = advisor_priors(path if path.is_absolute() else
+                                                PROJECT_ROOT / path, mita_setting)
+                    except (OSError, ValueError, KeyError, TypeError) as e:
+                        self.warm_start["error"] = f"{type(e).__name__}: {e}"[:300]
+                    else:
+                        for b, prior in priors.items():
+                            self._buckets[b].prior = prior
+                        self.warm_start["buckets"] = sorted(priors, key=N_BUCKETS.index)
+            self.policy = policy
+
+    def add_forward(self, variant: str, n: int, total_ms: float) -> None:
+        """A forward of ``variant`` that served a request of ``n`` tokens in ``total_ms``."""
+        with self._lock:
+            self._buckets[n_bucket(n)].forwards[variant].append(float(total_ms))
+
+    def add_pair(self, n: int, agree: bool, kl: float) -> None:
+        """A shadow comparison of a request of ``n`` tokens: labels ``agree``, KL nats."""
+        with self._lock:
+            self._buckets[n_bucket(n)].pairs.append((bool(agree), float(kl)))
+
+    def decide(self, n: int) -> tuple[str, str, float]:
+        """(variant, reason, exploration fraction) for a request of ``n`` tokens: the
+        fraction of such requests to shadow to the other variant (``explore_unsettled``
+        while the bucket lacks data, else ``explore``)."""
+        with self._lock:
+            row = self._row(n_bucket(n))
+        explore = (self.policy.explore_unsettled if row["reason"] == NOT_ENOUGH_DATA
+                   else self.policy.explore)
+        return row["variant"], row["reason"], explore
+
+    def _row(self, bucket: str) -> dict:
+        e = self._buckets[bucket]
+        ms, samples = e.medians(), e.samples()
+        agree, pairs, kl = e.agreement()
+        variant, reason = decide_bucket(ms["mita"], ms["dense"],
+                                        (samples["mita"], samples["dense"]), agree, pairs,
+                                        self.policy)
+        return {"n_bucket": bucket, "variant": variant, "reason": reason,
+                "mita_p50_ms": ms["mita"], "dense_p50_ms": ms["dense"],
+                "mita_forwards": samples["mita"], "dense_forwards": samples["dense"],
+                "pairs": int(pairs), "agreement": agree / pairs if pairs else None,
+                "agreement_lower_bound": wilson_lower(agree, pairs,
+                                                      self.policy.confidence_z),
+                "kl_mean": kl, "from_warm_start": e.prior is not None and not (
+                    e.pairs and all(e.forwards.values()))}
+
+    def table(self) -> list[dict]:
+        """Every bucket's row: the decision, its reason and the evidence behind it."""
+        with self._lock:
+            return [self._row(b) for b in N_BUCKETS]
+
+    def report(self, policy: str) -> dict:
+        """``GET /v1/routing``'s body (``schemas.RoutingResponse``): the gateway's ``policy``
+        in force, the auto thresholds, the warm start and every bucket's row."""
+        return {"policy": policy, "auto": self.policy.model_dump(mode="json"),
+                "warm_start": self.warm_start, "buckets": self.table()}
+
+
+def advisor_priors(path: Path, mita_setting: str | None) -> dict[str, dict]:
+    """Per N bucket, the prior evidence in an advisor report (``python -m profiler advise``'s
+    ``advise.json``): the dense row's and the served MiTA setting's (``mita_setting``, as the
+    report names settings, e.g. ``"m16 k16 s1 paper"``) median forward times per measured N,
+    and that setting's agreement with dense over the report's sequences. The largest N measured
+    in a bucket stands for it. Raises OSError (unreadable), ValueError (not JSON, no row for
+    the setting), KeyError/TypeError (not an advisor report)."""
+    report = json.loads(path.read_text())
+    rows = {r["setting"]: r for r in report["rows"]}
+    if mita_setting not in rows:
+        raise ValueError(f"no row for the served setting {mita_setting!r} (the report has "
+                         f"{sorted(s for s in rows if s != 'dense')})")
+    mita, dense = rows[mita_setting], rows["dense"]
+    sequences = int(report["config"]["sequences"])
+    priors: dict[str, dict] = {}
+    for n in sorted(int(k) for k in mita["latency"]):
+        if str(n) not in dense["latency"]:
+            continue
+        priors[n_bucket(n)] = {
+            "latency_ms": {"mita": float(mita["latency"][str(n)]["p50_ms"]),
+                           "dense": float(dense["latency"][str(n)]["p50_ms"])},
+            "latency_samples": {"mita": int(report["config"]["repeats"]),
+                                "dense": int(report["config"]["repeats"])},
+            "agree": float(mita["agreement"]) * sequences, "pairs": float(sequences),
+            "kl_mean": float(mita["kl"]), "n": n}
+    return priors
