@@ -24,6 +24,8 @@ import pytest
 
 from mita.data.listops import generate_long
 from mita.hooks import STAGE_COLORS, STAGE_ORDER, VARIANT_COLORS
+from service.routing import RoutingTable
+from service.schemas import AutoPolicy
 
 from .helpers import DENSE_STAGES, EXAMPLES, counted_window, set_gateway, stats_body, wait_for
 
@@ -32,14 +34,17 @@ ARTIFACTS = ROOT / "test-artifacts"
 
 
 @contextmanager
-def dashboard_without_ray(body: dict):
+def dashboard_without_ray(body: dict, routing: dict | None = None):
     """The dashboard's page and script as the gateway serves them, with ``body`` as its
-    /v1/stats, on a loopback port: the page in a browser with fixed data and no service."""
+    /v1/stats and ``routing`` (default: an empty table) as its /v1/routing, on a loopback
+    port: the page in a browser with fixed data and no service."""
     static = ROOT / "service" / "static"
     files = {"/dashboard": ((static / "dashboard.html").read_bytes(), "text/html"),
              "/dashboard/dashboard.js": ((static / "dashboard.js").read_bytes(),
                                          "text/javascript"),
-             "/v1/stats": (json.dumps(body).encode(), "application/json")}
+             "/v1/stats": (json.dumps(body).encode(), "application/json"),
+             "/v1/routing": (json.dumps(routing or RoutingTable().report("weighted"))
+                             .encode(), "application/json")}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -212,7 +217,16 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
     card the policy-routed split (75/25 of 8) and the overrides (5 dense) apart; each
     variant in the colour /v1/stats gives (the load tester's too)."""
     body = stats_body(counted_window().summary())
-    with dashboard_without_ray(body) as url:
+    # policy auto's table on fixed evidence: le_1024 dense (MiTA slower), le_4096 MiTA
+    table = RoutingTable(AutoPolicy(min_agreement=0.45, min_pairs=10))
+    for _ in range(6):
+        table.add_forward("mita", 64, 1.5)
+        table.add_forward("dense", 64, 1.0)
+        table.add_forward("mita", 4096, 12.5)
+        table.add_forward("dense", 4096, 100.0)
+    for i in range(10):
+        table.add_pair(4096, i < 8, 0.125)
+    with dashboard_without_ray(body, table.report("auto")) as url:
         browser.get(f"{url}/dashboard")
 
         def drawn():
@@ -236,7 +250,21 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
             "renderAB({...arguments[0], observed_basis: 'all_answered', overrides: null});"
             "return [document.getElementById('ab-observed').textContent, "
             "document.getElementById('ab-overrides')]", body["ab"])
+        routing = wait_for(lambda: browser.execute_script(
+            "return [...document.querySelectorAll('#routing tr[data-bucket]')].map(r => "
+            "[r.dataset.bucket, r.dataset.variant, r.dataset.reason, "
+            "[...r.querySelectorAll('td')].map(td => td.textContent)])") or None, 30)
+        policy = browser.find_element("id", "routing-policy").text
         logs = browser.get_log("browser")
+    assert routing == [
+        ["le_1024", "dense", "slower", ["N ≤ 1,024", "dense", "MiTA not faster by the margin",
+                                        "1.50 ms (6)", "1.00 ms (6)", "– (≥ 0.0 %, 0)", "–"]],
+        ["le_4096", "mita", "faster_and_agreeing",
+         ["N ≤ 4,096", "mita", "faster and agreeing", "12.5 ms (6)", "100 ms (6)",
+          "80.0 % (≥ 49.0 %, 10)", "0.125"]]]
+    assert policy == ("policy auto: MiTA where its median forward is at least 10 % faster than "
+                      "dense's and the lower bound of its agreement is at least 45 % (10+ "
+                      "shadow pairs)")
     got = {(b, v, st): (cls, op, text, fill) for b, v, st, cls, op, text, fill in bars}
     assert got["le_1024", "mita", "qkv_proj"] == ("bar few", "0.3", "13.2 ms n=2",
                                                   VARIANT_COLORS["mita"])

@@ -84,7 +84,8 @@ def test_grafana_dashboard_and_provisioning():
     dash = json.loads((DEPLOY / "grafana" / "mita-serve-dashboard.json").read_text())
     titles = [p["title"] for p in dash["panels"]]
     for needle in ("MiTA: per-stage", "Dense: per-stage", "Request latency p50 / p99",
-                   "Throughput", "MiTA / dense", "Shadow agreement", "Peak memory"):
+                   "Throughput", "MiTA / dense", "Shadow agreement", "Peak memory",
+                   "Routing decisions of policy auto"):
         assert any(needle in t for t in titles), needle
     assert all(t["expr"] for p in dash["panels"] for t in p["targets"])
     ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" /

@@ -163,6 +163,40 @@ function renderRequests(requests, latency) {
   replace("requests", table, html("div", { class: "note" }, `${fmtCount(ok)} answered`));
 }
 
+const REASONS = { faster_and_agreeing: "faster and agreeing",
+  slower: "MiTA not faster by the margin", agreement_too_low: "agreement too low",
+  not_enough_data: "not enough data" };
+
+function fmtShare(x) {
+  return x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)} %`;
+}
+
+function renderRouting(r) {
+  const a = r.auto, ws = r.warm_start;
+  const rule = `MiTA where its median forward is at least ${+(100 * a.margin).toFixed(1)} % ` +
+    `faster than dense's and the lower bound of its agreement is at least ` +
+    `${+(100 * a.min_agreement).toFixed(1)} % (${a.min_pairs}+ shadow pairs)`;
+  const head = html("div", { class: "note", id: "routing-policy" }, (r.policy === "auto"
+    ? "policy auto: " : "policy weighted (requests follow the A/B split); auto would send ") +
+    rule + (!ws ? "" : ws.error ? ` · warm start ${ws.file} not used: ${ws.error}`
+      : ` · warm start: ${ws.file}`));
+  const rows = r.buckets.filter((b) => b.mita_forwards + b.dense_forwards + b.pairs > 0);
+  if (!rows.length) return replace("routing", head, empty("no forwards recorded yet"));
+  const table = html("table", {}, html("tr", {}, ...["N bucket", "serves", "why", "MiTA p50",
+    "dense p50", "agreement (lower bound, pairs)", "KL mean"].map((h) => html("th", {}, h))));
+  for (const b of rows) {
+    table.append(html("tr", { "data-bucket": b.n_bucket, "data-variant": b.variant,
+      "data-reason": b.reason }, html("td", {}, bucketLabel(b.n_bucket)),
+    html("td", {}, swatch(b.variant), b.variant),
+    html("td", {}, REASONS[b.reason] + (b.from_warm_start ? " (warm start)" : "")),
+    html("td", {}, `${fmtMs(b.mita_p50_ms)} (${b.mita_forwards})`),
+    html("td", {}, `${fmtMs(b.dense_p50_ms)} (${b.dense_forwards})`),
+    html("td", {}, `${fmtShare(b.agreement)} (≥ ${fmtShare(b.agreement_lower_bound)}, ` +
+      `${b.pairs})`), html("td", {}, fmtKl(b.kl_mean))));
+  }
+  replace("routing", head, table);
+}
+
 // ---- charts --------------------------------------------------------------------------------
 
 // Per-stage grouped horizontal bars for one N bucket: p50 bar, p95 tick, log-scale x; each
@@ -409,6 +443,9 @@ async function refresh() {
     const body = await r.json();
     if (!r.ok) throw new Error(body.error || `${r.status} ${r.statusText}`);
     render(body);
+    // the routing panel after the colours are known; its own failure only leaves it as it was
+    const routing = await fetch("v1/routing", { cache: "no-store" }).catch(() => null);
+    if (routing && routing.ok) renderRouting(await routing.json());
     errorBox.hidden = true;
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   } catch (e) {
