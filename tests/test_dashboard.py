@@ -258,7 +258,8 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
         logs = browser.get_log("browser")
     assert routing == [
         ["le_1024", "dense", "slower", ["N ≤ 1,024", "dense", "MiTA not faster by the margin",
-                                        "1.50 ms (6)", "1.00 ms (6)", "– (≥ 0.0 %, 0)", "–"]],
+                                        "1.50 ms (6)", "1.00 ms (6)", "no shadow pairs yet",
+                                        "–"]],
         ["le_4096", "mita", "faster_and_agreeing",
          ["N ≤ 4,096", "mita", "faster and agreeing", "12.5 ms (6)", "100 ms (6)",
           "80.0 % (≥ 49.0 %, 10)", "0.125"]]]

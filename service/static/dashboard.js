@@ -191,8 +191,9 @@ function renderRouting(r) {
     html("td", {}, REASONS[b.reason] + (b.from_warm_start ? " (warm start)" : "")),
     html("td", {}, `${fmtMs(b.mita_p50_ms)} (${b.mita_forwards})`),
     html("td", {}, `${fmtMs(b.dense_p50_ms)} (${b.dense_forwards})`),
-    html("td", {}, `${fmtShare(b.agreement)} (≥ ${fmtShare(b.agreement_lower_bound)}, ` +
-      `${b.pairs})`), html("td", {}, fmtKl(b.kl_mean))));
+    html("td", {}, b.pairs ? `${fmtShare(b.agreement)} (≥ ` +
+      `${fmtShare(b.agreement_lower_bound)}, ${b.pairs})` : "no shadow pairs yet"),
+    html("td", {}, fmtKl(b.kl_mean))));
   }
   replace("routing", head, table);
 }
