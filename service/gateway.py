@@ -110,8 +110,8 @@ def drop(response, answer: asyncio.Future) -> None:
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
-    """Ingress. ``user_config`` is a ``GatewayConfig`` (A/B weights, sticky header, shadow,
-    limits); it can change without a restart."""
+    """Ingress. ``user_config`` is a ``GatewayConfig`` (A/B weights or policy auto, sticky
+    header, shadow, limits); it can change without a restart."""
 
     def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, vocab: Vocabulary,
                  mita_setting: str | None = None):
@@ -258,7 +258,8 @@ class Gateway:
 
     async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool | str,
                         request: Request) -> dict:
-        """Route validated ``ids`` (``check_ids``) to ``variant`` or by the A/B policy, record
+        """Route validated ``ids`` (``check_ids``) to ``variant``, or by the A/B policy (weights,
+        sticky header, or ``policy: auto``'s decision for its N bucket: ``service.routing``), record
         the outcome and answer; ``profile``: False, True or ``"staged"`` (the forward times
         every stage apart). Raises ApiError as ``_call``."""
         arrived_at = request.scope[ARRIVED]
