@@ -195,23 +195,48 @@ def advisor_priors(path: Path, mita_setting: str | None) -> dict[str, dict]:
     report names settings, e.g. ``"m16 k16 s1 paper"``) median forward times per measured N,
     and that setting's agreement with dense over the report's sequences. The largest N measured
     in a bucket stands for it. Raises OSError (unreadable), ValueError (not JSON, no row for
-    the setting), KeyError/TypeError (not an advisor report)."""
+    the setting, a number out of its range: a time not finite and > 0, an agreement outside
+    [0, 1], a KL not finite and ≥ 0, a count not an integer ≥ 1, an N outside [1, 2^20]),
+    KeyError/TypeError (not an advisor report)."""
     report = json.loads(path.read_text())
     rows = {r["setting"]: r for r in report["rows"]}
     if mita_setting not in rows:
         raise ValueError(f"no row for the served setting {mita_setting!r} (the report has "
                          f"{sorted(s for s in rows if s != 'dense')})")
     mita, dense = rows[mita_setting], rows["dense"]
-    sequences = int(report["config"]["sequences"])
+    sequences = _count(report["config"]["sequences"], "config.sequences")
+    repeats = _count(report["config"]["repeats"], "config.repeats")
+    agreement = _number(mita["agreement"], f"{mita_setting} agreement", 0.0, 1.0)
+    kl = _number(mita["kl"], f"{mita_setting} kl", 0.0)
     priors: dict[str, dict] = {}
-    for n in sorted(int(k) for k in mita["latency"]):
+    for n in sorted(_count(k, "a latency key (N)", 2**20) for k in mita["latency"]):
         if str(n) not in dense["latency"]:
             continue
+        ms = {v: _number(row["latency"][str(n)]["p50_ms"], f"{name} p50_ms at N = {n}", 0.0,
+                         positive=True) for v, name, row in (("mita", mita_setting, mita),
+                                                              ("dense", "dense", dense))}
         priors[n_bucket(n)] = {
-            "latency_ms": {"mita": float(mita["latency"][str(n)]["p50_ms"]),
-                           "dense": float(dense["latency"][str(n)]["p50_ms"])},
-            "latency_samples": {"mita": int(report["config"]["repeats"]),
-                                "dense": int(report["config"]["repeats"])},
-            "agree": float(mita["agreement"]) * sequences, "pairs": float(sequences),
-            "kl_mean": float(mita["kl"]), "n": n}
+            "latency_ms": ms, "latency_samples": {"mita": repeats, "dense": repeats},
+            "agree": agreement * sequences, "pairs": float(sequences), "kl_mean": kl, "n": n}
     return priors
+
+
+def _number(x, what: str, lo: float, hi: float = math.inf, positive: bool = False) -> float:
+    """``x`` as a finite float in [lo, hi] (> lo with ``positive``); ValueError naming
+    ``what`` otherwise, also for a bool or a string."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise ValueError(f"{what} must be a number, got {x!r}")
+    v = float(x)
+    if not math.isfinite(v) or v < lo or v > hi or (positive and v <= lo):
+        raise ValueError(f"{what} = {x!r} is out of range ({'>' if positive else '≥'} {lo}"
+                         f"{'' if hi == math.inf else f', ≤ {hi}'}, finite)")
+    return v
+
+
+def _count(x, what: str, most: int = 10**9) -> int:
+    """``x`` (an int, or a string of one: JSON object keys) as an int in [1, most]."""
+    if isinstance(x, str) and x.isdigit():
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= most:
+        raise ValueError(f"{what} must be an integer in [1, {most}], got {x!r}")
+    return x

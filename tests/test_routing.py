@@ -189,3 +189,29 @@ def test_auto_fields_are_parsed_strictly(raw, why):
     with pytest.raises(ValueError, match=why):
         GatewayConfig.model_validate(raw)
     assert GatewayConfig.model_validate({"policy": "auto"}).auto == AutoPolicy()
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda r, m: m["latency"]["4096"].update(p50_ms=float("nan")),
+     "m8 k8 s1 paper p50_ms at N = 4096 = nan is out of range"),
+    (lambda r, m: m["latency"]["4096"].update(p50_ms=-1.0), "p50_ms at N = 4096 = -1.0"),
+    (lambda r, m: m["latency"]["4096"].update(p50_ms="3 ms"), "must be a number, got '3 ms'"),
+    (lambda r, m: m.update(agreement=1.5), "agreement = 1.5 is out of range"),
+    (lambda r, m: m.update(agreement=True), "must be a number, got True"),
+    (lambda r, m: m.update(kl=float("inf")), "kl = inf is out of range"),
+    (lambda r, m: r["config"].update(sequences=0), "config.sequences must be an integer"),
+    (lambda r, m: m["latency"].update(abc={}), "a latency key (N) must be an integer"),
+])
+def test_a_warm_start_report_with_numbers_out_of_range_is_not_used(tmp_path, change, why):
+    # a prior with NaN or an agreement above 1 would route on nonsense, or fail every request
+    report = json.load(open(REPORT))
+    change(report, next(r for r in report["rows"] if r["setting"] == "m8 k8 s1 paper"))
+    bad = tmp_path / "advise.json"
+    bad.write_text(json.dumps(report))
+    with pytest.raises(ValueError) as e:
+        advisor_priors(bad, "m8 k8 s1 paper")
+    assert why in str(e.value)
+    table = RoutingTable()
+    table.configure(AutoPolicy(warm_start=str(bad)), "m8 k8 s1 paper")
+    assert why in table.warm_start["error"] and table.decide(4096)[1] == "not_enough_data"
+    assert all(r["from_warm_start"] is False for r in table.table())
