@@ -461,7 +461,7 @@ class Gateway:
                 raise ApiError(502, str(e)[:500]) from None
         # observed: the policy-routed split; requests that named their variant apart
         body["ab"] = ab_split(body.pop("answered"), cfg.weights, cfg.shadow,
-                              cfg.sticky_header)
+                              cfg.sticky_header, cfg.policy)
         body["models"] = await self._variants()
         body["stage_colors"] = STAGE_COLORS
         body["variant_colors"] = VARIANT_COLORS

@@ -58,7 +58,7 @@ AFTER_RESPONSE = "mita_serve.after_response"
 # page reads its own ?refresh_s=) are not checked.
 QUERY_PARAMS = {("POST", "/v1/classify"): (), ("POST", "/v1/classify/batch"): (),
                 ("POST", BINARY_PATH): ("variant", "profile", "dtype"),
-                ("GET", "/v1/stats"): ("window_s",)}
+                ("GET", "/v1/stats"): ("window_s",), ("GET", "/v1/routing"): ()}
 MAX_ERRORS_SHOWN = 10
 
 
@@ -89,7 +89,8 @@ def query_refusal(request: Request, path: str) -> tuple[int, str] | None:
     unknown = sorted(set(params) - set(known))
     if unknown:
         takes = (f"known: {', '.join(known)}" if known else
-                 "this endpoint takes none (variant and profile go in the JSON body)")
+                 "this endpoint takes none" + (" (variant and profile go in the JSON body)"
+                                               if request.method == "POST" else ""))
         return 422, f"unknown query parameter(s) {unknown}; {takes}"
     repeated = sorted(k for k in set(params) if len(params.getlist(k)) > 1)
     if repeated:

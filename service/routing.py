@@ -15,6 +15,7 @@ a bucket has too little evidence, so both latencies and the agreement stay curre
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections import deque
@@ -26,6 +27,8 @@ import numpy as np
 from . import PROJECT_ROOT
 from .metrics import N_BUCKETS, ROUTING_DECISIONS, n_bucket
 from .schemas import AutoPolicy
+
+log = logging.getLogger("ray.serve")
 
 # Why a bucket's requests go where they go (the decision counter's ``reason`` label):
 # faster_and_agreeing → mita; slower (MiTA not faster than dense by the margin),
@@ -71,31 +74,32 @@ def decide_bucket(mita_ms: float | None, dense_ms: float | None, samples: tuple[
 @dataclass
 class Evidence:
     """One bucket's recent evidence: forward times (ms) per variant, shadow pairs (labels
-    agree, KL nats), and a prior from a warm start (counted as that many pairs and forwards
-    until live ones replace it)."""
+    agree, KL nats), and a prior from a warm start, which stands in for each until the live
+    evidence is enough on its own (``min_latency_samples`` forwards of that variant,
+    ``min_pairs`` pairs): one live forward must not throw a 1,000-pair prior away."""
 
     forwards: dict[str, deque]
     pairs: deque
     prior: dict | None = None
 
-    def medians(self) -> dict[str, float | None]:
-        return {v: (float(np.median(d)) if d else
-                    (self.prior or {}).get("latency_ms", {}).get(v)) for v, d in
-                self.forwards.items()}
+    def latency(self, policy: AutoPolicy) -> dict[str, tuple[float | None, int, bool]]:
+        """Per variant (median ms or None, forwards counted, from the prior)."""
+        out = {}
+        for v, d in self.forwards.items():
+            if self.prior is not None and len(d) < policy.min_latency_samples:
+                out[v] = (self.prior["latency_ms"][v], self.prior["latency_samples"][v], True)
+            else:
+                out[v] = (float(np.median(d)) if d else None, len(d), False)
+        return out
 
-    def samples(self) -> dict[str, int]:
-        return {v: len(d) if d else int((self.prior or {}).get("latency_samples", {}).get(v, 0))
-                for v, d in self.forwards.items()}
-
-    def agreement(self) -> tuple[float, float, float | None]:
-        """(agreeing pairs, pairs, mean KL or None): live pairs, else the prior's."""
-        if self.pairs:
-            agree = sum(1 for a, _ in self.pairs if a)
-            return float(agree), float(len(self.pairs)), float(np.mean([k for _, k in
-                                                                        self.pairs]))
-        prior = self.prior or {}
-        return (float(prior.get("agree", 0.0)), float(prior.get("pairs", 0.0)),
-                prior.get("kl_mean"))
+    def agreement(self, policy: AutoPolicy) -> tuple[float, float, float | None, bool]:
+        """(agreeing pairs, pairs, mean KL or None, from the prior)."""
+        if self.prior is not None and len(self.pairs) < policy.min_pairs:
+            p = self.prior
+            return p["agree"], p["pairs"], p["kl_mean"], True
+        agree = sum(1 for a, _ in self.pairs if a)
+        kl = float(np.mean([k for _, k in self.pairs])) if self.pairs else None
+        return float(agree), float(len(self.pairs)), kl, False
 
 
 class RoutingTable:
@@ -133,8 +137,10 @@ class RoutingTable:
                     try:  # a relative path: from the project root, as the checkpoint's
                         priors = advisor_priors(path if path.is_absolute() else
                                                 PROJECT_ROOT / path, mita_setting)
-                    except (OSError, ValueError, KeyError, TypeError) as e:
+                    except (OSError, ValueError) as e:
                         self.warm_start["error"] = f"{type(e).__name__}: {e}"[:300]
+                        log.warning("policy auto: warm start %s not used: %s", file,
+                                    self.warm_start["error"])
                     else:
                         for b, prior in priors.items():
                             self._buckets[b].prior = prior
@@ -163,19 +169,19 @@ class RoutingTable:
 
     def _row(self, bucket: str) -> dict:
         e = self._buckets[bucket]
-        ms, samples = e.medians(), e.samples()
-        agree, pairs, kl = e.agreement()
-        variant, reason = decide_bucket(ms["mita"], ms["dense"],
-                                        (samples["mita"], samples["dense"]), agree, pairs,
+        lat = e.latency(self.policy)
+        agree, pairs, kl, prior_pairs = e.agreement(self.policy)
+        (mita_ms, mita_n, prior_mita), (dense_ms, dense_n, prior_dense) = (
+            lat["mita"], lat["dense"])
+        variant, reason = decide_bucket(mita_ms, dense_ms, (mita_n, dense_n), agree, pairs,
                                         self.policy)
         return {"n_bucket": bucket, "variant": variant, "reason": reason,
-                "mita_p50_ms": ms["mita"], "dense_p50_ms": ms["dense"],
-                "mita_forwards": samples["mita"], "dense_forwards": samples["dense"],
+                "mita_p50_ms": mita_ms, "dense_p50_ms": dense_ms,
+                "mita_forwards": mita_n, "dense_forwards": dense_n,
                 "pairs": int(pairs), "agreement": agree / pairs if pairs else None,
                 "agreement_lower_bound": wilson_lower(agree, pairs,
                                                       self.policy.confidence_z),
-                "kl_mean": kl, "from_warm_start": e.prior is not None and not (
-                    e.pairs and all(e.forwards.values()))}
+                "kl_mean": kl, "from_warm_start": prior_mita or prior_dense or prior_pairs}
 
     def table(self) -> list[dict]:
         """Every bucket's row: the decision, its reason and the evidence behind it."""
@@ -196,9 +202,22 @@ def advisor_priors(path: Path, mita_setting: str | None) -> dict[str, dict]:
     and that setting's agreement with dense over the report's sequences. The largest N measured
     in a bucket stands for it. Raises OSError (unreadable), ValueError (not JSON, no row for
     the setting, a number out of its range: a time not finite and > 0, an agreement outside
-    [0, 1], a KL not finite and ≥ 0, a count not an integer ≥ 1, an N outside [1, 2^20]),
-    KeyError/TypeError (not an advisor report)."""
-    report = json.loads(path.read_text())
+    [0, 1], a KL not finite and ≥ 0, a count not an integer ≥ 1, an N outside [1, 2^20]; not
+    an advisor report: not UTF-8 text, not JSON, not its shape)."""
+    try:
+        report = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ValueError("not an advisor report: not a UTF-8 text file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not an advisor report: not JSON ({e})") from None
+    try:
+        return _priors(report, mita_setting)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not an advisor report (advise.json of python -m profiler advise): "
+                         f"{type(e).__name__} {e}") from None
+
+
+def _priors(report: dict, mita_setting: str | None) -> dict[str, dict]:
     rows = {r["setting"]: r for r in report["rows"]}
     if mita_setting not in rows:
         raise ValueError(f"no row for the served setting {mita_setting!r} (the report has "

@@ -336,6 +336,9 @@ class TopkReport(BaseModel):
 
 
 class ABSplit(BaseModel):
+    policy: Literal["weighted", "auto"] = Field(
+        "weighted", description="the gateway's policy; under auto the weights split only "
+        "requests with the sticky header")
     weights: dict[str, float] = Field(description="configured traffic split")
     observed: dict[str, float] = Field(
         description="share of the answered requests of the window that observed_basis says: "

@@ -107,18 +107,21 @@ def _shadow(agree: float, disagree: float, kl_mean: float | None = None,
             "kl_p50": _finite(kl_p50) if total else None, "dropped": dropped}
 
 
-def ab_split(answered: dict, weights: dict, shadow: bool, sticky_header: str) -> dict:
+def ab_split(answered: dict, weights: dict, shadow: bool, sticky_header: str,
+             policy: str = "weighted") -> dict:
     """``StatsResponse.ab`` from a summary's ``answered`` counts: ``{"policy": {variant:
     count}, "override": {…}}`` (local mode: requests routed by the A/B policy, and those whose
     ``variant`` was given) or ``{"all": {…}}`` (Prometheus mode: its counter does not say how
     a request was routed). ``observed`` is the split of the policy-routed requests only, so
-    that explicit overrides (a load test per variant, a curl) do not read as the policy's."""
+    that explicit overrides (a load test per variant, a curl) do not read as the policy's.
+    ``policy``: the gateway's (under ``auto`` the weights split only sticky clients)."""
     if "policy" in answered:
         counts, basis, overrides = answered["policy"], "policy_routed", answered["override"]
     else:
         counts, basis, overrides = answered["all"], "all_answered", None
     total = sum(counts.values())
-    return {"weights": weights, "shadow": shadow, "sticky_header": sticky_header,
+    return {"policy": policy, "weights": weights, "shadow": shadow,
+            "sticky_header": sticky_header,
             "observed": {v: counts.get(v, 0) / total for v in VARIANTS} if total else {},
             "observed_requests": total, "observed_basis": basis,
             "overrides": None if overrides is None else {v: overrides.get(v, 0)

@@ -250,6 +250,9 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
             "renderAB({...arguments[0], observed_basis: 'all_answered', overrides: null});"
             "return [document.getElementById('ab-observed').textContent, "
             "document.getElementById('ab-overrides')]", body["ab"])
+        auto = browser.execute_script(
+            "renderAB({...arguments[0], policy: 'auto'});"
+            "return document.getElementById('ab-configured').textContent", body["ab"])
         routing = wait_for(lambda: browser.execute_script(
             "return [...document.querySelectorAll('#routing tr[data-bucket]')].map(r => "
             "[r.dataset.bucket, r.dataset.variant, r.dataset.reason, "
@@ -283,6 +286,8 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
     assert kl == "KL(dense ‖ MiTA): mean 0.177 · p50 0.02 nats"
     assert prom == ["observed, all answered (overrides included: Prometheus does not record "
                     "routing): mita 75.0 % · dense 25.0 % (8 requests)", None]
+    assert auto == ("policy auto (routing by N bucket, below); sticky clients: mita 80.0 % · "
+                    "dense 20.0 %")
     errors = [e for e in logs if e["level"] == "SEVERE"]
     assert not errors, errors
 

@@ -15,7 +15,7 @@ import pytest
 from starlette.requests import Request
 
 from service.gateway import Gateway
-from service.http import ARRIVED
+from service.http import ARRIVED, query_refusal
 from service.routing import RoutingTable, advisor_priors, decide_bucket, wilson_lower
 from service.schemas import AutoPolicy, GatewayConfig
 
@@ -115,9 +115,16 @@ def test_warm_start_from_an_advisor_report_and_its_refusals(tmp_path):
     # its bucket le_1024 was measured at N = 1,024: MiTA 1.9 ms, dense 3.4 ms
     assert table.decide(64)[:2] == ("mita", "faster_and_agreeing")
     # what cannot be used is said, and the buckets start cold
+    (tmp_path / "config.json").write_text('{"dim": 64}')
+    (tmp_path / "weights.bin").write_bytes(bytes(range(128, 256)))
     for file, setting, why in ((REPORT, "m3 k3 s1 paper", "no row for the served setting"),
                                (str(tmp_path / "none.json"), "m8 k8 s1 paper",
-                                "FileNotFoundError")):
+                                "FileNotFoundError"),
+                               (str(tmp_path / "config.json"), "m8 k8 s1 paper",
+                                "ValueError: not an advisor report (advise.json of python -m "
+                                "profiler advise): KeyError 'rows'"),
+                               (str(tmp_path / "weights.bin"), "m8 k8 s1 paper",
+                                "not an advisor report: not a UTF-8 text file")):
         t = RoutingTable()
         t.configure(AutoPolicy(warm_start=file), setting)
         assert why in t.warm_start["error"] and t.decide(4096)[1] == "not_enough_data"
@@ -215,3 +222,41 @@ def test_a_warm_start_report_with_numbers_out_of_range_is_not_used(tmp_path, cha
     table.configure(AutoPolicy(warm_start=str(bad)), "m8 k8 s1 paper")
     assert why in table.warm_start["error"] and table.decide(4096)[1] == "not_enough_data"
     assert all(r["from_warm_start"] is False for r in table.table())
+
+
+def test_a_warm_start_stands_in_until_live_evidence_is_enough_on_its_own():
+    # found by a user: one live forward replaced a 5-forward prior (and one pair 1,000 prior
+    # pairs), and the bucket fell back to dense for want of data
+    table = RoutingTable()
+    policy = AutoPolicy(warm_start=REPORT, min_agreement=0.6, min_latency_samples=5,
+                        min_pairs=30)
+    table.configure(policy, "m8 k8 s1 paper")
+    assert table.decide(4096)[:2] == ("mita", "faster_and_agreeing")
+    table.add_forward("mita", 4096, 101.0)  # one slow live forward: the prior still stands
+    table.add_pair(4096, False, 2.0)
+    row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
+    assert (row["variant"], row["mita_forwards"], row["pairs"], row["from_warm_start"]) == (
+        "mita", 5, 1000, True)
+    for _ in range(4):  # five live MiTA forwards: theirs is the median now
+        table.add_forward("mita", 4096, 101.0)
+    row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
+    assert (row["variant"], row["reason"], row["mita_p50_ms"], row["mita_forwards"]) == (
+        "dense", "slower", 101.0, 5)
+    assert row["from_warm_start"]  # dense's median and the pairs are still the report's
+    for _ in range(5):
+        table.add_forward("dense", 4096, 400.0)
+    for _ in range(29):
+        table.add_pair(4096, True, 0.5)
+    row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
+    assert (row["variant"], row["pairs"], row["agreement"], row["from_warm_start"]) == (
+        "mita", 30, 29 / 30, False)
+
+
+def test_routing_takes_no_query_parameters():
+    # as /v1/stats refuses what it does not take (found by a user: ?x=1 was answered 200)
+    req = Request({"type": "http", "method": "GET", "path": "/v1/routing",
+                   "query_string": b"x=1", "headers": []})
+    assert query_refusal(req, "/v1/routing") == (
+        422, "unknown query parameter(s) ['x']; this endpoint takes none")
+    assert query_refusal(Request({"type": "http", "method": "GET", "path": "/v1/routing",
+                                  "query_string": b"", "headers": []}), "/v1/routing") is None

@@ -133,7 +133,8 @@ def test_stats_give_stage_counts_shadow_kl_and_the_policy_split():
     assert counts["mita", "le_1024", "qkv_proj"] == 2 and counts["mita", "le_4096", "qkv_proj"] == 6
     assert counts["dense", "le_1024", "qkv_proj"] == 6
     body = stats_body(s)
-    assert body["ab"] == {"weights": {"mita": 0.8, "dense": 0.2}, "shadow": True,
+    assert body["ab"] == {"policy": "weighted", "weights": {"mita": 0.8, "dense": 0.2},
+                          "shadow": True,
                           "sticky_header": "x-client-key",
                           "observed": {"mita": 0.75, "dense": 0.25}, "observed_requests": 8,
                           "observed_basis": "policy_routed",

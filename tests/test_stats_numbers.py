@@ -80,7 +80,7 @@ def test_summary_counts_percentiles_and_the_policy_split():
     # answered (200) only: 5 + 1 routed by the policy, 2 overrides
     assert s["answered"] == {"policy": {"mita": 5, "dense": 1}, "override": {"dense": 2}}
     ab = ab_split(s["answered"], {"mita": 3.0, "dense": 1.0}, False, "x-key")
-    assert ab == {"weights": {"mita": 3.0, "dense": 1.0}, "shadow": False,
+    assert ab == {"policy": "weighted", "weights": {"mita": 3.0, "dense": 1.0}, "shadow": False,
                   "sticky_header": "x-key",
                   "observed": {"mita": pytest.approx(5 / 6, rel=REL),
                                "dense": pytest.approx(1 / 6, rel=REL)},

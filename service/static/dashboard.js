@@ -124,7 +124,10 @@ function renderAB(ab) {
   const overrides = ab.overrides ? [html("div", { class: "note", id: "ab-overrides" },
     "overrides (variant named, not in the split): " +
     VARIANTS.map((v) => `${v} ${fmtCount(ab.overrides[v] || 0)}`).join(" · "))] : [];
-  replace("ab", html("div", { class: "note" }, `configured: ${shareText(weights)}`),
+  // Under policy auto the weights split only sticky clients: the routing panel routes the rest.
+  const configured = ab.policy === "auto" ? "policy auto (routing by N bucket, below); " +
+    `sticky clients: ${shareText(weights)}` : `configured: ${shareText(weights)}`;
+  replace("ab", html("div", { class: "note", id: "ab-configured" }, configured),
     splitBar(weights), ...observed, ...overrides,
     html("div", { class: "note" }, `shadow ${ab.shadow ? "on" : "off"} · sticky header ` +
       `${ab.sticky_header}`));
