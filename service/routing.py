@@ -26,7 +26,7 @@ import numpy as np
 
 from . import PROJECT_ROOT
 from .metrics import N_BUCKETS, ROUTING_DECISIONS, n_bucket
-from .schemas import AutoPolicy
+from .schemas import VARIANTS, AutoPolicy
 
 log = logging.getLogger("ray.serve")
 
@@ -123,7 +123,7 @@ class RoutingTable:
             old = self._buckets
             self._buckets = {b: Evidence(
                 {v: deque(old[b].forwards[v] if b in old else (), maxlen=policy.window)
-                 for v in ("mita", "dense")},
+                 for v in VARIANTS},
                 deque(old[b].pairs if b in old else (), maxlen=policy.window),
                 old[b].prior if b in old else None) for b in N_BUCKETS}
             file = policy.warm_start
