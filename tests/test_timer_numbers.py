@@ -213,3 +213,18 @@ def test_cpu_branch_reads_the_host_clock_in_ns(monkeypatch):
                                                                "analytic_activation_estimate")
     assert (t.result().peak_memory_bytes, t.result().peak_memory_kind) == (None, None)
     assert timer._FREE_EVENTS == {-1: []}  # CPU: a key no CUDA index takes, never filled
+
+
+def test_a_stage_or_layer_left_by_an_exception_is_still_recorded_and_restored(monkeypatch):
+    clock = types.SimpleNamespace(ms=0)
+    monkeypatch.setattr(timer, "time", types.SimpleNamespace(perf_counter_ns=lambda: clock.ms))
+    t = StageTimer()
+    with t.forward():
+        with pytest.raises(ValueError, match="^inside$"), t.layer(3):
+            clock.ms = 2_000_000
+            with t.stage("attention"):
+                clock.ms = 2_750_000
+                raise ValueError("inside")
+        timed(t, clock, "head", 3_000_000, 3_500_000)  # outside any block again
+    assert t.result().records == [StageRecord("attention", 3, 0.75),
+                                  StageRecord("head", None, 0.5)]
