@@ -53,6 +53,8 @@ ROUTED = "mita_serve.routed"  # ASGI scope key: set once a variant is chosen; re
 # ASGI scope key: a list of callables (the recording of an answered request) that CheckBody
 # runs once the response has been handed to Serve, so the client does not wait for them.
 AFTER_RESPONSE = "mita_serve.after_response"
+# ASGI scope key: the served forward's total_ms, for gateway.classify_response's Server-Timing
+FORWARD_MS = "mita_serve.forward_ms"
 # The query parameters each endpoint takes; on these paths any other is refused (422), so a
 # ?variant= sent to the JSON endpoint is not silently ignored. Other paths (the dashboard
 # page reads its own ?refresh_s=) are not checked.
@@ -237,3 +239,7 @@ STATIC_HEADERS = {
 }
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 411, 413, 415, 422, 500, 503, 504)}
+# A single classification's answers, with the header gateway.classify_response sets
+CLASSIFY_RESPONSES = ERRORS | {200: {"headers": {"Server-Timing": {
+    "description": "forward;dur=<ms>: the model forward's milliseconds (the profile's total_ms)",
+    "schema": {"type": "string"}}}}}

@@ -70,8 +70,17 @@ def test_ids_input_and_profile(service):
     assert prof["flops_total"] == sum(prof["flops"].values()) > 0
     assert prof["peak_memory_kind"] == "analytic_activation_estimate"
     assert "topk_path" not in prof  # null, left out: no Triton top-k on this CPU host
+    # the same forward's time in the Server-Timing header, rounded to the header's 3 decimals
+    assert r.headers["server-timing"] == f"forward;dur={prof['total_ms']:.3f}"
     r = service.post("/v1/classify", json={"ids": encode(text), "variant": "dense"})
     assert "profile" not in r.json()
+    name, dur = r.headers["server-timing"].split(";dur=")
+    assert name == "forward" and float(dur) > 0  # there without the profile too
+    r = service.post("/v1/classify/binary?variant=mita&profile=true",
+                     content=bytes(encode(text)),
+                     headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    assert r.headers["server-timing"] == f"forward;dur={r.json()['profile']['total_ms']:.3f}"
 
 
 BAD = [
