@@ -15,12 +15,13 @@ event, and resolves every elapsed time. On CPU the same interface reads
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
+from .config import ModelConfig
 from .cost import activation_bytes_estimate, model_stage_flops
 from .model import EncoderClassifier
 
@@ -129,6 +130,25 @@ class _Layer:
         self.timer._layer = self.previous
 
 
+class _Forward:
+    """``StageTimer.forward``'s context manager (a class, as ``_Stage``)."""
+
+    __slots__ = ("timer", "start")
+
+    def __init__(self, timer: StageTimer):
+        self.timer = timer
+
+    def __enter__(self) -> StageTimer:
+        timer = self.timer
+        if timer.cuda:
+            torch.cuda.reset_peak_memory_stats(timer.device)
+        self.start = timer._now()
+        return timer
+
+    def __exit__(self, *exc) -> None:
+        self.timer._forward = (self.start, self.timer._now())
+
+
 class StageTimer:
     """Stage hook that times each stage of one forward.
 
@@ -170,16 +190,10 @@ class StageTimer:
     def stage(self, name: str) -> _Stage:
         return _Stage(self, name)
 
-    @contextmanager
-    def forward(self):
-        """Wrap the whole forward: end-to-end time, and on CUDA the peak-memory window."""
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        start = self._now()
-        try:
-            yield self
-        finally:
-            self._forward = (start, self._now())
+    def forward(self) -> _Forward:
+        """Wrap the whole forward: end-to-end time, and on CUDA the peak-memory window.
+        ``with timer.forward() as t``: t is the timer."""
+        return _Forward(self)
 
     def _ms(self, start, end) -> float:
         if self.cuda:
@@ -233,8 +247,14 @@ def profile_forward(model: EncoderClassifier, ids: torch.Tensor,
         logits = None if replay is None else replay(ids, key_padding_mask)
         if logits is None:
             logits = model(ids, key_padding_mask, hook=timer)
-    B, N = ids.shape
-    dtype = next(model.parameters()).dtype
-    profile = timer.result(flops=model_stage_flops(model.config, B, N),
-                           activation_bytes=activation_bytes_estimate(model.config, B, N, dtype))
-    return logits, profile
+    flops, activation_bytes = _forward_cost(model.config, *ids.shape,
+                                            next(model.parameters()).dtype)
+    return logits, timer.result(flops=flops, activation_bytes=activation_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _forward_cost(cfg: ModelConfig, batch: int, n: int, dtype: torch.dtype) -> tuple[dict, int]:
+    """(``model_stage_flops``, ``activation_bytes_estimate``) of a ``(batch, n)`` forward: the
+    same few shapes come again and again to a server, and ``result`` copies the dict."""
+    return (model_stage_flops(cfg, batch, n),
+            activation_bytes_estimate(cfg, batch, n, dtype))

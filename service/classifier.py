@@ -120,7 +120,8 @@ class Classifier:
             self._inside -= 1
         if len(ids) <= INLINE_MAX_N:
             self._ran.add(len(ids))
-        return result | {"replica": self.info_dict["replica"]}  # peak memory is per replica
+        result["replica"] = self.info_dict["replica"]  # peak memory is per replica
+        return result
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def forward_batch(self, batch: list[np.ndarray], staged: list[bool],

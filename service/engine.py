@@ -196,19 +196,20 @@ class ClassifierEngine:
         self._graph_topk = {s: p for s, p in self._graph_topk.items() if s in self.graphs.graphs}
         return path
 
-    @contextmanager
     def _stages(self, staged: bool):
         """Run the forward inside with the PyTorch MiTA stages when ``staged`` (one forward at
-        a time: the backend is a model attribute)."""
-        switch = staged and self.fused()  # else the model already runs self.backend
+        a time: the backend is a model attribute); else just one forward at a time (the lock
+        itself: no generator to step on every forward)."""
+        return self._staged() if staged and self.fused() else self._lock
+
+    @contextmanager
+    def _staged(self):
         with self._lock:
-            if switch:
-                set_mita_backend(self.model, "torch")
+            set_mita_backend(self.model, "torch")
             try:
                 yield
             finally:
-                if switch:
-                    set_mita_backend(self.model, self.backend)
+                set_mita_backend(self.model, self.backend)
 
     def run(self, batch: Sequence[Sequence[int] | np.ndarray], deterministic: bool = True,
             staged: Sequence[bool] | None = None,
