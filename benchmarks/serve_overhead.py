@@ -1,18 +1,24 @@
 """What the service adds around a forward, against a bare Ray Serve app of the same shape,
 side by side in one run, in Ray Serve's default mode and with ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``.
 
-    python benchmarks/serve_overhead.py [--requests 60] [--warmup 10] [--duration-s 5]
+    python benchmarks/serve_overhead.py [--requests 60] [--warmup 10] [--blocks 1 10]
+                                        [--duration-s 5]
 
 Each mode runs in a fresh process (Serve reads the variable when it is imported), which starts
 Ray, the real service (deploy/serve_config.yaml, shipped checkpoint, CPU) and, in the same
 Serve instance, the bare app written below: HTTP proxy → FastAPI ingress → one
 ``DeploymentHandle`` call to a second deployment that returns ``len(ids)``. Both get the same
-bodies, one request to each in turn:
+bodies, the apps taking turns:
 
 - **sequential**: for N = 64, 1,024, 16,384 and JSON (``{"ids": [...]}``) and binary
-  (uint8) bodies, ``--warmup`` untimed then ``--requests`` timed requests to each app. The
-  product's overhead is its round trip minus the forward's own ``profile.total_ms`` (the
-  request asks ``"profile": true``, and pays for it); the bare app's is its round trip.
+  (uint8) bodies, ``--warmup`` untimed then ``--requests`` timed requests to each app, in
+  runs of ``block`` requests to one app before the next takes its turn — one pass per value
+  of ``--blocks``: 1 interleaves single requests (each app then runs right after the other
+  app's processes have filled the caches), 10 gives each app a run of requests as a service
+  gets them, still alternating over the same minutes. The
+  product's overhead is its round trip minus the forward's own time (``profile.total_ms``,
+  read from the answer's ``Server-Timing`` header, so the request need not ask for the whole
+  profile — as most requests do not); the bare app's is its round trip.
   "bare + wait" is the bare app whose second deployment first sleeps, in a worker thread,
   the forward time the product reported just before: its overhead (round trip − the wait)
   is what Serve adds around a downstream call that takes as long as the product's forward.
@@ -20,7 +26,8 @@ bodies, one request to each in turn:
   the last answered, for ``--duration-s``, twice per app in the order product, bare, product,
   bare; throughput is answered requests per second over both rounds.
 
-The product runs the MiTA classifier (``variant: mita``), ``deterministic: true`` as shipped.
+The product runs the MiTA classifier (``variant: mita``), ``deterministic: true`` as shipped,
+with one replica per classifier (no autoscaling), as the bare app has one per deployment.
 Client and servers share the machine's cores; the client is one asyncio process (aiohttp).
 """
 
@@ -89,42 +96,54 @@ def bare_app():
 def bodies(n: int) -> dict[str, tuple[str, bytes, str, str]]:
     """(path, body, content type, query) of the JSON and binary request for N = ``n``."""
     ids = np.random.default_rng(n).integers(1, 16, n).astype(np.uint8)
-    return {"json": ("/v1/classify", json.dumps({"ids": ids.tolist(), "variant": "mita",
-                                                  "profile": True}).encode(),
-                     "application/json", ""),
+    return {"json": ("/v1/classify", json.dumps({"ids": ids.tolist(), "variant": "mita"}
+                                                 ).encode(), "application/json", ""),
             "binary": ("/v1/classify/binary", ids.tobytes(), "application/octet-stream",
-                       "?variant=mita&profile=true")}
+                       "?variant=mita")}
 
 
-async def post(session, url: str, body: bytes, ctype: str) -> tuple[float, dict]:
-    """(round trip in ms, JSON answer); raises on a status other than 200."""
+async def post(session, url: str, body: bytes, ctype: str) -> tuple[float, float]:
+    """(round trip in ms, the forward's ms from the product's ``Server-Timing`` header, 0 for
+    the bare app); raises on a status other than 200."""
     t0 = time.perf_counter()
     async with session.post(url, data=body, headers={"content-type": ctype}) as r:
-        answer = await r.json()
+        answer = await r.read()
     rt_ms = 1e3 * (time.perf_counter() - t0)
     if r.status != 200:
-        raise RuntimeError(f"{url}: {r.status} {answer}")
-    return rt_ms, answer
+        raise RuntimeError(f"{url}: {r.status} {answer[:500]!r}")
+    timing = r.headers.get("server-timing")
+    return rt_ms, float(timing.split(";dur=")[1]) if timing else 0.0
 
 
-async def sequential(session, urls: dict[str, str], requests: int, warmup: int) -> list[dict]:
+async def sequential(session, urls: dict[str, str], requests: int, warmup: int,
+                     block: int = 1) -> list[dict]:
     """Per (N, body): the product, the bare app, and the bare app waiting the forward time
-    the product just reported, in turn."""
+    the product reported, in turn — ``block`` requests to one before the next (1: one
+    request each; more: each app serves a run of requests in a row, as a service does, and
+    the apps still alternate over the same minutes)."""
     rows = []
     for n in NS:
         for fmt, (path, body, ctype, query) in bodies(n).items():
             got = {"product": [], "bare": [], "bare_wait": []}
             sep = "&" if query else "?"
-            for i in range(warmup + requests):
-                rt, answer = await post(session, urls["product"] + path + query, body, ctype)
-                fwd = answer["profile"]["total_ms"]
-                rt_bare, _ = await post(session, urls["bare"] + path, body, ctype)
-                rt_wait, _ = await post(session, f"{urls['bare']}{path}{query}{sep}"
-                                        f"wait_ms={fwd}", body, ctype)
-                if i >= warmup:
-                    got["product"].append((rt, rt - fwd, fwd))
-                    got["bare"].append((rt_bare, rt_bare, 0.0))
-                    got["bare_wait"].append((rt_wait, rt_wait - fwd, fwd))
+            for start in range(0, warmup + requests, block):
+                count = min(block, warmup + requests - start)
+                timed = [start + j >= warmup for j in range(count)]
+                fwds = []
+                for t in timed:
+                    rt, fwd = await post(session, urls["product"] + path + query, body, ctype)
+                    fwds.append(fwd)
+                    if t:
+                        got["product"].append((rt, rt - fwd, fwd))
+                for t in timed:
+                    rt_bare, _ = await post(session, urls["bare"] + path, body, ctype)
+                    if t:
+                        got["bare"].append((rt_bare, rt_bare, 0.0))
+                for t, fwd in zip(timed, fwds, strict=True):
+                    rt_wait, _ = await post(session, f"{urls['bare']}{path}{query}{sep}"
+                                            f"wait_ms={fwd}", body, ctype)
+                    if t:
+                        got["bare_wait"].append((rt_wait, rt_wait - fwd, fwd))
             row = {"n": n, "format": fmt}
             for app, samples in got.items():
                 a = np.asarray(samples)
@@ -179,8 +198,13 @@ def child(mode: str, a: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     from service import launch
 
-    cfg = launch.load_config(launch.CPU_CONFIG, {"http_options": {"port": a.port},
-                                                 "args": {"device": "cpu"}})
+    # One replica per classifier, as the bare app has one per deployment: the shipped
+    # autoscaling would start a second MiTA replica under the closed loops, and its start-up
+    # (torch, the checkpoint, the kernels) would be measured as request-path cost.
+    one = {"num_replicas": 1, "autoscaling_config": None}
+    cfg = launch.load_config(launch.CPU_CONFIG, {
+        "http_options": {"port": a.port}, "args": {"device": "cpu"},
+        "deployments": {"MiTAClassifier": one, "DenseClassifier": one}})
     url = launch.start(cfg, metrics_port=a.port + 1)
     try:
         serve.run(bare_app(), name="bare", route_prefix=BARE_PREFIX)
@@ -190,7 +214,11 @@ def child(mode: str, a: argparse.Namespace) -> dict:
             async with aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(limit=0),
                     timeout=aiohttp.ClientTimeout(total=300)) as session:
-                return (await sequential(session, urls, a.requests, a.warmup),
+                seq = []
+                for block in a.blocks:
+                    for row in await sequential(session, urls, a.requests, a.warmup, block):
+                        seq.append({"block": block, **row})
+                return (seq,
                         await throughput(session, urls, a.duration_s))
         seq, tput = asyncio.run(run())
     finally:
@@ -207,14 +235,15 @@ def table(results: list[dict], a: argparse.Namespace) -> str:
              "cell, 2 rounds alternating\n",
              "### Sequential: overhead = round trip − forward (bare app: round trip; bare + "
              "wait: round trip − the wait)\n",
-             "| mode | N | body | product overhead p50 ms | bare p50 ms | product − bare ms | "
+             "| mode | in a row | N | body | product overhead p50 ms | bare p50 ms | "
+             "product − bare ms | "
              "bare + wait p50 ms | product − (bare + wait) ms | product overhead p99 ms | "
              "bare p99 ms | product forward p50 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for row in r["sequential"]:
             p, b, w = row["product"], row["bare"], row["bare_wait"]
-            lines.append(f"| {r['mode']} | {row['n']} | {row['format']} | "
+            lines.append(f"| {r['mode']} | {row['block']} | {row['n']} | {row['format']} | "
                          f"{p['overhead_p50_ms']:.2f} | {b['overhead_p50_ms']:.2f} | "
                          f"{p['overhead_p50_ms'] - b['overhead_p50_ms']:+.2f} | "
                          f"{w['overhead_p50_ms']:.2f} | "
@@ -237,6 +266,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--blocks", type=int, nargs="+", default=[1, 10],
+                   help="sequential requests in a row to one app before the next; each value "
+                        "is one full sequential pass (default: 1 and 10)")
     p.add_argument("--duration-s", type=float, default=5.0)
     p.add_argument("--port", type=int, default=8785)
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
@@ -252,6 +284,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_THROUGHPUT")}
         subprocess.run([sys.executable, __file__, "--child", mode, "--out", str(out),
                         "--requests", str(a.requests), "--warmup", str(a.warmup),
+                        "--blocks", *map(str, a.blocks),
                         "--duration-s", str(a.duration_s), "--port", str(a.port)],
                        env=env | MODES[mode], check=True)
         results.append(json.loads(out.read_text()))
