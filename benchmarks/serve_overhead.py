@@ -175,7 +175,6 @@ async def closed_loop(session, url: str, body: bytes, concurrency: int,
 
 async def throughput(session, urls: dict[str, str], duration_s: float) -> list[dict]:
     path, body, _, _ = bodies(64)["json"]
-    body = json.dumps({**json.loads(body), "profile": False}).encode()
     rows = []
     for c in CONCURRENCY:
         done = {app: [0, 0, 0.0] for app in urls}
