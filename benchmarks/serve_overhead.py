@@ -2,32 +2,38 @@
 side by side in one run, in Ray Serve's default mode and with ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``.
 
     python benchmarks/serve_overhead.py [--requests 60] [--warmup 10] [--blocks 1 10]
-                                        [--duration-s 5]
+                                        [--duration-s 5] [--rounds 3]
 
 Each mode runs in a fresh process (Serve reads the variable when it is imported), which starts
 Ray, the real service (deploy/serve_config.yaml, shipped checkpoint, CPU) and, in the same
-Serve instance, the bare app written below: HTTP proxy → FastAPI ingress → one
-``DeploymentHandle`` call to a second deployment that returns ``len(ids)``. Both get the same
-bodies, the apps taking turns:
+Serve instance, the two bare apps written below, of the service's shape: HTTP proxy → FastAPI
+ingress → one ``DeploymentHandle`` call to a second deployment, which
+
+- **bare**: returns ``len(ids)`` at once (Ray Serve's own floor);
+- **bare + model**: runs the shipped checkpoint's MiTA model on the ids as plainly as PyTorch
+  allows — ``model(ids)`` under ``no_grad``, same weights, backend and thread count as the
+  product's classifier, without the service's engine, stage timer, profile, checks,
+  routing or metrics — and the ingress returns the label with the forward's time in
+  ``Server-Timing``. On a CPU the forward shares the cores with everything else, so this
+  is the floor for a server that actually runs the model there.
+
+All apps get the same bodies, taking turns:
 
 - **sequential**: for N = 64, 1,024, 16,384 and JSON (``{"ids": [...]}``) and binary
   (uint8) bodies, ``--warmup`` untimed then ``--requests`` timed requests to each app, in
   runs of ``block`` requests to one app before the next takes its turn — one pass per value
   of ``--blocks``: 1 interleaves single requests (each app then runs right after the other
-  app's processes have filled the caches), 10 gives each app a run of requests as a service
-  gets them, still alternating over the same minutes. The
-  product's overhead is its round trip minus the forward's own time (``profile.total_ms``,
-  read from the answer's ``Server-Timing`` header, so the request need not ask for the whole
-  profile — as most requests do not); the bare app's is its round trip.
-  "bare + wait" is the bare app whose second deployment first sleeps, in a worker thread,
-  the forward time the product reported just before: its overhead (round trip − the wait)
-  is what Serve adds around a downstream call that takes as long as the product's forward.
+  apps' processes have filled the caches), 10 gives each app a run of requests as a service
+  gets them, still alternating over the same minutes. An app's overhead is its round trip
+  minus the forward's own time, read from the answer's ``Server-Timing`` header (the
+  product's: the profile's ``total_ms``, so the request need not ask for the whole profile —
+  as most requests do not; the bare app's forward is 0).
 - **closed loop**: N = 64, JSON, ``concurrency`` clients each sending the next request when
-  the last answered, for ``--duration-s``, twice per app in the order product, bare, product,
-  bare; throughput is answered requests per second over both rounds.
+  the last answered, for ``--duration-s``, ``--rounds`` times per app, the apps taking turns;
+  throughput is answered requests per second over all rounds.
 
 The product runs the MiTA classifier (``variant: mita``), ``deterministic: true`` as shipped,
-with one replica per classifier (no autoscaling), as the bare app has one per deployment.
+with one replica per classifier (no autoscaling), as the bare apps have one per deployment.
 Client and servers share the machine's cores; the client is one asyncio process (aiohttp).
 """
 
@@ -50,30 +56,53 @@ NS = (64, 1024, 16384)
 CONCURRENCY = (1, 8, 32)
 MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 BARE_PREFIX = "/bare"
+BARE_MODEL_PREFIX = "/bare-model"
 
 
 class Body(BaseModel):
     ids: list[int]
 
 
-def bare_app():
-    """The bare Ray Serve app of the service's shape, without anything of the service.
-    ``?wait_ms=``: the second deployment first waits that long in a worker thread, as the
-    product's classifier runs its forward (0: it answers at once)."""
-    import asyncio
+def bare_app(checkpoint: str | None = None):
+    """The bare Ray Serve app of the service's shape, without anything of the service. Its
+    second deployment answers ``len(ids)`` at once; with ``checkpoint`` ("bare + model") it
+    instead runs that checkpoint's MiTA model on the ids as plainly as PyTorch allows (no
+    engine, no stage timer, no profile, no metrics: ``model(ids)`` under ``no_grad``, the
+    same weights, backend and thread count as the product's classifier) and the ingress
+    answers the label with the forward's milliseconds in ``Server-Timing`` as the product
+    does."""
     import time
 
     from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
     from ray import serve
 
     api = FastAPI()
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    # max_ongoing_requests as the product's classifiers: with Serve's default (5), the
+    # ingress holds the requests above it and probes the replica for room, which a forward on
+    # its event loop keeps from answering (bare + model fell to ~19 requests/s at concurrency
+    # 32 in Serve's default mode)
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
     class Count:
-        async def count(self, ids, wait_s: float) -> int:
-            if wait_s > 0:
-                await asyncio.get_running_loop().run_in_executor(None, time.sleep, wait_s)
-            return len(ids)
+        def __init__(self, checkpoint):
+            self.model = None
+            if checkpoint is not None:
+                import torch
+
+                from mita.model import load_checkpoint
+
+                self.torch = torch
+                self.model = load_checkpoint(ROOT / checkpoint, attention="mita").eval()
+
+        async def count(self, ids) -> tuple[int, float]:
+            if self.model is None:
+                return len(ids), 0.0
+            t0 = time.perf_counter()
+            with self.torch.no_grad():
+                logits = self.model(self.torch.from_numpy(ids.astype(np.int64))[None])
+            ms = 1e3 * (time.perf_counter() - t0)
+            return int(logits.argmax()), ms
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     @serve.ingress(api)
@@ -81,16 +110,20 @@ def bare_app():
         def __init__(self, count):
             self.count = count
 
+        async def answer(self, ids: np.ndarray) -> JSONResponse:
+            label, ms = await self.count.count.remote(ids)
+            return JSONResponse({"label": label, "n": len(ids)},
+                                headers={"server-timing": f"forward;dur={ms:.3f}"})
+
         @api.post("/v1/classify")
-        async def classify(self, body: Body, wait_ms: float = 0.0) -> dict:
-            return {"n": await self.count.count.remote(np.asarray(body.ids), wait_ms / 1e3)}
+        async def classify(self, body: Body) -> JSONResponse:
+            return await self.answer(np.asarray(body.ids))
 
         @api.post("/v1/classify/binary")
-        async def binary(self, request: Request, wait_ms: float = 0.0) -> dict:
-            ids = np.frombuffer(await request.body(), dtype=np.uint8)
-            return {"n": await self.count.count.remote(ids, wait_ms / 1e3)}
+        async def binary(self, request: Request) -> JSONResponse:
+            return await self.answer(np.frombuffer(await request.body(), dtype=np.uint8))
 
-    return Ingress.bind(Count.bind())
+    return Ingress.bind(Count.bind(checkpoint))
 
 
 def bodies(n: int) -> dict[str, tuple[str, bytes, str, str]]:
@@ -117,33 +150,23 @@ async def post(session, url: str, body: bytes, ctype: str) -> tuple[float, float
 
 async def sequential(session, urls: dict[str, str], requests: int, warmup: int,
                      block: int = 1) -> list[dict]:
-    """Per (N, body): the product, the bare app, and the bare app waiting the forward time
-    the product reported, in turn — ``block`` requests to one before the next (1: one
-    request each; more: each app serves a run of requests in a row, as a service does, and
-    the apps still alternate over the same minutes)."""
+    """Per (N, body): the product, the bare app and the bare app with the model, in turn —
+    ``block`` requests to one before the next (1: one request each; more: each app serves a
+    run of requests in a row, as a service does, and the apps still alternate over the same
+    minutes)."""
     rows = []
     for n in NS:
         for fmt, (path, body, ctype, query) in bodies(n).items():
-            got = {"product": [], "bare": [], "bare_wait": []}
-            sep = "&" if query else "?"
+            got = {app: [] for app in urls}
             for start in range(0, warmup + requests, block):
                 count = min(block, warmup + requests - start)
                 timed = [start + j >= warmup for j in range(count)]
-                fwds = []
-                for t in timed:
-                    rt, fwd = await post(session, urls["product"] + path + query, body, ctype)
-                    fwds.append(fwd)
-                    if t:
-                        got["product"].append((rt, rt - fwd, fwd))
-                for t in timed:
-                    rt_bare, _ = await post(session, urls["bare"] + path, body, ctype)
-                    if t:
-                        got["bare"].append((rt_bare, rt_bare, 0.0))
-                for t, fwd in zip(timed, fwds, strict=True):
-                    rt_wait, _ = await post(session, f"{urls['bare']}{path}{query}{sep}"
-                                            f"wait_ms={fwd}", body, ctype)
-                    if t:
-                        got["bare_wait"].append((rt_wait, rt_wait - fwd, fwd))
+                for app, base in urls.items():
+                    url = base + path + (query if app == "product" else "")
+                    for t in timed:
+                        rt, fwd = await post(session, url, body, ctype)
+                        if t:
+                            got[app].append((rt, rt - fwd, fwd))
             row = {"n": n, "format": fmt}
             for app, samples in got.items():
                 a = np.asarray(samples)
@@ -173,12 +196,13 @@ async def closed_loop(session, url: str, body: bytes, concurrency: int,
     return counts[0], counts[1], time.perf_counter() - t0
 
 
-async def throughput(session, urls: dict[str, str], duration_s: float) -> list[dict]:
+async def throughput(session, urls: dict[str, str], duration_s: float,
+                     rounds: int) -> list[dict]:
     path, body, _, _ = bodies(64)["json"]
     rows = []
     for c in CONCURRENCY:
         done = {app: [0, 0, 0.0] for app in urls}
-        for _ in range(2):
+        for _ in range(rounds):
             for app, base in urls.items():
                 ok, bad, s = await closed_loop(session, base + path, body, c, duration_s)
                 done[app] = [done[app][0] + ok, done[app][1] + bad, done[app][2] + s]
@@ -207,7 +231,10 @@ def child(mode: str, a: argparse.Namespace) -> dict:
     url = launch.start(cfg, metrics_port=a.port + 1)
     try:
         serve.run(bare_app(), name="bare", route_prefix=BARE_PREFIX)
-        urls = {"product": url, "bare": url + BARE_PREFIX}
+        serve.run(bare_app(cfg.applications[0].args["checkpoint"]), name="bare-model",
+                  route_prefix=BARE_MODEL_PREFIX)
+        urls = {"product": url, "bare": url + BARE_PREFIX,
+                "bare_model": url + BARE_MODEL_PREFIX}
 
         async def run():
             async with aiohttp.ClientSession(
@@ -218,7 +245,7 @@ def child(mode: str, a: argparse.Namespace) -> dict:
                     for row in await sequential(session, urls, a.requests, a.warmup, block):
                         seq.append({"block": block, **row})
                 return (seq,
-                        await throughput(session, urls, a.duration_s))
+                        await throughput(session, urls, a.duration_s, a.rounds))
         seq, tput = asyncio.run(run())
     finally:
         launch.stop()
@@ -230,34 +257,35 @@ def table(results: list[dict], a: argparse.Namespace) -> str:
     lines = [f"MiTA classifier (shipped checkpoint, m = k = 16, s = 1), deterministic, batch 1, "
              f"float32, cpu ({results[0]['cpus']} cores, client included); torch "
              f"{results[0]['torch']}; {a.requests} timed requests per cell after {a.warmup} "
-             f"warm-ups, one to each app in turn; closed loops {2 * a.duration_s:g} s per "
-             "cell, 2 rounds alternating\n",
-             "### Sequential: overhead = round trip − forward (bare app: round trip; bare + "
-             "wait: round trip − the wait)\n",
+             f"warm-ups, apps in turn; closed loops {a.rounds} × {a.duration_s:g} s per app "
+             "and cell, alternating\n",
+             "### Sequential: overhead = round trip − forward (bare app: round trip)\n",
              "| mode | in a row | N | body | product overhead p50 ms | bare p50 ms | "
-             "product − bare ms | "
-             "bare + wait p50 ms | product − (bare + wait) ms | product overhead p99 ms | "
-             "bare p99 ms | product forward p50 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "product − bare ms | bare + model overhead p50 ms | product − (bare + model) ms | "
+             "product overhead p99 ms | bare p99 ms | product forward p50 ms | "
+             "bare + model forward p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for row in r["sequential"]:
-            p, b, w = row["product"], row["bare"], row["bare_wait"]
+            p, b, w = row["product"], row["bare"], row["bare_model"]
             lines.append(f"| {r['mode']} | {row['block']} | {row['n']} | {row['format']} | "
                          f"{p['overhead_p50_ms']:.2f} | {b['overhead_p50_ms']:.2f} | "
                          f"{p['overhead_p50_ms'] - b['overhead_p50_ms']:+.2f} | "
                          f"{w['overhead_p50_ms']:.2f} | "
                          f"{p['overhead_p50_ms'] - w['overhead_p50_ms']:+.2f} | "
                          f"{p['overhead_p99_ms']:.2f} | {b['overhead_p99_ms']:.2f} | "
-                         f"{p['forward_p50_ms']:.2f} |")
+                         f"{p['forward_p50_ms']:.2f} | {w['forward_p50_ms']:.2f} |")
     lines += ["", "### Closed loop, N = 64, JSON: answered requests per second\n",
-              "| mode | concurrency | product req/s | bare req/s | product / bare | non-200 |",
-              "|---|---|---|---|---|---|"]
+              "| mode | concurrency | product req/s | bare req/s | bare + model req/s | "
+              "product / bare | product / (bare + model) | non-200 |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for row in r["throughput"]:
-            p, b = row["product"], row["bare"]
+            p, b, w = row["product"], row["bare"], row["bare_model"]
             lines.append(f"| {r['mode']} | {row['concurrency']} | {p['rps']:.0f} | "
-                         f"{b['rps']:.0f} | {p['rps'] / b['rps']:.2f} | "
-                         f"{p['non_200'] + b['non_200']} |")
+                         f"{b['rps']:.0f} | {w['rps']:.0f} | {p['rps'] / b['rps']:.2f} | "
+                         f"{p['rps'] / w['rps']:.2f} | "
+                         f"{p['non_200'] + b['non_200'] + w['non_200']} |")
     return "\n".join(lines)
 
 
@@ -269,6 +297,8 @@ def main() -> None:
                    help="sequential requests in a row to one app before the next; each value "
                         "is one full sequential pass (default: 1 and 10)")
     p.add_argument("--duration-s", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="closed-loop rounds per concurrency, the apps taking turns")
     p.add_argument("--port", type=int, default=8785)
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     p.add_argument("--child", choices=tuple(MODES), help=argparse.SUPPRESS)
@@ -284,7 +314,8 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--child", mode, "--out", str(out),
                         "--requests", str(a.requests), "--warmup", str(a.warmup),
                         "--blocks", *map(str, a.blocks),
-                        "--duration-s", str(a.duration_s), "--port", str(a.port)],
+                        "--duration-s", str(a.duration_s), "--rounds", str(a.rounds),
+                        "--port", str(a.port)],
                        env=env | MODES[mode], check=True)
         results.append(json.loads(out.read_text()))
         out.unlink()
