@@ -15,6 +15,7 @@ event, and resolves every elapsed time. On CPU the same interface reads
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -40,6 +41,32 @@ class StageRecord(NamedTuple):
     ms: float
 
 
+def stages_ms(records: Sequence[tuple[str, int | None, float]]) -> dict[str, float]:
+    """Milliseconds per stage, summed over layers, in first-seen order; ``records``:
+    ``StageRecord`` named tuples or plain ``(name, layer, ms)`` tuples."""
+    out: dict[str, float] = {}
+    for name, _, ms in records:
+        out[name] = out.get(name, 0.0) + ms
+    return out
+
+
+def layers_ms(records: Sequence[tuple[str, int | None, float]]) -> list[dict[str, float]]:
+    """One ``{stage: ms}`` dict per encoder block, in block order (stages outside a block,
+    ``embed`` and ``head``, are left out)."""
+    layers: dict[int, dict[str, float]] = {}
+    for name, layer, ms in records:
+        if layer is not None:
+            per = layers.setdefault(layer, {})
+            per[name] = per.get(name, 0.0) + ms
+    return [layers[i] for i in sorted(layers)]
+
+
+def gflops_per_s(flops: dict[str, int], ms: dict[str, float]) -> dict[str, float]:
+    """Achieved GFLOP/s per stage: analytic ``flops`` over the stage's ``ms``; stages with no
+    FLOPs or no time are left out."""
+    return {s: f / (ms[s] * 1e6) for s, f in flops.items() if ms.get(s, 0) > 0 and f}
+
+
 @dataclass
 class ForwardProfile:
     """What one profiled forward returns.
@@ -60,26 +87,15 @@ class ForwardProfile:
 
     @property
     def stages_ms(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for r in self.records:
-            out[r.name] = out.get(r.name, 0.0) + r.ms
-        return out
+        return stages_ms(self.records)
 
     @property
     def layers_ms(self) -> list[dict[str, float]]:
-        layers: dict[int, dict[str, float]] = {}
-        for r in self.records:
-            if r.layer is not None:
-                per = layers.setdefault(r.layer, {})
-                per[r.name] = per.get(r.name, 0.0) + r.ms
-        return [layers[i] for i in sorted(layers)]
+        return layers_ms(self.records)
 
     @property
     def gflops_per_s(self) -> dict[str, float]:
-        return self._gflops_per_s(self.stages_ms)
-
-    def _gflops_per_s(self, ms: dict[str, float]) -> dict[str, float]:
-        return {s: f / (ms[s] * 1e6) for s, f in self.flops.items() if ms.get(s, 0) > 0 and f}
+        return gflops_per_s(self.flops, self.stages_ms)
 
     def as_dict(self) -> dict:
         stages_ms = self.stages_ms  # once: the served forward's bookkeeping is on the latency path
@@ -89,7 +105,7 @@ class ForwardProfile:
             "stages_ms": stages_ms,
             "layers_ms": self.layers_ms,
             "flops": self.flops,
-            "gflops_per_s": self._gflops_per_s(stages_ms),
+            "gflops_per_s": gflops_per_s(self.flops, stages_ms),
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_memory_kind": self.peak_memory_kind,
         }

@@ -255,10 +255,11 @@ class ClassifierEngine:
             n_max = max(lengths[i] for i in group)
             if all(lengths[i] == n_max for i in group):
                 # No padding (always so with deterministic): no mask, so dense SDPA can take
-                # its flash path. np.stack copies: ids arriving over Ray are read-only arrays,
-                # which torch warns about.
-                ids = torch.from_numpy(np.stack([np.asarray(batch[i], dtype=np.int64)
-                                                 for i in group]))
+                # its flash path. Both copy: ids arriving over Ray are read-only arrays, which
+                # torch warns about (one sequence needs no np.stack).
+                ids = torch.from_numpy(
+                    np.array(batch[group[0]], dtype=np.int64)[None] if len(group) == 1
+                    else np.stack([np.asarray(batch[i], dtype=np.int64) for i in group]))
                 mask = None
             else:
                 ids = torch.full((len(group), n_max), pad, dtype=torch.long)
@@ -285,14 +286,12 @@ class ClassifierEngine:
                                       dtype=self.dtype_name, started_at=started_at,
                                       staged=(want or not self.fused()) and not graph,
                                       cuda_graph=graph, topk_path=topk_path)
-            finite = np.isfinite(probs).all(-1)
+            labels, rows = probs.argmax(-1).tolist(), probs.tolist()
             for row, i in enumerate(group):
-                results[i] = {"label": int(probs[row].argmax()),
-                              "probabilities": probs[row].tolist(), "n": lengths[i],
-                              "variant": self.variant, "model_id": self.model_id,
-                              "profile": profile}
-                if not finite[row]:  # never a label from NaN/inf: the caller answers 5xx
-                    results[i] = {k: results[i][k] for k in ("n", "variant", "model_id",
-                                                              "profile")}
+                results[i] = {"n": lengths[i], "variant": self.variant,
+                              "model_id": self.model_id, "profile": profile}
+                if all(map(math.isfinite, rows[row])):
+                    results[i] |= {"label": labels[row], "probabilities": rows[row]}
+                else:  # never a label from NaN/inf: the caller answers 5xx
                     results[i]["error"] = "non-finite logits (NaN or infinity) from the model"
         return results

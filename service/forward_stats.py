@@ -6,7 +6,9 @@ no sink reshapes what another one reads. Ray-free: the engine runs without Ray."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+from mita import timer
 from mita.timer import ForwardProfile
 
 from .schemas import StageProfile
@@ -19,13 +21,18 @@ PROFILE_FIELDS = tuple(StageProfile.model_fields)
 class ForwardStats:
     """A forward of ``batch_size`` requests padded to ``padded_n`` tokens.
 
-    Times in milliseconds (``total_ms``: the whole forward; ``stages_ms``: per stage, summed
-    over layers; ``layers_ms``: per encoder block), FLOPs analytic (``mita.cost``) for the
-    padded batch, ``peak_memory_bytes`` measured on CUDA or estimated on the CPU
-    (``peak_memory_kind`` says which), ``started_at`` the classifier's wall clock (seconds
-    since the epoch) when the forward began. ``staged``: every stage timed apart;
+    Times in milliseconds (``total_ms``: the whole forward; ``records``: each stage of each
+    layer, as the stage timer took them; from them ``stages_ms``: per stage, summed over
+    layers, ``layers_ms``: per encoder block, ``gflops_per_s``), FLOPs analytic
+    (``mita.cost``) for the padded batch, ``peak_memory_bytes`` measured on CUDA or estimated
+    on the CPU (``peak_memory_kind`` says which), ``started_at`` the classifier's wall clock
+    (seconds since the epoch) when the forward began. ``staged``: every stage timed apart;
     ``cuda_graph``: replayed from a CUDA graph; ``topk_path``: the Triton top-k path that
-    served it (None off the Triton path)."""
+    served it (None off the Triton path).
+
+    ``stages_ms``, ``layers_ms`` and ``gflops_per_s`` are computed when first read, not in the
+    classifier: most answers travel to the gateway and are recorded without them (they are
+    read for a staged forward's stage metrics and for a response that asks for the profile)."""
 
     device: str
     dtype: str
@@ -33,23 +40,39 @@ class ForwardStats:
     batch_size: int
     padded_n: int
     total_ms: float
-    stages_ms: dict[str, float]
-    layers_ms: list[dict[str, float]]
+    records: list[tuple[str, int | None, float]]  # (stage, layer or None, ms): StageRecord's
     flops: dict[str, int]
     flops_total: int
-    gflops_per_s: dict[str, float]
     peak_memory_bytes: int | None
     peak_memory_kind: str | None
     started_at: float
     cuda_graph: bool = False
     topk_path: str | None = None
 
+    @cached_property
+    def stages_ms(self) -> dict[str, float]:
+        return timer.stages_ms(self.records)
+
+    @cached_property
+    def layers_ms(self) -> list[dict[str, float]]:
+        return timer.layers_ms(self.records)
+
+    @cached_property
+    def gflops_per_s(self) -> dict[str, float]:
+        return timer.gflops_per_s(self.flops, self.stages_ms)
+
     @classmethod
     def of(cls, profile: ForwardProfile, **context) -> ForwardStats:
         """From the stage timer's ``profile`` and the engine's ``context`` (``dtype``,
         ``staged``, ``batch_size``, ``padded_n``, ``started_at``, ``cuda_graph``,
         ``topk_path``). Raises TypeError for a missing or unknown field."""
-        return cls(**profile.as_dict(), flops_total=sum(profile.flops.values()), **context)
+        # plain tuples: a named tuple is pickled field by field by reference to its class, which
+        # made the answer's trip to the gateway ~4× slower to pickle
+        return cls(device=profile.device, total_ms=profile.total_ms,
+                   records=list(map(tuple, profile.records)),
+                   flops=profile.flops, flops_total=sum(profile.flops.values()),
+                   peak_memory_bytes=profile.peak_memory_bytes,
+                   peak_memory_kind=profile.peak_memory_kind, **context)
 
     def response(self, arrived_at: float) -> dict:
         """The response's ``profile`` as its JSON carries it: the fields of

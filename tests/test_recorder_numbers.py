@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import service.recorder as recorder_mod
+from mita.timer import StageRecord
 from service.forward_stats import ForwardStats
 from service.metrics import DURATION_BUCKETS_S, N_BUCKETS, _one_two_five, n_bucket
 from service.recorder import PEAK_MEMORY_TTL_S
@@ -26,8 +27,9 @@ REL = 1e-9
 def profile(staged=False, stages=None, total_ms=8.0, flops=1_000_000, batch=1, peak=None,
             kind=None) -> ForwardStats:
     return ForwardStats(device="cpu", dtype="float32", staged=staged, batch_size=batch,
-                        padded_n=64, total_ms=total_ms, stages_ms=stages or {}, layers_ms=[],
-                        flops={"ffn": flops}, flops_total=flops, gflops_per_s={},
+                        padded_n=64, total_ms=total_ms,
+                        records=[StageRecord(s, None, ms) for s, ms in (stages or {}).items()],
+                        flops={"ffn": flops}, flops_total=flops,
                         peak_memory_bytes=peak, peak_memory_kind=kind, started_at=1.7e9)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from fastapi.responses import JSONResponse
 
+from mita.timer import ForwardProfile, StageRecord
 from service.classifier import INLINE_MAX_N, Classifier
 from service.engine import ClassifierEngine
 from service.forward_stats import ForwardStats
@@ -36,12 +38,14 @@ def ids_of(n: int, seed: int = 0) -> np.ndarray:
 def model_json(result: dict, shadow: str | None, arrived_at: float | None) -> bytes:
     """What FastAPI makes through ``response_model=ClassifyResponse,
     response_model_exclude_none=True`` of the answer in full: every field, None included,
-    and every field of the forward's stats."""
+    and every field of the forward's stats, with the tables computed from its records."""
     full = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
     full["shadow"] = shadow
     if arrived_at is not None:
         stats = result["profile"]
         full["profile"] = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+        full["profile"] |= {name: getattr(stats, name)
+                            for name in ("stages_ms", "layers_ms", "gflops_per_s")}
         full["profile"]["pre_forward_ms"] = (stats.started_at - arrived_at) * 1e3
     return JSONResponse(ClassifyResponse.model_validate(full)
                         .model_dump(mode="json", exclude_none=True)).body
@@ -67,9 +71,10 @@ def test_response_body_is_the_response_models_json(engine):
 
 def test_response_body_of_a_profile_with_none_and_a_topk_path():
     stats = ForwardStats(device="cuda:0", dtype="bfloat16", staged=False, batch_size=2,
-                         padded_n=4096, total_ms=0.75, stages_ms={"attention": 0.5},
-                         layers_ms=[{"attention": 0.25}, {"attention": 0.25}],
-                         flops={"attention": 12}, flops_total=12, gflops_per_s={"attention": 2.5},
+                         padded_n=4096, total_ms=0.75,
+                         records=[StageRecord("attention", 0, 0.25),
+                                  StageRecord("attention", 1, 0.25)],
+                         flops={"attention": 12}, flops_total=12,
                          peak_memory_bytes=None, peak_memory_kind=None, started_at=100.0,
                          cuda_graph=True, topk_path="select")
     result = {"label": 3, "probabilities": [0.25, 0.75], "variant": "mita", "n": 4000,
@@ -78,6 +83,28 @@ def test_response_body_of_a_profile_with_none_and_a_topk_path():
     assert JSONResponse(body).body == model_json(result, "dense", 99.5)
     assert body["profile"]["topk_path"] == "select" and body["profile"]["pre_forward_ms"] == 500
     assert "peak_memory_bytes" not in body["profile"]
+
+
+def test_forward_stats_read_as_the_timers_profile_after_the_trip_to_the_gateway():
+    """The classifier ships the stage records, not the per-stage and per-layer tables: those
+    are computed when the gateway first reads them, and equal what the timer's profile says.
+    The records travel as plain tuples (a named tuple is pickled by reference to its class,
+    ~4× slower on the answer's path)."""
+    prof = ForwardProfile(
+        records=[StageRecord("embed", None, 0.5), StageRecord("qkv_proj", 0, 1.25),
+                 StageRecord("attention", 0, 2.0), StageRecord("qkv_proj", 1, 0.75)],
+        total_ms=5.0, device="cpu", flops={"embed": 1000, "qkv_proj": 4_000_000, "attention": 0})
+    stats = ForwardStats.of(prof, dtype="float32", staged=True, batch_size=1, padded_n=64,
+                            started_at=1.0)
+    back = pickle.loads(pickle.dumps(stats))
+    for s in (stats, back):
+        assert s.stages_ms == {"embed": 0.5, "qkv_proj": 2.0, "attention": 2.0}
+        assert s.layers_ms == [{"qkv_proj": 1.25, "attention": 2.0}, {"qkv_proj": 0.75}]
+        # 1000 FLOPs in 0.5 ms = 0.002 GFLOP/s; 4e6 in 2 ms = 2; no FLOPs: left out
+        assert s.gflops_per_s == {"embed": 0.002, "qkv_proj": 2.0}
+        assert s.flops_total == 4_001_000 and s.total_ms == 5.0
+    assert [type(r) for r in back.records] == [tuple] * 4
+    assert back.response(0.5)["stages_ms"] == prof.stages_ms
 
 
 def test_check_body_records_after_the_response_is_handed_over():

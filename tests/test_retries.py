@@ -15,6 +15,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from mita.timer import StageRecord
 from service.forward_stats import ForwardStats
 from service.gateway import Gateway
 from service.inputs import ApiError
@@ -55,8 +56,8 @@ class Scripted:
 
 def answer() -> dict:
     stats = ForwardStats(device="cpu", dtype="float32", staged=True, batch_size=1, padded_n=3,
-                         total_ms=1.0, stages_ms={"attention": 1.0}, layers_ms=[],
-                         flops={"attention": 10}, flops_total=10, gflops_per_s={},
+                         total_ms=1.0, records=[StageRecord("attention", None, 1.0)],
+                         flops={"attention": 10}, flops_total=10,
                          peak_memory_bytes=None, peak_memory_kind=None, started_at=0.0)
     return {"label": 1, "probabilities": [0.5, 0.5], "variant": "mita", "n": 3,
             "model_id": "m", "profile": stats, "replica": "r2"}
