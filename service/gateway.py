@@ -111,13 +111,29 @@ def classify_response(body: dict, request: Request) -> JSONResponse:
         "server-timing": f"forward;dur={request.scope[FORWARD_MS]:.3f}"})
 
 
-def drop(response, answer: asyncio.Future) -> None:
-    """Cancel a classifier call nobody will wait for: the request in Serve (``response``) and
-    the task awaiting it (``answer``), whose error would otherwise be logged as never
-    retrieved."""
-    response.cancel()
-    answer.cancel()
-    answer.add_done_callback(lambda f: f.cancelled() or f.exception())
+class Deadline:
+    """Cancels the running task in ``delay_s`` seconds, as ``asyncio.timeout`` (Python 3.11+)
+    does: a classifier call is awaited in the request's own task, with no task of its own
+    and no ``asyncio.wait`` (~20 µs a request less on the loop). ``expired``: this cancelled
+    the task (not the client leaving); ``uncancel`` then takes that cancel back before the
+    caller answers 504. ``cancel`` when the call is over."""
+
+    __slots__ = ("expired", "_task", "_handle")
+
+    def __init__(self, delay_s: float):
+        self.expired, self._task = False, asyncio.current_task()
+        self._handle = asyncio.get_running_loop().call_later(max(0.0, delay_s), self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._task.cancel()
+
+    def uncancel(self) -> None:
+        if hasattr(self._task, "uncancel"):  # 3.11+ counts cancel requests
+            self._task.uncancel()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 @serve.deployment
@@ -186,18 +202,20 @@ class Gateway:
         backoff_s, resends = RETRY_BACKOFF_S, 0
         while True:
             response = self._classify_calls[variant].remote(ids, staged)
-            answer = asyncio.ensure_future(response)
+            expiry = Deadline(deadline - time.monotonic())
             try:
-                done, _ = await asyncio.wait({answer}, timeout=deadline - time.monotonic())
-                if not done:
-                    drop(response, answer)
-                    raise ApiError(504, f"the {variant} classifier did not answer within "
-                                        f"{timeout_s} s")
-                result = answer.result()
+                try:
+                    result = await response
+                finally:
+                    expiry.cancel()
                 break
-            except asyncio.CancelledError:  # the client went away: so does the request
-                drop(response, answer)
-                raise
+            except asyncio.CancelledError:  # the deadline, or the client went away
+                response.cancel()  # the request in Serve goes too
+                if not expiry.expired:
+                    raise
+                expiry.uncancel()
+                raise ApiError(504, f"the {variant} classifier did not answer within "
+                                    f"{timeout_s} s") from None
             except BackPressureError:
                 raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
                                {"Retry-After": str(self.config.retry_after_s)},
