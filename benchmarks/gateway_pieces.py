@@ -16,6 +16,9 @@ on a real request and a real classifier answer (the shipped checkpoint's MiTA en
   rendered by ``JSONResponse``), and beside it what they did before: the full answer
   validated against ``response_model`` with None left out, then rendered.
 
+- ``classifier call``: one awaited call that answers on the loop's next pass, under the
+  request's deadline as ``Gateway._call`` awaits it (``gateway.Deadline``) and as it did
+  before (a task of its own and ``asyncio.wait``), side by side.
 - ``middleware mechanism``: one request through a FastAPI app whose middleware does nothing,
   written as Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``, what
   ``CheckBody`` was) and as a plain ASGI middleware (what it is), side by side.
@@ -90,6 +93,47 @@ def middleware_mechanism(repeats: int) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in out.items()}
 
 
+def call_mechanism(repeats: int) -> dict[str, float]:
+    """µs per awaited classifier call under a deadline, on a stand-in for the handle's
+    response that answers on the loop's next pass: awaited in the request's task under
+    ``gateway.Deadline`` (what ``Gateway._call`` does), and through a task of its own and
+    ``asyncio.wait`` with a timeout (what it did before)."""
+    from service.gateway import Deadline
+
+    async def response():
+        answer = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(answer.set_result, 1)
+        return await answer
+
+    async def under_deadline():
+        deadline = Deadline(60.0)
+        try:
+            return await response()
+        finally:
+            deadline.cancel()
+
+    async def task_and_wait():
+        answer = asyncio.ensure_future(response())
+        done, _ = await asyncio.wait({answer}, timeout=60.0)
+        return answer.result()
+
+    async def per_call(fn) -> float:
+        for _ in range(100):
+            await fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            await fn()
+            times.append(time.perf_counter_ns() - t0)
+        return float(np.median(times)) / 1e3
+    kinds = {"Deadline": under_deadline, "task + asyncio.wait (before)": task_and_wait}
+    out = {k: [] for k in kinds}
+    for _ in range(3):  # interleaved rounds
+        for k, fn in kinds.items():
+            out[k].append(asyncio.run(per_call(fn)))
+    return {k: float(np.median(v)) for k, v in out.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[64, 1024, 16384])
@@ -159,6 +203,8 @@ def main() -> None:
             out["shadow"] = None
             out["profile"] = {f.name: getattr(stats, f.name)
                               for f in dataclasses.fields(stats)}
+            out["profile"] |= {name: getattr(stats, name)
+                               for name in ("stages_ms", "layers_ms", "gflops_per_s")}
             out["profile"]["pre_forward_ms"] = (stats.started_at - arrived) * 1e3
             return JSONResponse(ClassifyResponse.model_validate(out).model_dump(
                 mode="json", exclude_none=True)).body
@@ -183,6 +229,9 @@ def main() -> None:
     print("\nmiddleware mechanism, µs per request through a one-route FastAPI app (median "
           "of 3 interleaved rounds): " + ", ".join(f"{k} {v:.0f}" for k, v in mech.items())
           + f"; difference {mech['BaseHTTPMiddleware'] - mech['plain ASGI']:.0f}")
+    call = call_mechanism(a.repeats)
+    print("classifier call under the request's deadline, µs per awaited call (median of 3 "
+          "interleaved rounds): " + ", ".join(f"{k} {v:.1f}" for k, v in call.items()))
     print(f"\nper request, µs (median of {a.repeats}); MiTA answer with profile; torch "
           f"{torch.__version__}, cpu\n")
     names = list(rows[0][1])
