@@ -97,19 +97,6 @@ class ForwardProfile:
     def gflops_per_s(self) -> dict[str, float]:
         return gflops_per_s(self.flops, self.stages_ms)
 
-    def as_dict(self) -> dict:
-        stages_ms = self.stages_ms  # once: the served forward's bookkeeping is on the latency path
-        return {
-            "device": self.device,
-            "total_ms": self.total_ms,
-            "stages_ms": stages_ms,
-            "layers_ms": self.layers_ms,
-            "flops": self.flops,
-            "gflops_per_s": gflops_per_s(self.flops, stages_ms),
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "peak_memory_kind": self.peak_memory_kind,
-        }
-
 
 class _Stage:
     """``StageTimer.stage``'s context manager: a class, not ``@contextmanager`` — a forward

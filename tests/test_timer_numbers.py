@@ -124,12 +124,6 @@ def test_cuda_branch_times_every_stage_layer_and_peak_memory(monkeypatch):
     assert prof.gflops_per_s == {"attention": 4.0}
     # Measured on CUDA: the analytic estimate passed in is not what is reported.
     assert (prof.peak_memory_bytes, prof.peak_memory_kind) == (123_456_789, "cuda_max_allocated")
-    assert prof.as_dict() == {
-        "device": "cuda:0", "total_ms": 10.0, "stages_ms": prof.stages_ms,
-        "layers_ms": prof.layers_ms,
-        "flops": {"attention": 21_000_000, "embed": 0, "gather": 7, "pool": 5},
-        "gflops_per_s": {"attention": 4.0}, "peak_memory_bytes": 123_456_789,
-        "peak_memory_kind": "cuda_max_allocated"}
     # 8 stages + the forward, two events each: all made once, then free for reuse.
     assert cuda.made == 18 and len(timer._FREE_EVENTS[0]) == 18
     # Resolved once: asking again neither synchronises nor frees the events twice.
