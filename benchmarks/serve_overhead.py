@@ -30,7 +30,11 @@ All apps get the same bodies, taking turns:
   as most requests do not; the bare app's forward is 0).
 - **closed loop**: N = 64, JSON, ``concurrency`` clients each sending the next request when
   the last answered, for ``--duration-s``, ``--rounds`` times per app, the apps taking turns;
-  throughput is answered requests per second over all rounds.
+  throughput is answered requests per second over all rounds. Around every loop the CPU
+  time of each process on the machine is read (user + system, ``psutil``): the CPU each app
+  spends per answered request, by process — the HTTP proxy, its ingress, its second
+  deployment, the client, and all other processes (Ray's controller, raylet and agents, the
+  idle apps' replicas) — so a throughput ratio can be traced to where the cores went.
 
 The product runs the MiTA classifier (``variant: mita``), ``deterministic: true`` as shipped,
 with one replica per classifier (no autoscaling), as the bare apps have one per deployment.
@@ -57,6 +61,12 @@ CONCURRENCY = (1, 8, 32)
 MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 BARE_PREFIX = "/bare"
 BARE_MODEL_PREFIX = "/bare-model"
+# Each app's ingress and second deployment, as Ray titles their worker processes
+# ("ray::ServeReplica:<app>:<deployment>"); the HTTP proxy ("ray::ProxyActor") serves all apps.
+PATH_PROCESSES = {"product": ("mita-serve:Gateway", "mita-serve:MiTAClassifier"),
+                  "bare": ("bare:Ingress", "bare:Count"),
+                  "bare_model": ("bare-model:Ingress", "bare-model:Count")}
+CPU_ROLES = ("proxy", "ingress", "second", "client", "other")
 
 
 class Body(BaseModel):
@@ -196,18 +206,50 @@ async def closed_loop(session, url: str, body: bytes, concurrency: int,
     return counts[0], counts[1], time.perf_counter() - t0
 
 
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid → (command line, CPU seconds so far: user + system) of every process readable."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # gone, or not ours to read
+            continue
+        out[p.pid] = (" ".join(p.info["cmdline"] or ()), t.user + t.system)
+    return out
+
+
+def cpu_by_role(before: dict, after: dict, app: str) -> dict[str, float]:
+    """CPU seconds each of ``CPU_ROLES`` used between two ``cpu_seconds`` snapshots while
+    ``app`` was loaded: ``proxy``, ``ingress`` and ``second`` (its two deployments' replicas,
+    ``PATH_PROCESSES``), ``client`` (this process) and ``other`` (every other process)."""
+    ingress, second = (f"ServeReplica:{d}" for d in PATH_PROCESSES[app])
+    used = dict.fromkeys(CPU_ROLES, 0.0)
+    for pid, (cmd, t) in after.items():
+        role = ("client" if pid == os.getpid() else "proxy" if "ProxyActor" in cmd
+                else "ingress" if ingress in cmd else "second" if second in cmd else "other")
+        used[role] += t - before.get(pid, (cmd, 0.0))[1]
+    return used
+
+
 async def throughput(session, urls: dict[str, str], duration_s: float,
                      rounds: int) -> list[dict]:
     path, body, _, _ = bodies(64)["json"]
     rows = []
     for c in CONCURRENCY:
         done = {app: [0, 0, 0.0] for app in urls}
+        cpu = {app: dict.fromkeys(CPU_ROLES, 0.0) for app in urls}
         for _ in range(rounds):
             for app, base in urls.items():
+                before = cpu_seconds()
                 ok, bad, s = await closed_loop(session, base + path, body, c, duration_s)
+                for role, used in cpu_by_role(before, cpu_seconds(), app).items():
+                    cpu[app][role] += used
                 done[app] = [done[app][0] + ok, done[app][1] + bad, done[app][2] + s]
-        row = {"concurrency": c, **{app: {"rps": ok / s, "non_200": bad}
-                                    for app, (ok, bad, s) in done.items()}}
+        row = {"concurrency": c, **{app: {"rps": ok / s, "non_200": bad, "cpu_ms_per_request": {
+            role: 1e3 * used / max(ok, 1) for role, used in cpu[app].items()}}
+            for app, (ok, bad, s) in done.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -286,6 +328,18 @@ def table(results: list[dict], a: argparse.Namespace) -> str:
                          f"{b['rps']:.0f} | {w['rps']:.0f} | {p['rps'] / b['rps']:.2f} | "
                          f"{p['rps'] / w['rps']:.2f} | "
                          f"{p['non_200'] + b['non_200'] + w['non_200']} |")
+    lines += ["", f"### Closed loop at concurrency {CONCURRENCY[-1]}: CPU ms per answered request, "
+              "by process (user + system; all rounds)\n",
+              "| mode | app | HTTP proxy | ingress | second deployment | client | "
+              "other processes | all |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        row = r["throughput"][-1]
+        for app in PATH_PROCESSES:
+            ms = row[app]["cpu_ms_per_request"]
+            lines.append(f"| {r['mode']} | {app.replace('_', ' + ')} | "
+                         + " | ".join(f"{ms[role]:.2f}" for role in CPU_ROLES)
+                         + f" | {sum(ms.values()):.2f} |")
     return "\n".join(lines)
 
 
