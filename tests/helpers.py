@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import random
 import socket
 import time
 from contextlib import contextmanager
@@ -158,10 +159,26 @@ def run_smoke_here(script: str, out, monkeypatch) -> object:
     return json.loads((Path(out) / f"{script}.json").read_text())
 
 
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, in 20,000–29,999, never the same twice in one process.
+    Not bind(0)'s pick: that comes from the ephemeral range (32,768+), where Ray's own
+    components (GCS, raylet, agents) and every client socket take theirs, so the port could
+    be taken between this check and the service's bind. Ray's workers use 10,002–19,999 and
+    Serve's direct ingress 30,000+ (its throughput mode)."""
+    while True:
+        port = random.randrange(20000, 30000)
+        if port in _ports_given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+        _ports_given.add(port)
+        return port
 
 
 @dataclass

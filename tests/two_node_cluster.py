@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from loadtest.engine import LoadConfig, run_load  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from service import launch  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 APP = "mita-serve"
 WORKER = {"num_cpus": 2, "resources": {"mita_classifier": 4, "mita_spread": 4}}
@@ -56,12 +56,6 @@ T0 = time.monotonic()
 
 def log(*what) -> None:
     print(f"[{time.monotonic() - T0:6.1f} s]", *what, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_config(path: Path, http_port: int) -> None:
