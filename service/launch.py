@@ -13,8 +13,11 @@ import copy
 import ipaddress
 import json
 import os
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -140,7 +143,8 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
             if host in ("localhost", "127.0.0.1", "::1"):
                 loopback_only()  # else Ray dials the machine's routable address instead
             try:
-                ray.init(address=address, namespace="serve")
+                with own_sigterm_kept():
+                    ray.init(address=address, namespace="serve")
             except ConnectionError as e:
                 if os.environ.get("RAY_AUTH_MODE") != "token":
                     raise ConnectionError(
@@ -152,14 +156,20 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
         for line in missing_resources(config):
             print(f"mita-serve: warning: {line}", flush=True)
     elif not ray.is_initialized():
+        # Serve's throughput mode keeps a stopping ingress replica 30 s on its direct-ingress
+        # port, for external load balancers aimed at that port. Ours come through Serve's
+        # proxy, and drain() has finished the requests in flight, so every stop and SIGTERM
+        # waited those 30 s for nothing. On a joined cluster the cluster's setting holds.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
         use_token_auth()
         if ipaddress.ip_address(node_ip).is_loopback:
             loopback_only()
-        ray.init(namespace="serve", include_dashboard=dashboard_host is not None,
-                 dashboard_host=dashboard_host or "127.0.0.1", dashboard_port=dashboard_port,
-                 _node_ip_address=node_ip,
-                 _metrics_export_port=metrics_port,
-                 _system_config={"metrics_report_interval_ms": metrics_interval_ms})
+        with own_sigterm_kept():
+            ray.init(namespace="serve", include_dashboard=dashboard_host is not None,
+                     dashboard_host=dashboard_host or "127.0.0.1", dashboard_port=dashboard_port,
+                     _node_ip_address=node_ip,
+                     _metrics_export_port=metrics_port,
+                     _system_config={"metrics_report_interval_ms": metrics_interval_ms})
     client = serve_api.serve_start(http_options=config.http_options.model_dump(),
                                    proxy_location=config.proxy_location)
     names = [a.name for a in config.applications]
@@ -174,6 +184,22 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
             write_prometheus_sd(*metrics_exporter)
     http = config.http_options
     return f"http://{http.host}:{http.port}"
+
+
+@contextmanager
+def own_sigterm_kept():
+    """Put back, after the block (``ray.init``), a SIGTERM handler of the caller's own (a
+    Python callable, e.g. ``python -m service``'s "stop once start-up is done"). ray.init
+    installs Ray's, which exits at once, and Ray's C++ failure handler then aborts the
+    process (SIGABRT, a stack dump) in the middle of the deployments' start. A default or
+    ignored SIGTERM, or a call off the main thread, is left to Ray."""
+    main = threading.current_thread() is threading.main_thread()
+    own = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(own):
+            signal.signal(signal.SIGTERM, own)
 
 
 def with_cluster_apps(config: ServeDeploySchema, details: dict) -> ServeDeploySchema:
