@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from mita import timer
-from mita.timer import ForwardProfile
 
 from .schemas import StageProfile
 
@@ -62,7 +61,7 @@ class ForwardStats:
         return timer.gflops_per_s(self.flops, self.stages_ms)
 
     @classmethod
-    def of(cls, profile: ForwardProfile, **context) -> ForwardStats:
+    def of(cls, profile: timer.ForwardProfile, **context) -> ForwardStats:
         """From the stage timer's ``profile`` and the engine's ``context`` (``dtype``,
         ``staged``, ``batch_size``, ``padded_n``, ``started_at``, ``cuda_graph``,
         ``topk_path``). Raises TypeError for a missing or unknown field."""
