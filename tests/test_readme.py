@@ -46,7 +46,7 @@ README_COMMANDS = {
     "python -m tests.hand_mutants": ("no", "the last step of make mutate"),
     "python -m service": ("run", "what make serve runs"),
     "python -m service --config FILE": (
-        "test", "tests/test_start_and_stop.py::test_ctrl_c_during_start_up_stops_ray_cleanly"),
+        "test", "tests/test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly"),
     "curl -s -X POST http://127.0.0.1:8000/v1/classify -H 'content-type: application/json' "
     "-d '{\"text\": \"[MAX 2 [MIN 4 7 ] 0 ]\", \"profile\": true}'": ("run", ""),
     "python3 -c \"import sys; sys.stdout.buffer.write(bytes([12, 3, 11, 5, 8, 15, 1, 15]))\" | "
