@@ -158,16 +158,43 @@ def main(argv: list[str] | None = None) -> None:
     try:
         while not stop.wait(1.0):
             pass
-        # A second Ctrl-C / SIGTERM during the drain stops at once.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, stop_at_once)
         drain_s = launch.drain_time_s(config)
         print(f"mita-serve: draining: new requests get 503, in-flight ones finish (up to "
               f"{drain_s:g} s, the Gateway's graceful_shutdown_timeout_s)", flush=True)
         left = launch.drain(config, drain_s)
         print(f"mita-serve: drained ({left} request(s) still in flight); stopping", flush=True)
-    finally:
+    except StopAtOnce:
+        stop_now()
+    except BaseException:
         launch.stop()
+        raise
+    try:
+        launch.stop()
+    except StopAtOnce:
+        stop_now()
+
+
+class StopAtOnce(BaseException):
+    """A second Ctrl-C / SIGTERM, during the drain or Serve's shutdown."""
+
+
+def stop_at_once(*_):
+    # Not SIG_DFL: dying at once left Ray's dashboard and runtime-env agents running, the
+    # first still holding the metrics port, and the next start was refused.
+    raise StopAtOnce
+
+
+def stop_now() -> None:
+    """After a second signal: Ray's processes stopped without Serve's graceful shutdown,
+    exit status 1; a third signal kills."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    os.write(sys.stderr.fileno(), b"mita-serve: a second signal: stopping at once, the "
+             b"requests in flight are cut\n")
+    launch.stop(at_once=True)
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

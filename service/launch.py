@@ -358,12 +358,17 @@ def drain(config: ServeDeploySchema, timeout_s: float | None = None) -> int:
     return left
 
 
-def stop() -> None:
+def stop(at_once: bool = False) -> None:
     """Shut Serve and Ray down and remove this instance's Prometheus file-SD list. On a
     cluster joined with ``start(address=...)``: delete this config's applications only and
-    disconnect, leaving the cluster and its Serve instance running."""
+    disconnect, leaving the cluster and its Serve instance running. ``at_once``: skip Serve's
+    graceful shutdown (and, joined, the deletion); Ray's processes on this machine still
+    stop."""
     global _joined
-    if _joined:
+    if at_once:
+        _joined_apps.clear()
+        _joined = False
+    elif _joined:
         try:
             for name in _joined_apps:
                 serve.delete(name)

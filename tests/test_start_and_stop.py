@@ -296,3 +296,51 @@ def test_rays_throughput_mode_serves_updates_live_and_drains(tmp_path):
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
     assert "Ray Serve mode: throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in out, out[-2000:]
+
+
+@pytest.mark.service  # its own Ray, in a subprocess
+def test_second_sigterm_stops_at_once_and_leaves_no_ray_behind(tmp_path):
+    """A second SIGTERM during the drain (4 long dense requests in flight): exit status 1 within
+    seconds, no process of that Ray instance left and the metrics port free. On main the
+    second signal killed ``python -m service`` outright: Ray's dashboard and runtime-env agents
+    stayed (the first holding the metrics port) and the next start was refused."""
+    import signal
+
+    proc, http_port, metrics_port = own_instance(tmp_path, "--dashboard-host", "off")
+    url = f"http://127.0.0.1:{http_port}"
+    ids = encode(generate_long(16384, seed=4)[0])
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
+                "ids": ids, "variant": "dense"})) for _ in range(4)]
+            await asyncio.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            second = time.monotonic()
+            await asyncio.gather(*sent, return_exceptions=True)
+            return second
+    try:
+        wait_started(proc, url)
+        assert wait_for(lambda: any("Ctrl-C stops." in line for line in proc.lines), 60)
+        ray = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in ray)
+        second = asyncio.run(scenario())
+        out = output(proc, 60)
+        exit_s = time.monotonic() - second
+    finally:
+        reap(proc)
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    assert proc.returncode == 1, out[-2000:]
+    assert "mita-serve: a second signal: stopping at once" in out, out[-2000:]
+    assert "drained (" not in out, out[-2000:]  # the drain was cut short
+    assert exit_s < 20, (exit_s, out[-2000:])
+    assert wait_for(lambda: not any(alive(p) for p in ray), timeout_s=20), \
+        [" ".join(p.cmdline())[:80] for p in ray if alive(p)]
+    assert wait_for(lambda: not listening(metrics_port), timeout_s=20), "metrics port held"
