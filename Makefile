@@ -5,21 +5,28 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The test tools, and the Triton the committed kernel table was compiled with (pyproject's dev
+# extra): not for `make serve`, which keeps a GPU host's own Triton.
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test test-fast lint mutate
+.PHONY: serve test test-fast lint mutate kernels-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
 serve: $(STAMP)
 	$(BIN)/python -m service
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
 test: lint
@@ -29,6 +36,12 @@ test: lint
 # built (the first run builds them, ~1 min).
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
+
+# The compiled resources of every Triton kernel specialisation (256 compiles, 8-25 min on 2
+# cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it
+# and commit the file with any change of a kernel, a launcher, mita/kernels/aot.py or Triton.
+kernels-table: $(DEV_STAMP)
+	$(BIN)/python -m mita.kernels.aot_table
 
 # Mutation testing (README, "Development: tests and mutation testing"), not part of `make test`: mutmut changes one
 # thing at a time in the functions below, the code that computes what users read, and runs the
@@ -52,7 +65,7 @@ MUTATE_SCOPE := \
 
 # mutants/ is mutmut's copy of the tree and its results: removed first, so every mutant is run
 # against the tests as they are now.
-mutate: $(STAMP)
+mutate: $(DEV_STAMP)
 	rm -rf mutants
 	$(BIN)/mutmut run $(MUTATE_SCOPE) > /dev/null
 	$(BIN)/mutmut results --all true | awk -F': ' '$$2 != "not checked" {n[$$2]++; t++} \

@@ -6,38 +6,104 @@ reads a plain module global passed every interpreter test and failed on the firs
 kernel through Triton's launch-time specialisation with the launcher's own arguments, for every
 specialisation the launcher can choose, to a cubin, and checks its shared memory fits the
 target; ptxas (``-v``) and cuobjdump give its registers, spills, stack and blocks per SM, and
-no specialisation may spill. The first run takes ~25 min on 2 cores; Triton's cache
-(``~/.triton/cache``, keyed by source, options and compiler) skips the compile of unchanged
-kernels, but ptxas -v runs again for each (~13 min).
+no specialisation may spill.
+
+All 256 compiles take 8-25 min on 2 cores, so their records are committed
+(``mita/kernels/compiled.json``, ``make kernels-table``) under a key of what they are compiled
+from (``mita.kernels.aot_table``). Here: the key must be today's (else one line: run ``make
+kernels-table``), a seeded sample of 16 rows is compiled again and must equal its committed
+rows, and every committed row is checked as a fresh compile was.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from mita.kernels import aot
+from mita.kernels import aot, aot_table
 
 # The compiles run in spawned processes without TRITON_INTERPRET: this process runs Triton
 # interpreted (tests/conftest.py), for the numerics tests in test_kernels.py.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                                     reason="Triton is not installed")]
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = 16
 
 
 @pytest.fixture(scope="module")
 def results():
-    """``aot.check_all()`` once for this module: every specialisation × sm_80 / sm_90 compiled,
-    with ptxas's and cuobjdump's resource numbers (minutes on 2 cores)."""
-    return aot.check_all()
+    """The committed records of every specialisation × sm_80 / sm_90 (``aot.check`` records),
+    once their key is checked: a kernel change without ``make kernels-table`` fails here, in
+    one line."""
+    try:
+        return aot_table.read()["records"]
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def sample_seed() -> int:
+    """The sample's seed: ``MITA_KERNEL_SAMPLE_SEED`` if set, else the checkout's commit (so
+    each commit draws other rows), else the table's key."""
+    if "MITA_KERNEL_SAMPLE_SEED" in os.environ:
+        return int(os.environ["MITA_KERNEL_SAMPLE_SEED"])
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True)
+    return int(done.stdout.strip() if done.returncode == 0 else aot_table.compile_key(), 16)
+
+
+def test_a_seeded_sample_compiles_to_its_committed_rows(results):
+    """16 of the 256 (case, target) jobs, drawn by the commit's seed, compiled now as
+    ``make kernels-table`` compiled them: each record equals its committed row in every field
+    (registers, spills, stack, shared memory, blocks, limiter, meta) but the cubin's size,
+    which carries the checkout's path."""
+    seed = sample_seed()
+    jobs = aot_table.sample(seed, SAMPLE)
+    assert len({(str(c), cap) for c, cap in jobs}) == SAMPLE
+    committed = {(r["case"], r["sm"]): r for r in results}
+    fresh = aot.check_all(only=jobs)
+    assert len(fresh) == SAMPLE
+    differ = [f"sm_{r['sm']} {r['case']}: now {aot_table.comparable(r)}, committed "
+              f"{aot_table.comparable(committed[r['case'], r['sm']])}"
+              for r in fresh
+              if aot_table.comparable(r) != aot_table.comparable(committed[r["case"], r["sm"]])]
+    assert not differ, f"seed {seed} (MITA_KERNEL_SAMPLE_SEED):\n" + "\n".join(differ)
+    assert all(r["cubin_bytes"] > 1000 for r in fresh)
+
+
+def test_sample_is_drawn_by_its_seed():
+    first, again = aot_table.sample(7), aot_table.sample(7)
+    assert [(str(c), cap) for c, cap in first] == [(str(c), cap) for c, cap in again]
+    assert len({(str(c), cap) for c, cap in first}) == 16
+    seen = {(str(c), cap) for seed in range(200) for c, cap in aot_table.sample(seed)}
+    assert len(seen) == 256  # every row is drawn over 200 seeds
+
+
+def test_the_key_follows_the_code_not_its_comments(tmp_path):
+    """The table's key changes with a kernel's code and not with a comment or docstring."""
+    src = Path(aot.__file__).parent
+    for name in aot_table.COMPILE_SOURCES:
+        shutil.copy(src / name, tmp_path / name)
+    key = aot_table.compile_key(tmp_path)
+    assert key == aot_table.compile_key(src) and len(key) == 16
+    routing = tmp_path / "routing.py"
+    text = routing.read_text()
+    routing.write_text(text.replace('"""', '"""Reworded. ', 1) + "\n# a comment\n")
+    assert aot_table.compile_key(tmp_path) == key
+    # the bitonic top-k's 16-landmark tiles → 32: a change of what compiles
+    assert "\nBLOCK_L = 16 " in text
+    routing.write_text(text.replace("\nBLOCK_L = 16 ", "\nBLOCK_L = 32 "))
+    assert aot_table.compile_key(tmp_path) != key
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(results):
-    """All 128 specialisations × 2 targets compile to a cubin whose shared memory fits. The
+    """All 128 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
     32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 64 × 64, 8 warps,
@@ -47,8 +113,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
     3 × 2 × 2; for the tile table each (s = 1 or not, HAS_MASK), 2 × 2; for the threshold
     select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64, 128}), 3 × 2
     each, and for its select each (CAP, ROWS) from (128, 16) to (4096, 1), with 8 warps from
-    CAP 2048. (Compiled in spawned processes: this pytest process may hold the interpreter's
-    version of the kernels.)"""
+    CAP 2048. (The committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows``
+    compiles a sample again.)"""
     assert len(results) == 256
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)

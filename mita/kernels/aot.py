@@ -14,7 +14,10 @@ Each record also gives the resources a GPU would allocate, read on this machine:
 thread, spill and stack bytes from the ptxas that produced the cubin (``ptxas -v`` on Triton's
 PTX with Triton's flags: only ptxas reports spills), cross-checked against ``cuobjdump
 --dump-resource-usage`` of the cubin itself; shared memory; and blocks per SM by the CUDA
-occupancy rules (``resident_blocks``). ``tests/test_kernel_compile.py`` runs it in ``make test``.
+occupancy rules (``resident_blocks``).
+
+The records of all 256 compiles are committed (``compiled.json`` beside this file, written by
+``make kernels-table``; ``aot_table.py``), keyed by a hash of what they depend on.
 """
 
 from __future__ import annotations
@@ -308,20 +311,27 @@ def _check_args(args):
     return check(*args)
 
 
-def check_all(capabilities=CAPABILITIES, workers: int | None = None) -> list[dict]:
-    """``check`` for every case and capability, in ``workers`` fresh processes (spawned, with
-    ``TRITON_INTERPRET`` removed, so an interpreter-mode import elsewhere cannot leak in)."""
+def jobs(capabilities=CAPABILITIES) -> list[tuple[Case, int]]:
+    """Every (case, capability) to compile: ``cases()`` × ``capabilities``, 256 by default."""
+    return [(c, cap) for cap in capabilities for c in cases()]
+
+
+def check_all(capabilities=CAPABILITIES, workers: int | None = None,
+              only: list[tuple[Case, int]] | None = None) -> list[dict]:
+    """``check`` for every case and capability (or the (case, capability) pairs ``only``), in
+    ``workers`` fresh processes (spawned, with ``TRITON_INTERPRET`` removed, so an
+    interpreter-mode import elsewhere cannot leak in). Records in the order of the jobs run."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     # slowest first (the large top-k sorts), so the process pool ends evenly
-    jobs = sorted(((c, cap) for cap in capabilities for c in cases()),
+    todo = sorted(jobs(capabilities) if only is None else only,
                   key=lambda job: (job[0].kernel != "landmark_topk", -job[0].topk, job[1]))
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
         with ProcessPoolExecutor(workers or os.cpu_count() or 1,
                                  mp_context=mp.get_context("spawn")) as pool:
-            return list(pool.map(_check_args, jobs))
+            return list(pool.map(_check_args, todo))
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
