@@ -112,14 +112,15 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     ``dashboard_host`` is given, on ``dashboard_port`` ("127.0.0.1": this machine only, what
     ``python -m service`` passes by default).
 
-    ``address`` (a running cluster's GCS address, ``ip:port``, or ``auto``): join that cluster
-    as a driver instead of starting Ray; the node settings above are the cluster's own and are
-    ignored, and ``stop()`` then deletes only this config's applications. Either way the
-    Prometheus file-SD list (``prometheus_sd_file``) names the metrics exporter of the node the
-    Gateway runs on, where every ``mita_serve`` metric is recorded (``gateway_exporter``).
-    Proxy variables never reach traffic to this machine: loopback (and a non-loopback
-    ``node_ip``) is added to ``NO_PROXY`` first (``no_proxy_for_this_machine``), with a
-    warning when a proxy variable is set.
+    Without ``address`` this process starts a Ray of its own, even where ``ray start`` ran on
+    this machine. ``address`` (a running cluster's GCS address, ``ip:port``, or ``auto``):
+    join that cluster as a driver instead of starting Ray; the node settings above are the
+    cluster's own and are ignored, and ``stop()`` then deletes only this config's applications.
+    Either way the Prometheus file-SD list (``prometheus_sd_file``) names the metrics exporter
+    of the node the Gateway runs on, where every ``mita_serve`` metric is recorded
+    (``gateway_exporter``). Proxy variables never reach traffic to this machine: loopback (and
+    a non-loopback ``node_ip``) is added to ``NO_PROXY`` first (``no_proxy_for_this_machine``),
+    with a warning when a proxy variable is set.
 
     Raises: RuntimeError if an application fails to deploy or ``timeout_s`` passes;
     ConnectionError if no cluster answers at ``address``.
@@ -164,8 +165,13 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
         use_token_auth()
         if ipaddress.ip_address(node_ip).is_loopback:
             loopback_only()
+        # address="local": a Ray of its own. Without it ray.init() joins the cluster the last
+        # `ray start` on this machine recorded (RAY_TMPDIR/ray/ray_current_cluster), and there
+        # refuses _system_config: a ValueError at every start. (python -m service passes
+        # RAY_ADDRESS as address.)
         with own_sigterm_kept():
-            ray.init(namespace="serve", include_dashboard=dashboard_host is not None,
+            ray.init(address="local", namespace="serve",
+                     include_dashboard=dashboard_host is not None,
                      dashboard_host=dashboard_host or "127.0.0.1", dashboard_port=dashboard_port,
                      _node_ip_address=node_ip,
                      _metrics_export_port=metrics_port,

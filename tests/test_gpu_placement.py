@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
 
     http_port, metrics_port = int(sys.argv[1]), int(sys.argv[2])
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray.init(namespace="serve", num_cpus=2, num_gpus=1, include_dashboard=False,
+    ray.init(address="local", namespace="serve", num_cpus=2, num_gpus=1, include_dashboard=False,
              _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port)
     config = launch.load_config(launch.GPU_CONFIG, {
         "http_options": {"port": http_port}, "args": {"device": "cpu"},

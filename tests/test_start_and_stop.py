@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -87,6 +88,7 @@ def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None
                              *(args or ("--dashboard-host", "off"))],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=os.environ | (env or {}))
+    proc.args_env = env or {}
     # Read all along: a pipe nobody reads blocks the service's next print once it is full.
     proc.lines = []
     proc.reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
@@ -119,7 +121,8 @@ def wait_started(proc: subprocess.Popen, url: str, timeout_s: float = 180) -> No
              else f"not ready after {timeout_s:g} s")
     reap(proc)
     logs = []
-    for session in Path("/tmp/ray").glob(f"session_*_{proc.pid}"):
+    ray_tmp = Path(proc.args_env.get("RAY_TMPDIR", "/tmp")) / "ray"
+    for session in ray_tmp.glob(f"session_*_{proc.pid}"):
         for log in sorted((session / "logs" / "serve").glob("*.log")):
             logs.append(f"--- {log.name}:\n" + log.read_text(errors="replace")[-1500:])
     pytest.fail(f"service did not start ({state}); its output ends:\n"
@@ -220,11 +223,18 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     during the drain gets 503 with Retry-After, /healthz stays 200 and /readyz says not ready,
     and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
     instance, loopback ports, and the application under a route prefix (the drain counted 0
-    requests in flight there and cut them)."""
+    requests in flight there and cut them). A cluster address that ``ray start`` left on the
+    machine is not joined: it starts its own Ray."""
     # Ray Serve's default mode (python -m service runs its throughput mode otherwise, which
     # test_rays_throughput_mode_serves_updates_live_and_drains drains)
+    # A cluster address left by `ray start` (here a dead one) in its Ray temp dir: ray.init()
+    # joined that cluster and refused the service's _system_config there (ValueError, exit 1).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mita-ray-", dir="/tmp"))  # short: Ray's sockets
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     proc, http_port, _ = own_instance(tmp_path, "--dashboard-host", "off",
-                                      "--ray-serve-default-mode", route_prefix="/m2")
+                                      "--ray-serve-default-mode", route_prefix="/m2",
+                                      env={"RAY_TMPDIR": str(ray_tmp)})
     url = f"http://127.0.0.1:{http_port}/m2"
     try:
         wait_started(proc, url)
@@ -240,6 +250,8 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
     assert "stopping once start-up is done" not in out  # said on every stop, once
     assert "Ray Serve mode: default" in out, out[-2000:]
+    assert list((ray_tmp / "ray").glob("session_*")), "its own Ray, in RAY_TMPDIR"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.mark.service  # its own Ray, in a subprocess
