@@ -33,7 +33,7 @@ test: lint
 	$(BIN)/python -m pytest -q --durations=15
 
 # No Ray, no subprocess CLIs, no Triton interpreter: under a minute once the CPU kernels are
-# built (the first run builds them, ~1 min).
+# built (the first run builds them, ~30 s).
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
 

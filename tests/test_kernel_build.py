@@ -129,7 +129,7 @@ class _Load:
 def test_killed_builds_never_block_the_next(tmp_path, monkeypatch):
     """Builds killed with SIGKILL and SIGTERM, at their start (lock held, no compiler yet) and
     in the middle (compiler running; it outlives the killed process): each next load takes
-    the build over at once, the last one finishes (one full build, ~1 min on 2 cores) and
+    the build over at once, the last one finishes (one full build, ~30 s on 2 cores) and
     the library is where the cache key says."""
     cache = tmp_path / "cache"
     loads: list[_Load] = []

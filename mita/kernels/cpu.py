@@ -1,5 +1,5 @@
 """The CPU MiTA kernels (``cpu_mita.cpp``), compiled on first use with
-``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; about a minute once per machine
+``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; ~30 s on 2 cores once per machine
 and environment, then imported from the cache ``build_dir()``).
 
 ``load()`` returns the extension module or None when it cannot be had here (no compiler, or
@@ -177,7 +177,7 @@ def _compile(path: Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     work = path / f"build-{socket.gethostname()}-{os.getpid()}"
     work.mkdir()
-    print(f"mita: building the MiTA CPU kernels once for this machine (~1 min) in {path}",
+    print(f"mita: building the MiTA CPU kernels once for this machine (~30 s) in {path}",
           file=sys.stderr, flush=True)
     # is_python_module=False: torch only dlopens the library (no module init); it is imported
     # once, from its final place (_import).
