@@ -98,10 +98,15 @@ class EncoderClassifier(nn.Module):
     Raises: ValueError when N exceeds ``max_len`` or a row is all padding.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, init_embedding: bool = True):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_id)
+        # init_embedding=False: the embedding's weight is left uninitialised (load_checkpoint's
+        # shape check on the meta device, where nn.init.normal_ runs torch's Python reference
+        # kernels and its first call imports torch._dynamo: 2-3 s of CPU in every process).
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_id,
+                                  _weight=None if init_embedding else
+                                  torch.empty(cfg.vocab_size, cfg.dim))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
@@ -205,7 +210,8 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     # Names and shapes first, from a model on the meta device and the file's header: a
     # config that does not fit the weights is refused before its parameters are allocated.
     with torch.device("meta"):
-        want = {n: tuple(t.shape) for n, t in EncoderClassifier(cfg).state_dict().items()}
+        want = {n: tuple(t.shape) for n, t in
+                EncoderClassifier(cfg, init_embedding=False).state_dict().items()}
     try:
         with safe_open(weights_path, framework="pt") as f:
             have = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118

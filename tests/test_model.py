@@ -357,3 +357,20 @@ def test_checkpoints_written_before_landmark_grid_load_with_1d_pooling(tmp_path)
     path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"config lacks field\(s\) \['topk'\]"):
         load_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_loading_a_checkpoint_imports_no_torch_dynamo():
+    """``load_checkpoint``'s shape check builds the model on the meta device without the
+    embedding's random init: ``nn.init.normal_`` there ran torch's Python reference kernels,
+    whose first call imported ``torch._dynamo`` — 2-3 s of CPU in every process that loads
+    a checkpoint (each replica, ``python -m service --check``), 4.9 s instead of 8.9 s."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys; from mita.model import load_checkpoint\n"
+        "m = load_checkpoint('checkpoints/listops-default')\n"
+        "print(m.config.vocab_size, 'torch._dynamo' in sys.modules)")],
+        capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["16", "False"], done.stdout + done.stderr[-2000:]
