@@ -7,7 +7,8 @@ flag's last value, so the README's own flags stay in the command), run by a name
 reason). ``test_every_readme_command_is_listed`` fails when the README gains a command this
 table does not know, or loses one it lists. ``test_readme_walkthrough`` starts ``make serve``
 on its default ports (8000, 9100, 8265) and runs the README's commands against it in the
-README's order, then the offline ones (training, evaluation, sweep).
+README's order; ``test_readme_offline_commands`` runs the ones that need no service (training,
+evaluation, sweep, advisor), in a test of their own so that they run beside the service tests.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+|\.venv/bin/[^`]+|PYTHONPA
 SHELL_FENCES = ("bash", "sh", "shell", "console")
 OTHER_FENCES = ("python", "yaml", "promql", "json")
 TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
+# The README's runnable commands that need no service (test_readme_offline_commands).
+OFFLINE = ("-m mita.train", "-m mita.evaluate", "-m profiler sweep", "-m profiler advise")
+
+
+def offline(command: str) -> bool:
+    return any(part in command for part in OFFLINE)
 
 # command → (how, detail). The commands appear here as in the README (whitespace collapsed).
 README_COMMANDS = {
@@ -218,13 +225,14 @@ def test_readme_walkthrough(tmp_path):
     curl examples (the answer the README states), the live update with Ray's serve CLI (A/B
     weights and shadow change, same replica ids), ``serve config``, Prometheus scraping the
     service with the shipped config, a shrunk load test, ``make serve`` stopped with Ctrl-C;
-    then the offline commands shrunk: training, both evaluations, the sweep, the request
-    overhead benchmark."""
+    then the request overhead benchmark, shrunk (it starts a service of its own). ``make
+    serve`` runs Ray Serve's throughput mode: the live update through Ray's ``serve`` CLI is
+    checked in that mode here (test_start_and_stop.py's throughput-mode test has no dashboard,
+    which the CLI needs)."""
     busy = [p for p in (8000, 9100, 8265, 9090) if not port_free(p)]
     assert not busy, f"the README's default ports {busy} are in use: stop what holds them"
-    cmds = [c for c in readme_commands() if README_COMMANDS[c][0] == "run"]
-    env = os.environ | {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
-    env.pop("RAY_AUTH_MODE", None)
+    cmds = [c for c in readme_commands() if README_COMMANDS[c][0] == "run" and not offline(c)]
+    env = readme_env()
     ran: set[str] = set()
 
     def run(command: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
@@ -333,8 +341,33 @@ def test_readme_walkthrough(tmp_path):
         out = stop(serve)
     # Ctrl-C reaches make too, which then reports the interrupt; the service drained first.
     assert "mita-serve: drained" in out, out[-3000:]
+    assert "Ray Serve mode: throughput" in out, out[-3000:]  # the live update above: in it
 
-    # Offline: tiny training runs, both evaluations on them, the sweep, request overhead.
+    out = run(next(c for c in cmds if "request_overhead" in c), 300).stdout
+    assert "binary" in out, out
+    assert ran >= set(cmds), set(cmds) - ran
+
+
+def readme_env() -> dict:
+    """The environment a newcomer's shell has after ``make``: .venv/bin first on PATH, no
+    RAY_AUTH_MODE yet."""
+    env = os.environ | {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    env.pop("RAY_AUTH_MODE", None)
+    return env
+
+
+@pytest.mark.slow  # subprocess CLIs
+def test_readme_offline_commands(tmp_path):
+    """The README's commands that need no service, shrunk: tiny training runs (mixed, dense,
+    mita), both evaluations on them, the sweep on both MiTA backends and the advisor."""
+    cmds = [c for c in readme_commands() if README_COMMANDS[c][0] == "run" and offline(c)]
+    env = readme_env()
+    ran: set[str] = set()
+
+    def run(command: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+        ran.add(command)
+        return sh(shrink(command, tmp_path), env, timeout_s)
+
     train = next(c for c in cmds if "-m mita.train --mode" in c)
     run(train)
     for mode in ("dense", "mita"):
@@ -351,6 +384,4 @@ def test_readme_walkthrough(tmp_path):
     assert (tmp_path / "runs" / "sweep-torch" / "sweep.md").is_file()
     out = run(next(c for c in cmds if "-m profiler advise" in c), 300).stdout
     assert "Recommendation" in out and (tmp_path / "runs" / "advise" / "frontier.png").is_file()
-    out = run(next(c for c in cmds if "request_overhead" in c), 300).stdout
-    assert "binary" in out, out
     assert ran >= set(cmds), set(cmds) - ran
