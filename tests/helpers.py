@@ -163,13 +163,19 @@ _ports_given: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback TCP port free now, in 20,000–29,999, never the same twice in one process.
-    Not bind(0)'s pick: that comes from the ephemeral range (32,768+), where Ray's own
-    components (GCS, raylet, agents) and every client socket take theirs, so the port could
-    be taken between this check and the service's bind. Ray's workers use 10,002–19,999 and
-    Serve's direct ingress 30,000+ (its throughput mode)."""
+    """A loopback TCP port free now, in 20,000–29,999, never the same twice in one process;
+    under pytest-xdist, in this worker's share of that range (a tenth of it each with 10
+    workers), so two workers never hand out the same port. Not bind(0)'s pick: that comes
+    from the ephemeral range (32,768+), where Ray's own components (GCS, raylet, agents) and
+    every client socket take theirs, so the port could be taken between this check and the
+    service's bind. Ray's workers use 10,002–19,999 and Serve's direct ingress 30,000+ (its
+    throughput mode)."""
+    import os
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    share = 10000 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     while True:
-        port = random.randrange(20000, 30000)
+        port = random.randrange(20000 + worker * share, 20000 + (worker + 1) * share)
         if port in _ports_given:
             continue
         with socket.socket() as s:
@@ -361,3 +367,80 @@ def spied_recorder():
     for name in list(vars(rec.metrics)):
         setattr(rec.metrics, name, Spy())
     return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# A python -m service of a test's own (test_start_and_stop.py, the README walkthrough's).
+
+def listening(port: int, pids: set[int] | None = None) -> set[str]:
+    """The addresses a socket listens on ``port`` at (of the processes ``pids`` only)."""
+    import psutil
+
+    return {c.laddr.ip for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+            and (pids is None or c.pid in pids)}
+
+
+def is_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop_under_load(url: str, inflight: int, stop) -> tuple:
+    """``stop()`` (a signal to the service) 1 s after ``inflight`` long dense requests
+    (N = 16,384: ~1-2 s per forward here) were sent; 0.5 s later one more request, /healthz
+    and /readyz. Returns (the in-flight answers, the late answer, /healthz, /readyz)."""
+    import asyncio
+
+    from mita.data.listops import encode, generate_long
+
+    ids = encode(generate_long(16384, seed=4)[0])
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
+                "ids": ids, "variant": "dense"})) for _ in range(inflight)]
+            await asyncio.sleep(1.0)
+            stop()
+            await asyncio.sleep(0.5)
+            late = await c.post("/v1/classify", json={"ids": ids[:100]})
+            health, ready = await c.get("/healthz"), await c.get("/readyz")
+            return await asyncio.gather(*sent), late, health, ready
+    return asyncio.run(scenario())
+
+
+def kill_under_load(pid: int, url: str, deployment: str) -> dict:
+    """SIGKILL to the replica of ``deployment`` among process ``pid``'s descendants (a Ray
+    worker) 1.5 s into 4 closed-loop clients of that variant (N = 1,024), which run 12 s more.
+    Returns the statuses of all their answers (0: no HTTP answer)."""
+    import asyncio
+
+    import psutil
+
+    from mita.data.listops import encode, generate_long
+
+    ids = encode(generate_long(1024, seed=5)[0])
+    variant = "mita" if deployment == "MiTAClassifier" else "dense"
+    replica = next(p for p in psutil.Process(pid).children(recursive=True)
+                   if f"ServeReplica:mita-serve:{deployment}" in " ".join(p.cmdline()))
+
+    async def scenario():
+        statuses: list[int] = []
+        stop_at = asyncio.get_running_loop().time() + 13.5
+
+        async def client(c):
+            while asyncio.get_running_loop().time() < stop_at:
+                try:
+                    r = await c.post("/v1/classify", json={"ids": ids, "variant": variant})
+                    statuses.append(r.status_code)
+                except httpx.HTTPError:
+                    statuses.append(0)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            clients = [asyncio.ensure_future(client(c)) for _ in range(4)]
+            await asyncio.sleep(1.5)
+            replica.kill()
+            await asyncio.gather(*clients)
+        return statuses
+    return {"statuses": asyncio.run(scenario())}

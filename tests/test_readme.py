@@ -20,13 +20,16 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
-from .helpers import wait_for
+from .helpers import kill_under_load, stop_under_load, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -37,7 +40,8 @@ SHELL_FENCES = ("bash", "sh", "shell", "console")
 OTHER_FENCES = ("python", "yaml", "promql", "json")
 TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
 # The README's runnable commands that need no service (test_readme_offline_commands).
-OFFLINE = ("-m mita.train", "-m mita.evaluate", "-m profiler sweep", "-m profiler advise")
+OFFLINE = ("-m mita.train", "-m mita.evaluate", "-m profiler sweep", "-m profiler advise",
+           "-m mita.kernels.aot_table")
 
 
 def offline(command: str) -> bool:
@@ -94,6 +98,9 @@ README_COMMANDS = {
     ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
     "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
     "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
+    "make kernels-table": ("no", "all 256 compiles (≈ 10 min on 2 cores); tests/"
+                                 "test_kernel_compile.py checks the table it writes"),
+    "python -m mita.kernels.aot_table --markdown": ("run", ""),
     "chromium --headless --no-sandbox --hide-scrollbars --window-size=1400,1750 "
     "--virtual-time-budget=5000 --screenshot=docs/dashboard.png "
     "'http://127.0.0.1:8000/dashboard?refresh_s=3600'": (
@@ -208,15 +215,19 @@ def port_free(port: int) -> bool:
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 90) -> str:
-    """SIGINT to the process group (Ctrl-C in a terminal); its output."""
+    """SIGINT to the process group (Ctrl-C in a terminal) if it still runs; its output (read
+    all along by a thread where ``proc.lines`` is set, else now)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    return out or ""
+        proc.wait()
+    if hasattr(proc, "lines"):
+        proc.reader.join(timeout=10)
+        return "".join(proc.lines)
+    return proc.stdout.read() if proc.stdout else ""
 
 
 @pytest.mark.service
@@ -224,11 +235,14 @@ def test_readme_walkthrough(tmp_path):
     """The README from top to bottom on this checkout: ``make serve`` (set-up included), both
     curl examples (the answer the README states), the live update with Ray's serve CLI (A/B
     weights and shadow change, same replica ids), ``serve config``, Prometheus scraping the
-    service with the shipped config, a shrunk load test, ``make serve`` stopped with Ctrl-C;
-    then the request overhead benchmark, shrunk (it starts a service of its own). ``make
-    serve`` runs Ray Serve's throughput mode: the live update through Ray's ``serve`` CLI is
-    checked in that mode here (test_start_and_stop.py's throughput-mode test has no dashboard,
-    which the CLI needs)."""
+    service with the shipped config, a shrunk load test; then, in Ray Serve's throughput mode
+    (``make serve``'s: between replicas it calls over gRPC), a MiTA replica killed (SIGKILL)
+    under 4 closed-loop clients loses no request, and SIGTERM to the service (a pod's stop)
+    with 4 long requests in flight drains them (a request during the drain: 503) and ``make
+    serve`` exits 0 within 15 s of the last answer (Serve held a stopping ingress replica 30 s
+    for its direct-ingress port); then the request overhead benchmark, shrunk (a service of
+    its own). On main ``python -m service`` died in throughput mode at start-up ("No event
+    loop running"). Ctrl-C's drain: ``test_start_and_stop.py``."""
     busy = [p for p in (8000, 9100, 8265, 9090) if not port_free(p)]
     assert not busy, f"the README's default ports {busy} are in use: stop what holds them"
     cmds = [c for c in readme_commands() if README_COMMANDS[c][0] == "run" and not offline(c)]
@@ -241,6 +255,11 @@ def test_readme_walkthrough(tmp_path):
 
     serve = subprocess.Popen(["make", "serve"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Read all along: a pipe nobody reads blocks the service's next print once it is full.
+    serve.lines = []
+    serve.reader = threading.Thread(target=lambda: serve.lines.extend(serve.stdout),
+                                    daemon=True)
+    serve.reader.start()
     ran |= {"make serve", "python -m service"}
     url = "http://127.0.0.1:8000"
     prometheus = None
@@ -335,13 +354,29 @@ def test_readme_walkthrough(tmp_path):
         report = json.loads((tmp_path / "runs" / "loadtest-shot" / "loadtest.json").read_text())
         assert {(r["n"], r["variant"], r["ok"]) for r in report["rows"]} == {
             (2048, v, 1) for v in ("mita", "dense", "ab")}
+
+        # Throughput mode under faults: a replica killed, then SIGTERM with requests in flight.
+        service = next(p for p in psutil.Process(serve.pid).children(recursive=True)
+                       if p.cmdline()[1:3] == ["-m", "service"])
+        killed = kill_under_load(service.pid, url, "MiTAClassifier")
+        assert killed["statuses"] and set(killed["statuses"]) == {200}, killed
+        answers, late, _, _ = stop_under_load(url, 4, lambda: service.send_signal(signal.SIGTERM))
+        answered = time.monotonic()
+        serve.wait(timeout=60)
+        exit_s = time.monotonic() - answered
     finally:
         if prometheus is not None:
             stop(prometheus, 30)
         out = stop(serve)
-    # Ctrl-C reaches make too, which then reports the interrupt; the service drained first.
-    assert "mita-serve: drained" in out, out[-3000:]
-    assert "Ray Serve mode: throughput" in out, out[-3000:]  # the live update above: in it
+    assert [r.status_code for r in answers] == [200] * 4
+    assert late.status_code == 503, late.text
+    assert serve.returncode == 0, out[-3000:]  # make exits with the service's status
+    assert exit_s < 15, (exit_s, out[-2000:])
+    assert "mita-serve: drained (0 request(s) still in flight)" in out, out[-3000:]
+    stopping = out[out.index("mita-serve: draining"):]
+    assert "Traceback" not in stopping, stopping[-3000:]
+    # the live update and the faults above: in Ray Serve's throughput mode
+    assert "Ray Serve mode: throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in out, out[-3000:]
 
     out = run(next(c for c in cmds if "request_overhead" in c), 300).stdout
     assert "binary" in out, out
@@ -359,7 +394,8 @@ def readme_env() -> dict:
 @pytest.mark.slow  # subprocess CLIs
 def test_readme_offline_commands(tmp_path):
     """The README's commands that need no service, shrunk: tiny training runs (mixed, dense,
-    mita), both evaluations on them, the sweep on both MiTA backends and the advisor."""
+    mita), both evaluations on them, the sweep on both MiTA backends, the advisor and the
+    committed kernel table."""
     cmds = [c for c in readme_commands() if README_COMMANDS[c][0] == "run" and offline(c)]
     env = readme_env()
     ran: set[str] = set()
@@ -384,4 +420,7 @@ def test_readme_offline_commands(tmp_path):
     assert (tmp_path / "runs" / "sweep-torch" / "sweep.md").is_file()
     out = run(next(c for c in cmds if "-m profiler advise" in c), 300).stdout
     assert "Recommendation" in out and (tmp_path / "runs" / "advise" / "frontier.png").is_file()
+    table = run("python -m mita.kernels.aot_table --markdown").stdout.splitlines()
+    assert table[0].startswith("triton ") and table[2].startswith("| case | sm | tiles |")
+    assert len(table) == 4 + 256, table[:5]  # versions, blank, header, rule, 256 rows
     assert ran >= set(cmds), set(cmds) - ran

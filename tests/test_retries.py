@@ -4,7 +4,7 @@ failure here is the exception Serve's handle raises for it (``ActorDiedError`` w
 replica died mid-request, ``ActorUnavailableError`` when it became unreachable,
 ``DeploymentUnavailableError`` when the deployment failed or is deleted). The real thing, a
 replica killed under load, is ``test_reliability.test_replica_killed_mid_load`` and, in Ray's
-throughput mode, the throughput-mode test of ``test_start_and_stop``."""
+throughput mode, ``test_readme.test_readme_walkthrough`` (``make serve``'s mode)."""
 
 from __future__ import annotations
 

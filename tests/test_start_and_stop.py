@@ -1,6 +1,8 @@
 """Safe starts and stops of the service: loopback-only ports and no Ray dashboard, a tampered
-checkpoint refused before Ray starts, Ctrl-C during start-up and SIGTERM's drain (``python -m
-service`` in a subprocess, with its own Ray)."""
+checkpoint refused before Ray starts, a signal during start-up, Ctrl-C's drain and a second
+signal (``python -m service`` in a subprocess, with its own Ray). SIGTERM's drain in Ray Serve's
+throughput mode, with a replica killed under load first, is the README walkthrough's
+(``tests/test_readme.py``: ``make serve`` runs that mode)."""
 
 from __future__ import annotations
 
@@ -21,20 +23,13 @@ import yaml
 
 from mita.data.listops import encode, generate_long
 
-from .helpers import CHECKPOINT, wait_for
+from .helpers import CHECKPOINT, is_ready, listening, stop_under_load, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------
 # Safe defaults.
-
-def listening(port: int, pids: set[int] | None = None) -> set[str]:
-    """The addresses a socket listens on ``port`` at (of the processes ``pids`` only)."""
-    return {c.laddr.ip for c in psutil.net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-            and (pids is None or c.pid in pids)}
-
 
 def test_http_and_metrics_bind_to_loopback_no_dashboard(service):
     http_port = int(service.url.rsplit(":", 1)[1])
@@ -71,13 +66,14 @@ def test_tampered_checkpoint_refuses_to_start(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Stopping: Ctrl-C during start-up and SIGTERM, each to its own python -m service.
 
-def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None = None
-                 ) -> tuple[subprocess.Popen, int, int]:
+def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None = None,
+                 terminal: bool = False) -> tuple[subprocess.Popen, int, int]:
     """``python -m service`` on the shipped CPU config with the tests' fixed replicas, on free
     loopback ports, as a subprocess with its own Ray; ``args``: more flags (default: no Ray
     dashboard); ``route_prefix``: the application's; ``env``: added to this process's
-    environment. Returns (process, HTTP port, metrics port); the config is
-    ``tmp_path / "serve.yaml"``."""
+    environment; ``terminal``: in a process group of its own, as a terminal's foreground job
+    (Ctrl-C there signals every process of the group, Ray's included). Returns (process, HTTP
+    port, metrics port); the config is ``tmp_path / "serve.yaml"``."""
     from .helpers import TEST_OVERRIDES, free_port
 
     http_port, metrics_port = free_port(), free_port()
@@ -93,7 +89,7 @@ def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None
                              str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port),
                              *(args or ("--dashboard-host", "off"))],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=os.environ | (env or {}))
+                            env=os.environ | (env or {}), start_new_session=terminal)
     proc.args_env = env or {}
     # Read all along: a pipe nobody reads blocks the service's next print once it is full.
     proc.lines = []
@@ -165,74 +161,19 @@ def test_signal_during_start_up_stops_ray_cleanly(tmp_path, signame):
     assert wait_for(lambda: not listening(metrics_port), timeout_s=20), "Ray left running"
 
 
-def is_ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def sigterm_under_load(proc: subprocess.Popen, url: str, inflight: int) -> tuple:
-    """SIGTERM to ``proc`` 1 s after ``inflight`` long dense requests (N = 16,384: ~1-2 s per
-    forward here) were sent; 0.5 s later one more request, /healthz and /readyz. Returns
-    (the in-flight answers, the late answer, /healthz, /readyz)."""
-    import signal
-
-    ids = encode(generate_long(16384, seed=4)[0])
-
-    async def scenario():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
-                "ids": ids, "variant": "dense"})) for _ in range(inflight)]
-            await asyncio.sleep(1.0)
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
-            late = await c.post("/v1/classify", json={"ids": ids[:100]})
-            health, ready = await c.get("/healthz"), await c.get("/readyz")
-            return await asyncio.gather(*sent), late, health, ready
-    return asyncio.run(scenario())
-
-
-def kill_under_load(proc: subprocess.Popen, url: str, deployment: str) -> dict:
-    """SIGKILL to ``proc``'s replica of ``deployment`` (a Ray worker among its descendants) 1.5 s
-    into 4 closed-loop clients of that variant (N = 1,024), which run 12 s more. Returns the
-    statuses of all their answers (0: no HTTP answer)."""
-    ids = encode(generate_long(1024, seed=5)[0])
-    variant = "mita" if deployment == "MiTAClassifier" else "dense"
-    replica = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if f"ServeReplica:mita-serve:{deployment}" in " ".join(p.cmdline()))
-
-    async def scenario():
-        statuses: list[int] = []
-        stop_at = asyncio.get_running_loop().time() + 13.5
-
-        async def client(c):
-            while asyncio.get_running_loop().time() < stop_at:
-                try:
-                    r = await c.post("/v1/classify", json={"ids": ids, "variant": variant})
-                    statuses.append(r.status_code)
-                except httpx.HTTPError:
-                    statuses.append(0)
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            clients = [asyncio.ensure_future(client(c)) for _ in range(4)]
-            await asyncio.sleep(1.5)
-            replica.kill()
-            await asyncio.gather(*clients)
-        return statuses
-    return {"statuses": asyncio.run(scenario())}
-
-
 @pytest.mark.service  # its own Ray, in a subprocess
-def test_sigterm_drains_in_flight_requests(tmp_path):
-    """SIGTERM to ``python -m service`` while 6 dense requests are in flight: every one is
+def test_ctrl_c_drains_in_flight_requests(tmp_path):
+    """Ctrl-C in the terminal running ``python -m service`` (SIGINT to its whole process
+    group, Ray's processes included) while 6 dense requests are in flight: every one is
     answered 200 (on main all failed after 0.2 s with "Server disconnected"), a request sent
     during the drain gets 503 with Retry-After, /healthz stays 200 and /readyz says not ready,
     and the process exits 0 once they are done — well before the 30 s drain time. Its own Ray
-    instance, loopback ports, and the application under a route prefix (the drain counted 0
-    requests in flight there and cut them). A cluster address that ``ray start`` left on the
-    machine is not joined: it starts its own Ray."""
-    # Ray Serve's default mode (python -m service runs its throughput mode otherwise, which
-    # test_rays_throughput_mode_serves_and_drains drains)
+    instance, loopback ports, Ray Serve's default mode and the application under a route
+    prefix (the drain counted 0 requests in flight there and cut them). A cluster address that
+    ``ray start`` left on the machine is not joined: it starts its own Ray. (SIGTERM's drain, in
+    throughput mode: the README walkthrough's.)"""
+    import signal
+
     # A cluster address left by `ray start` (here a dead one) in its Ray temp dir: ray.init()
     # joined that cluster and refused the service's _system_config there (ValueError, exit 1).
     ray_tmp = Path(tempfile.mkdtemp(prefix="mita-ray-", dir="/tmp"))  # short: Ray's sockets
@@ -240,11 +181,12 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     proc, http_port, _ = own_instance(tmp_path, "--dashboard-host", "off",
                                       "--ray-serve-default-mode", route_prefix="/m2",
-                                      env={"RAY_TMPDIR": str(ray_tmp)})
+                                      env={"RAY_TMPDIR": str(ray_tmp)}, terminal=True)
     url = f"http://127.0.0.1:{http_port}/m2"
     try:
         wait_started(proc, url)
-        answers, late, health, ready = sigterm_under_load(proc, url, 6)
+        answers, late, health, ready = stop_under_load(
+            url, 6, lambda: os.killpg(proc.pid, signal.SIGINT))
         out = output(proc, 60)
     finally:
         reap(proc)
@@ -258,44 +200,6 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert "Ray Serve mode: default" in out, out[-2000:]
     assert list((ray_tmp / "ray").glob("session_*")), "its own Ray, in RAY_TMPDIR"
     shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-@pytest.mark.service  # its own Ray, in a subprocess
-def test_rays_throughput_mode_serves_and_drains(tmp_path):
-    """With ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (Ray's mode for high request rates; on main
-    ``python -m service`` died at start-up: "No event loop running", from the driver's handle
-    call to the gateway): both variants classify, a killed MiTA replica loses no request, and
-    SIGTERM drains the requests in flight and exits 0. A live update in this mode (Ray's own
-    ``serve deploy`` of new A/B weights rerouting the policy's traffic) is
-    ``test_readme.py::test_readme_walkthrough``'s: ``make serve`` runs this mode."""
-    proc, http_port, _ = own_instance(tmp_path, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"})
-    url = f"http://127.0.0.1:{http_port}"
-    try:
-        wait_started(proc, url)
-        text = "[MAX 2 [MIN 4 7 ] 0 ]"
-        for variant in ("mita", "dense"):
-            r = httpx.post(f"{url}/v1/classify", json={"text": text, "variant": variant},
-                           timeout=60)
-            assert r.status_code == 200 and r.json()["variant"] == variant, r.text
-            assert r.json()["n"] == 8 and abs(sum(r.json()["probabilities"]) - 1) < 1e-9
-        # The MiTA replica killed (SIGKILL) under 4 closed-loop MiTA clients: the calls it
-        # held are sent again (between replicas this mode calls over gRPC).
-        killed = kill_under_load(proc, url, "MiTAClassifier")
-        assert killed["statuses"] and set(killed["statuses"]) == {200}, killed
-        answers, late, _, _ = sigterm_under_load(proc, url, 4)
-        answered = time.monotonic()
-        out = output(proc, 60)
-        exit_s = time.monotonic() - answered
-    finally:
-        reap(proc)
-    assert [r.status_code for r in answers] == [200] * 4
-    # Serve held each stop 30 s more for its direct-ingress port (exit ~35 s after the drain)
-    assert exit_s < 15, (exit_s, out[-2000:])
-    assert late.status_code == 503, late.text
-    assert proc.returncode == 0, out[-2000:]
-    assert "drained (0 request(s) still in flight)" in out, out[-2000:]
-    assert "Traceback" not in out, out[-3000:]
-    assert "Ray Serve mode: throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in out, out[-2000:]
 
 
 @pytest.mark.service  # its own Ray, in a subprocess
