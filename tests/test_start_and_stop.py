@@ -185,8 +185,12 @@ def test_ctrl_c_drains_in_flight_requests(tmp_path):
     url = f"http://127.0.0.1:{http_port}/m2"
     try:
         wait_started(proc, url)
-        answers, late, health, ready = stop_under_load(
-            url, 6, lambda: os.killpg(proc.pid, signal.SIGINT))
+        try:
+            answers, late, health, ready = stop_under_load(
+                url, 6, lambda: os.killpg(proc.pid, signal.SIGINT))
+        except httpx.HTTPError as e:  # a cut connection: say what the service did meanwhile
+            raise AssertionError(f"{type(e).__name__}: {e}; the service's output:\n"
+                                 f"{output(proc, 60)[-6000:]}") from e
         out = output(proc, 60)
     finally:
         reap(proc)
