@@ -31,8 +31,9 @@ lint: $(DEV_STAMP)
 
 # One process by default. TEST_WORKERS=N runs N pytest-xdist workers (tests/conftest.py keeps
 # the Ray tests in one of them): on 2 cores 2 workers took as long as one process (1,563 s vs
-# 1,614 s), 3 workers 1,153 s, but with timing checks (load shedding, elapsed bounds) failing
-# under the contention now and then; make test stays serial so that what fails is a fault.
+# 1,614 s); with the Ray tests split over two workers 3 workers took 1,153 s, but timing checks
+# (load shedding, elapsed bounds) failed under the contention now and then; make test stays
+# serial so that what fails is a fault.
 TEST_WORKERS ?= 0
 
 test: lint
