@@ -99,14 +99,35 @@ class Constraint:
     value: float
 
     def met(self, row: dict, dense: dict) -> bool:
+        """At the value is met: agreement and accuracy are counts over the same n sequences,
+        so the drop is taken at ``DROP_DIGITS`` (far below the data's resolution of 100 / n
+        points) and ``100 * (0.36 - 0.35)`` is 1 point, not 1.0000000000000009."""
         if self.kind == "agreement":
-            return row["agreement"] >= self.value
-        return 100 * (dense["accuracy"] - row["accuracy"]) <= self.value
+            return round(row["agreement"], DROP_DIGITS) >= self.value
+        return drop_points(dense, row) <= self.value
+
+    def shortfall(self, row: dict, dense: dict) -> float:
+        """How far ``row`` is from meeting the constraint (lower is closer): the setting
+        that comes closest is the one a refusal names."""
+        if self.kind == "agreement":
+            return -row["agreement"]
+        return drop_points(dense, row)
 
     def describe(self) -> str:
         if self.kind == "agreement":
             return f"agreement with dense ≥ {100 * self.value:.1f} %"
         return f"accuracy drop ≤ {self.value:g} points"
+
+
+# Accuracies and agreements are k / n for n sequences (n far below 10⁹): rounding at 9 digits
+# removes float noise of a subtraction and can never merge two distinct values.
+DROP_DIGITS = 9
+
+
+def drop_points(dense: dict, row: dict) -> float:
+    """Dense's accuracy minus ``row``'s, in points (100 × the fraction difference), rounded at
+    ``DROP_DIGITS``: exact for accuracies that are counts over the same sequences."""
+    return round(100 * (dense["accuracy"] - row["accuracy"]), DROP_DIGITS) + 0.0
 
 
 def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -325,7 +346,7 @@ def report(cfg: AdviseConfig, done: dict, skipped: list, n_data: int | None = No
             if dense is not None:
                 row["retention"] = (q["accuracy"] / dense["accuracy"] if dense["accuracy"]
                                     else None)
-                row["accuracy_drop_points"] = 100 * (dense["accuracy"] - q["accuracy"])
+                row["accuracy_drop_points"] = drop_points(dense, q)
         row["latency"] = {}
         for n in cfg.ns:
             lat = done.get(("latency", name, n))
@@ -367,10 +388,16 @@ def _recommend(cfg: AdviseConfig, rows: list[dict], n: int) -> dict:
     timed = faster
     if not timed:
         measured = [r for r in rows[1:] if "agreement" in r]
-        best = max(measured, key=lambda r: r["agreement"], default=None)
-        why = (f"best agreement {100 * best['agreement']:.1f} %, accuracy drop "
-               f"{best['accuracy_drop_points']:.1f} points ({best['setting']})"
-               if best and dense else "no setting finished")
+        best = (min(measured, key=lambda r: cfg.constraint.shortfall(r, dense), default=None)
+                if dense else None)
+        if best is None:
+            why = "no setting finished"
+        elif cfg.constraint.kind == "agreement":
+            why = (f"best agreement {100 * best['agreement']:.1f} %, accuracy drop "
+                   f"{best['accuracy_drop_points']:.1f} points ({best['setting']})")
+        else:
+            why = (f"smallest accuracy drop {best['accuracy_drop_points']:g} points, agreement "
+                   f"{100 * best['agreement']:.1f} % ({best['setting']})")
         if ok and not timed:
             why = f"{len(ok)} setting(s) meet it but none was timed at N = {n} within the budget"
         return {"n": n, "setting": None,

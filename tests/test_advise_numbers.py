@@ -147,6 +147,37 @@ def test_cpu_sharing_warning_at_and_above_the_threshold(monkeypatch):
 
 # --- advisor: report, recommendation, table, files --------------------------------------------
 
+def test_accuracy_drop_exactly_at_the_bound_is_met():
+    """The advisor's own run (issue: dense 36 of 100 right, m16 35 of 100): the drop is 1
+    point, and ``--max-accuracy-drop 1`` must take it. In floats 100 · (0.36 − 0.35) is
+    1.0000000000000009, which refused the setting; a drop of 2 points is still refused."""
+    assert 100 * (0.36 - 0.35) > 1  # the float noise this test is about
+    dense = {"accuracy": 0.36}
+    one = advise.Constraint("accuracy_drop", 1.0)
+    assert one.met({"accuracy": 0.35, "agreement": 0.72}, dense)
+    assert not one.met({"accuracy": 0.34, "agreement": 0.9}, dense)
+    assert advise.drop_points(dense, {"accuracy": 0.35}) == 1.0
+    # Agreement 57 of 100 at a bound of 57 %: 0.57 as typed (56.99999999999999 as 100 · 0.57).
+    assert advise.Constraint("agreement", 0.57).met({"agreement": 57 / 100}, dense)
+    assert not advise.Constraint("agreement", 0.58).met({"agreement": 57 / 100}, dense)
+
+
+def test_refusal_names_the_setting_closest_to_the_failed_constraint():
+    """Under an accuracy-drop bound the refusal quotes the smallest drop (m16: 2 points,
+    agreement 60 %), not the setting of the best agreement (m8: 90 %, drop 5 points); the
+    row's drop is 2.0 exactly (100 · (0.37 − 0.35) is 2.0000000000000018 in floats)."""
+    cfg = small_cfg(advise.Constraint("accuracy_drop", 1.0), ns=[256])
+    done = {("quality", "dense"): quality(0.37, 1.0, 0.0, 0.0),
+            ("quality", M8.name): quality(0.32, 0.9, 0.0, 0.0),
+            ("quality", M16.name): quality(0.35, 0.6, 0.0, 0.0)}
+    rep = advise.report(cfg, done, [])
+    assert rep["rows"][2]["accuracy_drop_points"] == 2.0
+    assert rep["recommendations"][0]["answer"] == (
+        "no setting meets accuracy drop ≤ 1 points at N = 256 (smallest accuracy drop 2 "
+        "points, agreement 60.0 % (m16 k16 s2 official))")
+    assert advise_report.markdown(rep).count("| +2.0 ± 0.0 |") == 1
+
+
 M8 = advise.Setting(8, 8, 1, "paper")
 M16 = advise.Setting(16, 16, 2, "official")
 
