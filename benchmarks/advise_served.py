@@ -11,7 +11,6 @@ another seed draws fresh ones (they should agree within the paired standard erro
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -19,13 +18,14 @@ import httpx
 import numpy as np
 import yaml
 
+from mita.argtypes import Parser
 from mita.data.listops import ListOpsConfig, encode, generate
 from profiler.advise import compare
 from service import launch
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = Parser()
     p.add_argument("--advice", type=Path, default=Path("benchmarks/advise-cpu/advise.json"))
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="data seeds (default: the advice's and 7777777)")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mita import mita_attention
+from mita.argtypes import Parser
 from mita.cost import fig5_setting
 from mita.model import EncoderClassifier, ModelConfig
 
@@ -123,7 +124,7 @@ def one_million() -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = Parser()
     p.add_argument("--quick", action="store_true", help="4K and 16K only, no 256K/1M")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--one-million", action="store_true", help=argparse.SUPPRESS)

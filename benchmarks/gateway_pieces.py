@@ -27,7 +27,6 @@ Serve's own work (the HTTP proxy, the handle call, the replica's request handlin
 here: ``benchmarks/serve_overhead.py`` measures it against a bare Serve app.
 """
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -35,6 +34,8 @@ import random
 import time
 
 import numpy as np
+
+from mita.argtypes import Parser
 
 
 def median_us(fn, repeats: int) -> float:
@@ -135,7 +136,7 @@ def call_mechanism(repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[64, 1024, 16384])
     p.add_argument("--repeats", type=int, default=2000)
     a = p.parse_args()

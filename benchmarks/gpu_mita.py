@@ -44,7 +44,6 @@ so CI checks the script itself (``tests/test_kernels.py``); its timings mean not
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -70,6 +69,7 @@ from benchmarks.gpu_mita_checks import (  # noqa: E402
     rel_err,
 )
 from mita import attention as A  # noqa: E402
+from mita.argtypes import Parser  # noqa: E402
 from mita.cost import fig5_setting  # noqa: E402
 from mita.hooks import NULL_HOOK  # noqa: E402
 from mita.kernels import choose  # noqa: E402
@@ -310,7 +310,7 @@ def markdown(checks, rows, stages, header: str, attention_rows=()) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny N (interpreter)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and table")
     p.add_argument("--budget-s", type=float, default=420.0,

@@ -31,7 +31,6 @@ compare a CPU float32 / bfloat16 engine with the CPU float32 one); its timings m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # mita, profiler, service without an install
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from mita.timer import StageTimer  # noqa: E402
 from service.engine import ClassifierEngine  # noqa: E402
@@ -272,7 +272,7 @@ def markdown(header, check_rows, req_rows, over_rows) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny N")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and table")
     p.add_argument("--budget-s", type=float, default=330.0,

@@ -23,7 +23,6 @@ interpreter at tiny N so the tests check the script; its timings mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -40,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mita import stages as S  # noqa: E402
+from mita.argtypes import Parser  # noqa: E402
 from mita.kernels import routing, topk  # noqa: E402
 
 PATHS = ("select", "bitonic", "torch")
@@ -112,7 +112,7 @@ def clear_rows_equal(landmarks, k, m_topk: int) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny N (interpreter)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the table")
     a = p.parse_args()

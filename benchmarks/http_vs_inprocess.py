@@ -10,13 +10,13 @@ Prints a Markdown table with both p50s and their ratio.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import httpx
 import numpy as np
 import torch
 
+from mita.argtypes import Parser
 from mita.data.listops import encode, generate_long
 from mita.model import load_checkpoint
 from service import launch
@@ -25,7 +25,7 @@ CHECKPOINT = "checkpoints/listops-default"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = Parser()
     p.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--requests", type=int, default=30)
     p.add_argument("--port", type=int, default=8765)

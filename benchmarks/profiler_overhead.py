@@ -8,12 +8,12 @@ MiTA with m = k ≈ √(N/4). Prints a Markdown table of median ms and the overh
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 import torch
 
+from mita.argtypes import Parser
 from mita.model import EncoderClassifier, ModelConfig
 from mita.timer import profile_forward
 from profiler.sweep import landmarks_for
@@ -30,7 +30,7 @@ def timed(fn, device) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = Parser()
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])

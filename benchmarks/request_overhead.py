@@ -17,7 +17,6 @@ medians of:
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -25,11 +24,12 @@ import httpx
 import numpy as np
 import torch
 
+from mita.argtypes import Parser
 from service import launch
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = Parser()
     p.add_argument("--n", type=int, nargs="+", default=[16384, 262144, 1 << 20])
     p.add_argument("--requests", type=int, default=5)
     p.add_argument("--port", type=int, default=8775)

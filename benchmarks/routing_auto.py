@@ -16,7 +16,6 @@ agreement with dense of the labels auto served (against the all-dense run's labe
 same expressions). Prints one table and the routing table auto ended with.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -28,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, generate  # noqa: E402
 from service import launch  # noqa: E402
 
@@ -65,7 +65,7 @@ def run(client: httpx.Client, load: list[tuple[str, str]], variant: str | None) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=40, help="timed requests per N group")
     p.add_argument("--warmup", type=int, default=40, help="auto's warm-up requests per group")
     p.add_argument("--min-agreement", type=float, default=0.05)

@@ -55,6 +55,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
+from mita.argtypes import Parser
+
 ROOT = Path(__file__).resolve().parents[1]
 NS = (64, 1024, 16384)
 CONCURRENCY = (1, 8, 32)
@@ -344,7 +346,7 @@ def table(results: list[dict], a: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 10],

@@ -6,14 +6,14 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
+from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
 
 from .engine import LoadConfig, check_loopback, run_load, summarize
 from .report import markdown, write
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtest")
+    p = Parser(prog="python -m loadtest")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="drive the HTTP API and write a report")

@@ -1,4 +1,5 @@
-"""argparse ``type=`` callables that parse command-line numbers strictly.
+"""The project's command-line pieces: ``Parser``, and ``type=`` callables that parse numbers
+strictly.
 
 ``type=float`` accepts ``nan`` and ``inf``; ``type=int`` accepts any integer. These refuse
 non-finite values and values outside a range, with argparse's usual "invalid value" message
@@ -8,7 +9,55 @@ naming the flag.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` for every CLI of the project: a flag is never matched by a
+    prefix (``allow_abbrev=False``, so ``--train`` is not taken as ``--train-size`` and a new
+    flag cannot change what an old command line means), and an unknown flag is answered with
+    the closest flags and the list of this command's flags (of the subcommand given, for a
+    command with subcommands). Exit status 2, as argparse."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def flags(self) -> list[str]:
+        """Every long option string of this parser, sorted."""
+        return sorted(s for a in self._actions for s in a.option_strings if s.startswith("--"))
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(namespace).unknown(extras)
+        return namespace
+
+    def _chosen(self, namespace) -> Parser:
+        """The (sub)parser that read the last subcommand of ``namespace``."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None))
+                if isinstance(chosen, Parser):
+                    return chosen._chosen(namespace)
+        return self
+
+    def unknown(self, extras: list[str]) -> None:
+        """Exit 2 with "unrecognized arguments: …", a "did you mean" per unknown flag, and
+        this parser's flags."""
+        lines = [f"unrecognized arguments: {' '.join(extras)}"]
+        flags = self.flags()
+        for word in (w.split("=", 1)[0] for w in extras if w.startswith("--")):
+            # the flags it abbreviates first, then look-alikes (compared without the dashes,
+            # which every flag shares)
+            close = [f for f in flags if f.startswith(word)] or [
+                "--" + f for f in difflib.get_close_matches(
+                    word[2:], [f[2:] for f in flags], n=3, cutoff=0.6)]
+            if close:
+                lines.append(f"{word}: did you mean {' or '.join(close)}?")
+        lines.append(f"the flags of {self.prog}: {' '.join(flags)}")
+        self.error("\n".join(lines))
 
 
 def bounded(kind: type, lo: float | None = None, hi: float | None = None,

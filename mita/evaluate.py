@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .argtypes import NONNEGATIVE_INT, POSITIVE_INT
+from .argtypes import NONNEGATIVE_INT, POSITIVE_INT, Parser
 from .config import ATTENTIONS
 from .data.listops import ListOpsConfig, generate
 from .model import checkpoint_metadata, load_checkpoint, tied_variant
@@ -23,8 +23,8 @@ from .train import TEST_SEED, encoded, evaluate
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m mita.evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m mita.evaluate", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoints", nargs="+", type=Path)
     p.add_argument("--test-size", type=POSITIVE_INT, default=2000)
     p.add_argument("--seed", type=NONNEGATIVE_INT, default=TEST_SEED,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser
 from .config import ATTENTIONS, SHARED_SCALES, ModelConfig
 from .data.listops import PAD_ID, ListOpsConfig, encode, generate
 from .model import EncoderClassifier, save_checkpoint, tied_variant
@@ -72,8 +72,8 @@ def encoded(examples: list[tuple[str, int]]) -> list[tuple[list[int], int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m mita.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m mita.train", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=(*ATTENTIONS, "mixed"), default="mixed")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=NONNEGATIVE_INT, default=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
+from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
 from mita.config import BACKENDS
 from service.engine import pick_device
 
@@ -15,7 +15,7 @@ from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m profiler")
+    p = Parser(prog="python -m profiler")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="per-stage time vs N for MiTA and dense",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

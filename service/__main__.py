@@ -24,7 +24,7 @@ import subprocess  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mita.argtypes import bounded  # noqa: E402
+from mita.argtypes import Parser, bounded  # noqa: E402
 
 from . import launch, preflight  # noqa: E402
 
@@ -48,9 +48,8 @@ def ip_address_or_off(text: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # allow_abbrev=False: DEFAULT_MODE_FLAG is looked for whole, before argparse runs
-    p = argparse.ArgumentParser(prog="python -m service", description=__doc__,
-                                allow_abbrev=False)
+    # Parser never matches a prefix: DEFAULT_MODE_FLAG is looked for whole, before argparse runs
+    p = Parser(prog="python -m service", description=__doc__)
     p.add_argument("--config", type=Path, default=None,
                    help="Serve config file (default: deploy/serve_config.yaml, or "
                         "deploy/serve_config.gpu.yaml when CUDA is available)")

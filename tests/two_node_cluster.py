@@ -26,7 +26,6 @@ Run by ``tests/test_cluster.py`` in its own process (``python tests/two_node_clu
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadtest.engine import LoadConfig, run_load  # noqa: E402
+from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from service import launch  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
@@ -195,7 +195,7 @@ class Load:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--outage-s", type=float, default=6.0)
     a = p.parse_args()

@@ -18,7 +18,6 @@ then checks, in ``make test``:
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import json
@@ -26,6 +25,7 @@ import random
 import sys
 from pathlib import Path
 
+from ..argtypes import Parser
 from . import aot
 
 TABLE = Path(__file__).with_name("compiled.json")
@@ -111,9 +111,9 @@ def comparable(record: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mita.kernels.aot_table", allow_abbrev=False,
-                                description=f"Compile every kernel specialisation for sm_80 "
-                                            f"and sm_90 and write {TABLE.name}.")
+    p = Parser(prog="python -m mita.kernels.aot_table",
+               description=f"Compile every kernel specialisation for sm_80 "
+                           f"and sm_90 and write {TABLE.name}.")
     p.add_argument("--markdown", action="store_true",
                    help=f"print the committed {TABLE.name} as a Markdown table; compile nothing")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
