@@ -17,10 +17,10 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
-from tqdm import tqdm
 
 from mita.data.listops import encode, generate_long
 from mita.hooks import stage_sorted
+from mita.progress import Progress
 
 
 def check_loopback(url: str) -> None:
@@ -90,7 +90,7 @@ async def _send(client: httpx.AsyncClient, body: dict, n: int, requested: str,
 
 
 async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requested: str,
-                    bodies: list[dict], bar: tqdm, rng: np.random.Generator) -> list[Sample]:
+                    bodies: list[dict], bar: Progress, rng: np.random.Generator) -> list[Sample]:
     """One (N, variant) phase: warm-up (discarded), then timed requests. Advances ``bar`` by
     ``cfg.warmup + cfg.requests`` in all: one per request sent, warm-ups included, and the
     requests a phase cut short by ``duration_s`` never sent, so the bar's ETA is over every
@@ -135,6 +135,23 @@ async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requeste
     return samples
 
 
+def phase_line(n: int, requested: str, samples: list[Sample], wall_s: float) -> str:
+    """One finished phase in a line of a log: timed requests, failures by status, p50 latency
+    of the answered ones (numpy's median), the phase's wall time (warm-ups included)."""
+    ok = [s.latency_s for s in samples if s.status == 200]
+    failed: dict[int, int] = {}
+    for s in samples:
+        if s.status != 200:
+            failed[s.status] = failed.get(s.status, 0) + 1
+    text = f"N={n} {requested}: {len(ok)} of {len(samples)} timed requests answered"
+    if failed:
+        text += " (" + ", ".join(f"{count} × {status or 'no answer'}"
+                                 for status, count in sorted(failed.items())) + ")"
+    if ok:
+        text += f", p50 {np.median(ok) * 1e3:.1f} ms"
+    return text + f", {wall_s:.1f} s"
+
+
 async def run_load(cfg: LoadConfig) -> list[Sample]:
     """Every phase, N ascending, variants in the given order. Returns all timed samples."""
     check_loopback(cfg.url)
@@ -153,16 +170,18 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
                                  transport=transport) as c:
         # Every request counts, warm-ups too: a bar of timed requests only said "2 s left"
         # before a 100 s phase whose warm-ups had not started.
-        with tqdm(total=len(phases) * (cfg.warmup + cfg.requests), desc="load",
-                  unit="req") as bar:
+        with Progress(len(phases) * (cfg.warmup + cfg.requests), "load", "req") as bar:
             for n in sorted(cfg.ns):
                 seqs = [encode(generate_long(n, seed=cfg.seed * 1000 + i)[0])
                         for i in range(cfg.sequences_per_n)]
                 for v in cfg.variants:
-                    bar.set_postfix(n=n, variant=v)
+                    bar.phase(f"n={n}, variant={v}")
                     bodies = [{"ids": s, "profile": True} | ({} if v == "ab" else {"variant": v})
                               for s in seqs]
-                    samples += await run_phase(c, cfg, n, v, bodies, bar, rng)
+                    t0 = time.perf_counter()
+                    got = await run_phase(c, cfg, n, v, bodies, bar, rng)
+                    bar.phase_done(phase_line(n, v, got, time.perf_counter() - t0))
+                    samples += got
     return samples
 
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from .argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser
 from .config import ATTENTIONS, SHARED_SCALES, ModelConfig
 from .data.listops import PAD_ID, ListOpsConfig, encode, generate
 from .model import EncoderClassifier, save_checkpoint, tied_variant
+from .progress import Progress
 
 TEST_SEED = 1_000_003  # never a training or validation seed: --seed must stay below it
 
@@ -58,11 +58,16 @@ def evaluate(model: EncoderClassifier, data: list[tuple[list[int], int]],
     model.eval()
     correct = 0
     batches = length_batches([len(x) for x, _ in data], batch_size, random.Random(0))
-    for batch in tqdm(batches, desc=progress, unit="batch", disable=progress is None,
-                      leave=False):
+    bar = Progress(len(batches), progress, "batch", leave=False) if progress else None
+    for batch in batches:
         ids, mask = pad_batch([data[i][0] for i in batch])
         pred = model(ids, mask).argmax(-1)
         correct += int((pred == torch.tensor([data[i][1] for i in batch])).sum())
+        if bar:
+            bar.update()
+    if bar:
+        bar.phase_done(f"{correct} of {len(data)} correct")
+        bar.close()
     model.train(was_training)
     return correct / len(data)
 
@@ -134,9 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     history = []
     batches: list[list[int]] = []
     start = time.perf_counter()
-    bar = tqdm(range(1, args.steps + 1), desc=f"train[{args.mode}]", unit="step")
+    bar = Progress(args.steps, f"train[{args.mode}]", "step")
     step = 0
-    for step in bar:
+    for step in range(1, args.steps + 1):
         if not batches:
             batches = length_batches([len(x) for x, _ in train], args.batch_size, rng)
         batch = batches.pop()
@@ -149,15 +154,17 @@ def main(argv: list[str] | None = None) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", mode=mode)
+        bar.update()
+        bar.phase(f"loss={loss.item():.3f}, mode={mode}")
         out_of_time = time.perf_counter() - start > 60 * args.time_budget_min
         if step % args.eval_every == 0 or step == args.steps or out_of_time:
             acc = {a: evaluate(models[a], val) for a in ATTENTIONS}
             history.append({"step": step, "loss": loss.item(), "val_accuracy": acc})
-            tqdm.write(f"step {step}: val accuracy {acc}")
+            bar.write(f"step {step}: loss {loss.item():.3f}, val accuracy {acc}")
         if out_of_time:
-            tqdm.write(f"time budget of {args.time_budget_min} min reached at step {step}")
+            bar.write(f"time budget of {args.time_budget_min} min reached at step {step}")
             break
+    bar.close()
     wall = time.perf_counter() - start
 
     majority_label, _ = Counter(label for _, label in train).most_common(1)[0]

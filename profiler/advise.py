@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from mita import config
 from mita.cost import fig5_setting
@@ -46,6 +45,7 @@ from mita.data.tsv import read_lra_listops, read_text_tsv
 from mita.data.vocab import Vocabulary
 from mita.hooks import stage_sorted
 from mita.model import checkpoint_metadata
+from mita.progress import Progress
 from mita.quality import kl_divergence
 
 from .advise_report import NOISY, cpu_sharing_warning, serve_snippet
@@ -293,17 +293,19 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     engines: dict[str, object] = {}
     dense_engine = None  # kept loaded: every setting's latency is timed beside it
     dense_probs = None
+    bar = Progress(len(units), "advise", "unit")
     if run.resumed:
-        tqdm.write(f"resuming: {run.resumed} of {len(units)} units from {run.path}")
-    bar = tqdm(units, desc="advise", unit="unit")
-    for unit in bar:
+        bar.write(f"resuming: {run.resumed} of {len(units)} units from {run.path}")
+    for unit in units:
+        bar.update()
         if unit in run.done:
             continue
         if time.monotonic() - start > cfg.budget_s:
             skipped.append(unit)
             continue
         name = unit[1]
-        bar.set_postfix_str(f"{name} {unit[0]}" + (f" N={unit[2]}" if len(unit) > 2 else ""))
+        what = f"{name} {unit[0]}" + (f" N={unit[2]}" if len(unit) > 2 else "")
+        bar.phase(what)
         if dense_engine is None:
             dense_engine = _engine(cfg, "dense", None)
         if name not in engines:  # one MiTA engine at a time: load, use, drop
@@ -323,9 +325,10 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
             ids = sequence_of_length(data, unit[2])
             run.add(unit, _latency(engine, ids, cfg.repeats,
                                    None if name == "dense" else dense_engine))
+        bar.phase_done(what)
     bar.close()
     if skipped:
-        tqdm.write(f"time budget of {cfg.budget_s:g} s spent: {len(skipped)} of {len(units)} "
+        bar.write(f"time budget of {cfg.budget_s:g} s spent: {len(skipped)} of {len(units)} "
                    f"units not run; run the same command again to resume")
     return report(cfg, run.done, skipped, len(data))
 

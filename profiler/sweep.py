@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from mita.config import clamp_topk, parse_setting
 from mita.cost import fig5_setting, model_stage_flops
 from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
 from mita.plots import stage_lines
+from mita.progress import Progress
 from mita.timer import profile_forward
 from service.engine import pick_device
 
@@ -107,40 +107,53 @@ def _run_point(model: EncoderClassifier, ids: torch.Tensor, warmup: int, repeats
 def run_sweep(cfg: SweepConfig) -> list[dict]:
     """Measure every (N, variant, setting) point; returns one row per point (``status`` is
     ``ok`` or ``skipped: …``)."""
-    dtype = getattr(torch, cfg.dtype)
     rows: list[dict] = []
     last: dict[tuple[str, str], tuple[int, float]] = {}  # (variant, setting) → (flops, s)
     jobs = [(n, v, st) for n in sorted(cfg.ns) for v in cfg.variants
             for st in (cfg.settings if v == "mita" else ["-"])]
-    for n, variant, setting in tqdm(jobs, desc="sweep", unit="point"):
-        model_cfg, m, k = cfg.model_config(n, variant, setting)
-        flops = model_stage_flops(model_cfg, cfg.batch, n)
-        total_flops = sum(flops.values())
-        row = {"n": n, "variant": variant, "setting": setting, "m": m, "k": k,
-               "s": cfg.route_topk if variant == "mita" else 0, "batch": cfg.batch,
-               "depth": cfg.depth, "dim": cfg.dim, "heads": cfg.num_heads, "dtype": cfg.dtype,
-               "device": cfg.device, "flops": total_flops, "stage_flops": flops,
-               "mita_backend": cfg.mita_backend if variant == "mita" else "-"}
-        prev = last.get((variant, setting))
-        if prev is not None:
-            predicted = prev[1] * total_flops / prev[0] * (cfg.warmup + 1)
-            if predicted > cfg.budget_s:
-                row["status"] = (f"skipped: predicted {predicted:.0f} s for warm-up + one "
-                                 f"forward exceeds the {cfg.budget_s:.0f} s budget")
-                tqdm.write(f"N={n} {variant} {setting}: {row['status']}")
-                rows.append(row)
-                continue
-        torch.manual_seed(cfg.seed)
-        model = EncoderClassifier(model_cfg).to(device=cfg.device, dtype=dtype).eval()
-        set_mita_backend(model, cfg.mita_backend)
-        g = torch.Generator().manual_seed(cfg.seed + n)
-        ids = torch.randint(1, model_cfg.vocab_size, (cfg.batch, n), generator=g).to(cfg.device)
-        row.update(_run_point(model, ids, cfg.warmup, cfg.repeats, cfg.budget_s))
-        row["status"] = "ok"
-        row["gflops_per_s"] = total_flops / (row["e2e_ms"] * 1e6)
-        last[(variant, setting)] = (total_flops, row["e2e_ms"] / 1e3)
-        rows.append(row)
+    with Progress(len(jobs), "sweep", "point") as bar:
+        for n, variant, setting in jobs:
+            bar.phase(f"N={n} {variant} {setting}")
+            rows.append(_point(cfg, n, variant, setting, last))
+            bar.update()
+            r = rows[-1]
+            if r["status"] != "ok":
+                bar.write(f"N={n} {variant} {setting}: {r['status']}")
+            else:
+                bar.phase_done(f"N={n} {variant} {setting}: forward {r['e2e_ms']:.1f} ms")
     return rows
+
+
+def _point(cfg: SweepConfig, n: int, variant: str, setting: str,
+           last: dict[tuple[str, str], tuple[int, float]]) -> dict:
+    """One (N, variant, setting) row of ``run_sweep``; ``last`` (the previous point's flops and
+    seconds per (variant, setting)) predicts whether it fits the budget, and is updated."""
+    dtype = getattr(torch, cfg.dtype)
+    model_cfg, m, k = cfg.model_config(n, variant, setting)
+    flops = model_stage_flops(model_cfg, cfg.batch, n)
+    total_flops = sum(flops.values())
+    row = {"n": n, "variant": variant, "setting": setting, "m": m, "k": k,
+           "s": cfg.route_topk if variant == "mita" else 0, "batch": cfg.batch,
+           "depth": cfg.depth, "dim": cfg.dim, "heads": cfg.num_heads, "dtype": cfg.dtype,
+           "device": cfg.device, "flops": total_flops, "stage_flops": flops,
+           "mita_backend": cfg.mita_backend if variant == "mita" else "-"}
+    prev = last.get((variant, setting))
+    if prev is not None:
+        predicted = prev[1] * total_flops / prev[0] * (cfg.warmup + 1)
+        if predicted > cfg.budget_s:
+            row["status"] = (f"skipped: predicted {predicted:.0f} s for warm-up + one "
+                             f"forward exceeds the {cfg.budget_s:.0f} s budget")
+            return row
+    torch.manual_seed(cfg.seed)
+    model = EncoderClassifier(model_cfg).to(device=cfg.device, dtype=dtype).eval()
+    set_mita_backend(model, cfg.mita_backend)
+    g = torch.Generator().manual_seed(cfg.seed + n)
+    ids = torch.randint(1, model_cfg.vocab_size, (cfg.batch, n), generator=g).to(cfg.device)
+    row.update(_run_point(model, ids, cfg.warmup, cfg.repeats, cfg.budget_s))
+    row["status"] = "ok"
+    row["gflops_per_s"] = total_flops / (row["e2e_ms"] * 1e6)
+    last[(variant, setting)] = (total_flops, row["e2e_ms"] / 1e3)
+    return row
 
 
 def attention_ms(row: dict) -> float:

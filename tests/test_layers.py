@@ -22,10 +22,12 @@ SCRIPTS = ("benchmarks", "tests")  # may import anything; nothing may import the
 STDLIB = set(sys.stdlib_module_names)
 
 # The third-party libraries each ground-floor module may use (beyond the standard library).
-GROUND = {"mita.config": set(), "mita.hooks": set(), "mita.data": {"numpy"}}
+GROUND = {"mita.config": set(), "mita.hooks": set(), "mita.argtypes": set(),
+          "mita.data": {"numpy"}}
 STAGE_MODULES = {"mita.stages", "mita.topk"}
-# loadtest is a client of the service over HTTP: data, the stage names, CLI types and plots.
-LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.argtypes", "mita.plots"}
+# loadtest is a client of the service over HTTP: data, the stage names, CLI pieces (types,
+# the parser, progress) and plots.
+LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.argtypes", "mita.progress", "mita.plots"}
 NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
 RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.forward_stats"}
 
@@ -121,10 +123,12 @@ def _project_rule(importer: str, imported: str) -> str | None:
     if _within(importer, "mita.kernels"):
         if imported == "mita.attention":
             return "mita/kernels/ never imports the dispatcher (mita/attention.py)"
-        if imported in {"mita.config", "mita.hooks"} | STAGE_MODULES or _within(
+        # mita.argtypes: the CLI of the kernel table (python -m mita.kernels.aot_table)
+        if imported in {"mita.config", "mita.hooks", "mita.argtypes"} | STAGE_MODULES or _within(
                 imported, "mita.kernels"):
             return None
-        return "mita/kernels/ imports the stages, hooks, config and its own files only"
+        return ("mita/kernels/ imports the stages, hooks, config, argtypes and its own files "
+                "only")
     if importer == "mita.attention":
         if imported in {"mita.config", "mita.hooks"} | STAGE_MODULES or _within(
                 imported, "mita.kernels"):
@@ -152,7 +156,8 @@ def _project_rule(importer: str, imported: str) -> str | None:
     if _within(importer, "loadtest"):
         if _within(imported, "loadtest") or any(_within(imported, m) for m in LOADTEST_MAY):
             return None
-        return "loadtest/ imports mita.data, mita.hooks, mita.argtypes, mita.plots only"
+        return ("loadtest/ imports mita.data, mita.hooks, mita.argtypes, mita.progress, "
+                "mita.plots only")
     return None
 
 
@@ -258,7 +263,7 @@ def tree(tmp_path_factory) -> Path:
      ["service.engine reaches ray through service.engine"]),
     ("loadtest.engine", "import mita.model",
      ["loadtest.engine imports mita.model: loadtest/ imports mita.data, mita.hooks, "
-      "mita.argtypes, mita.plots only"]),
+      "mita.argtypes, mita.progress, mita.plots only"]),
     # the stages reaching up to the model close a circle through every launcher
     ("mita.stages", "import mita.model",
      ["import circle: mita.attention ↔ mita.kernels.choose ↔ mita.kernels.cpu ↔ "

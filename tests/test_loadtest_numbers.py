@@ -324,3 +324,22 @@ def test_closed_loop_keeps_concurrency_requests_in_flight():
     assert all(s.variant == "dense" and s.latency_s >= 0.05 for s in samples if s.status == 200)
     row = only_row(samples, dataclasses.replace(cfg, variants=["dense"]))
     assert (row["sent"], row["ok"], row["errors"]) == (7, 5, {"503": 2})
+
+
+def test_a_piped_log_gets_one_line_per_phase_and_no_bar(capsys):
+    """Under pytest stderr is not a terminal, as in a piped log: no tqdm bar (whose carriage
+    returns made one endless line), one line per finished (N, variant) phase with its answered
+    count, refusals by status and p50; the ``[done/total req]`` counts warm-ups too."""
+    with _Service(refuse_every=5) as srv:
+        cfg = LoadConfig(url=srv.url, ns=[32, 16], variants=["mita", "dense"], requests=4,
+                         warmup=1, concurrency=1, sequences_per_n=1)
+        asyncio.run(run_load(cfg))
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split(":")[1] for line in lines] == [" N=16 mita", " N=16 dense", " N=32 mita",
+                                                        " N=32 dense"]
+    # arrivals 5, 10, 15, 20 refused: the 4th timed request of each phase (1 warm-up + 4)
+    assert all("3 of 4 timed requests answered (1 × 503), p50 " in line for line in lines)
+    assert [line.rsplit("[", 1)[1].split(",")[0] for line in lines] == [
+        "5/20 req", "10/20 req", "15/20 req", "20/20 req"]
