@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import replica_state
-from .inputs import ApiError, StrictJSONRoute
+from .inputs import ApiError, StrictJSONRoute, charset_refusal, declared_charset
 from .schemas import ErrorResponse
 
 
@@ -176,6 +176,9 @@ def refusal_of(request: Request, path: str) -> JSONResponse | None:
             refusal = (400, "more than one Content-Type header")
         elif ctype != want:
             refusal = (415, f"Content-Type must be {want}, got {ctype[:60] or 'none'!r}")
+        elif want == "application/json" and (bad := charset_refusal(
+                declared_charset(request.headers.get("content-type", "")))):
+            refusal = (415, bad)
         elif encoding != "identity":
             refusal = (415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the "
                             "body uncompressed")

@@ -34,24 +34,58 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+def declared_charset(content_type: str) -> str | None:
+    """The ``charset`` parameter of a Content-Type header value, lower case, unquoted; None
+    when there is none."""
+    for param in content_type.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
+
+
+def charset_refusal(charset: str | None) -> str | None:
+    """Why a declared charset cannot be honoured (not a text encoding Python knows), or
+    None. JSON is UTF-8 (RFC 8259); another declared charset is decoded as declared."""
+    if charset is None:
+        return None
+    try:
+        b"{}".decode(charset)  # b"".decode looks nothing up
+    except UnicodeError:  # a text encoding (utf-32 needs 4 bytes)
+        return None
+    except LookupError:
+        return (f"charset {charset[:40]!r} is not a text encoding this service knows; send "
+                "UTF-8 (JSON's encoding, RFC 8259) or name a known charset")
+    return None
+
+
 class StrictJSONRequest(Request):
     """``json()`` that refuses duplicate keys and too-deep nesting with a JSON decode error
-    (→ 400 "malformed JSON body") instead of taking the last copy or a RecursionError (500)."""
+    (→ 400 "malformed JSON body") instead of taking the last copy or a RecursionError (500);
+    a body is decoded by its declared ``charset`` (``CheckBody`` refused an unknown one), not
+    taken for UTF-8."""
 
     async def json(self):
         if not hasattr(self, "_json"):
             body = await self.body()
+            charset = declared_charset(self.headers.get("content-type", ""))
+            if charset is not None:
+                try:
+                    body = body.decode(charset)
+                except UnicodeDecodeError as e:
+                    raise json.JSONDecodeError(
+                        f"the body is not valid {charset} (byte {e.start}), the charset its "
+                        "Content-Type declares", "", 0) from None
             try:
                 self._json = json.loads(body, object_pairs_hook=_reject_duplicates)
             except RecursionError:
-                raise json.JSONDecodeError("nesting too deep", body.decode(errors="replace"),
-                                           0) from None
+                raise json.JSONDecodeError("nesting too deep", "", 0) from None
             except ValueError as e:
                 if isinstance(e, json.JSONDecodeError):
                     raise
                 why = ("an integer with too many digits" if "int_max_str_digits" in str(e)
                        else str(e))
-                raise json.JSONDecodeError(why, body.decode(errors="replace"), 0) from None
+                raise json.JSONDecodeError(why, "", 0) from None
         return self._json
 
 

@@ -52,6 +52,17 @@ class ClassifyRequest(BaseModel):
                            "this forward with every MiTA stage timed apart (the fused kernels "
                            "report fewer, merged stages)")
 
+    @field_validator("text", "ids", "variant", mode="before")
+    @classmethod
+    def _not_null(cls, value, info):
+        # Only a value given is validated: a null given is not taken as the field left out.
+        if value is None:
+            hint = (" for the A/B policy, or give 'mita' or 'dense'"
+                    if info.field_name == "variant" else "")
+            raise ValueError(f"null is not a value of '{info.field_name}': leave the field "
+                             f"out{hint}")
+        return value
+
     @model_validator(mode="after")
     def _exactly_one_input(self):
         if (self.text is None) == (self.ids is None):

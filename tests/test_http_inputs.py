@@ -109,7 +109,12 @@ NASTY = [
     ('{"ids": [[3, [4]]]}', 422, "invalid request"),
     ('{"ids": ["3", 4]}', 422, "invalid request"),
     ('{"ids": [true]}', 422, "invalid request"),
-    ('{"ids": null, "text": null}', 422, "exactly one of 'text' or 'ids'"),
+    ('{"ids": null, "text": null}', 422, "null is not a value of 'text': leave the field out"),
+    # a null given is not the field left out: it was served by the A/B policy
+    ('{"text": "[MAX 2 3 ]", "variant": null}', 422,
+     "null is not a value of 'variant': leave the field out for the A/B policy, or give "
+     "'mita' or 'dense'"),
+    ('{"ids": [3], "text": null}', 422, "null is not a value of 'text'"),
     ('{"text": "[MAX 2 ３ ]"}', 422, "unknown token '３'"),              # full-width digit
     ('{"text": "[MAX 2 3 ] \\u0000"}', 422, "unknown token"),
     ('{"text": "[MAX 2 💥 ]"}', 422, "unknown token '💥'"),
@@ -201,3 +206,31 @@ def test_size_limits_and_max_n(service):
     assert r.json()["error"] == f"sequence length N = {max_n + 1} exceeds max_n = {max_n}"
     r = raw(service, json.dumps({"items": [{"ids": ids + [3]}]}), "/v1/classify/batch")
     assert r.status_code == 422 and r.json()["error"].startswith("items[0]: sequence length")
+
+
+def post_with(service, body: bytes, content_type: str, path="/v1/classify") -> httpx.Response:
+    return service.client.post(path, content=body, headers={"content-type": content_type})
+
+
+def test_a_declared_charset_is_honoured_or_refused(service):
+    """A latin-1 body was read as UTF-8: 'é' (0xE9) then broke the JSON (400 "malformed JSON
+    body") instead of being the unknown token it is."""
+    body = '{"text": "[MAX 2 é ]"}'.encode("latin-1")
+    r = post_with(service, body, "application/json; charset=ISO-8859-1")
+    assert r.status_code == 422, r.text
+    assert "unknown token 'é'" in r.json()["error"]
+    ok = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]"}'
+    expected = post_with(service, ok.encode(), "application/json").json()["label"]
+    for charset in ("utf-16", '"latin-1"', "UTF-8", "us-ascii"):
+        r = post_with(service, ok.encode(charset.strip('"')),
+                      f"application/json; charset={charset}")
+        assert (r.status_code, r.json()["label"]) == (200, expected), (charset, r.text)
+    r = post_with(service, ok.encode(), "application/json; charset=klingon")
+    assert r.status_code == 415
+    assert r.json()["error"].startswith("charset 'klingon' is not a text encoding this service "
+                                        "knows")
+    r = post_with(service, ok.encode(), "application/json; charset=rot13")  # not text→text
+    assert r.status_code == 415
+    r = post_with(service, "é".encode("latin-1"), "application/json; charset=utf-8")
+    assert r.status_code == 400
+    assert "the body is not valid utf-8 (byte 0)" in r.json()["error"]
