@@ -28,7 +28,7 @@ from ray.serve._private import api as serve_api
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeDeploySchema
 
-from . import PROJECT_ROOT
+from . import PROJECT_ROOT, proxy_guard
 from .config_file import check_serve_file, read_yaml
 from .preflight import (
     DEFAULT_DASHBOARD_PORT,
@@ -128,6 +128,9 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
     # Serve waits 5 s for a new HTTP proxy by default; a loaded 2-core machine needs longer,
     # and the config file has no field for it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    # Deadlines for slow and stalled clients in Serve's HTTP proxy (service.proxy_guard):
+    # read from the environment of the Ray started here (a joined cluster's nodes: theirs).
+    os.environ.setdefault(proxy_guard.CALLBACK_VARIABLE, proxy_guard.CALLBACK)
     local = [] if address is not None or ipaddress.ip_address(node_ip).is_loopback else [node_ip]
     proxies = no_proxy_for_this_machine(local)
     if proxies:

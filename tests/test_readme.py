@@ -66,6 +66,9 @@ README_COMMANDS = {
     "cp deploy/serve_config.yaml my.yaml": ("run", "then the Gateway's user_config is edited"),
     ".venv/bin/python -m service --check --config my.yaml": ("run", ""),
     "export RAY_AUTH_MODE=token": ("run", ""),
+    "export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=service.proxy_guard:middlewares": (
+        "test", "tests/two_node_cluster.py sets it for the nodes it starts; test_cluster.py "
+                "checks their proxy answers the guard's JSON 400"),
     ".venv/bin/serve deploy my.yaml": ("run", ""),
     ".venv/bin/serve status": ("run", ""),
     "serve config": ("run", ".venv/bin/serve config"),
@@ -111,6 +114,8 @@ README_COMMANDS = {
         "no", "needs a CUDA GPU (its steps' --smoke forms run in CI)"),
     "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
         "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
+    "python benchmarks/stalled_connections.py": (
+        "test", "tests/test_proxy_guard.py runs its measurement (point) on the test service"),
     ".venv/bin/python benchmarks/request_overhead.py": (
         "run", "shrink: --n 512 --requests 1"),
     "ray start --head --port 6379 --metrics-export-port 9100 "

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from loadtest.engine import LoadConfig, run_load  # noqa: E402
 from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
-from service import launch  # noqa: E402
+from service import launch, proxy_guard  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 APP = "mita-serve"
@@ -206,6 +206,9 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     launch.loopback_only()
+    # The README's `export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=…` on every node: the
+    # nodes below inherit it.
+    os.environ[proxy_guard.CALLBACK_VARIABLE] = proxy_guard.CALLBACK
     head_metrics, worker_metrics, http_port = free_port(), free_port(), free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
         "node_ip_address": "127.0.0.1", "num_cpus": 2,
@@ -240,6 +243,10 @@ def main() -> None:
         ray.init(address=cluster.address, namespace="serve", logging_level="warning")
         url = f"http://127.0.0.1:{http_port}"
         client = httpx.Client(base_url=url, timeout=60)
+        # the cluster's proxy runs the guard: HTTP it cannot parse gets the JSON 400
+        bad = client.post("/v1/classify", content=b"{}", headers={
+            "content-type": "application/json", "content-length": "1x"})
+        report["proxy_guard_400"] = [bad.status_code, bad.headers.get("content-type")]
 
         # -- answers and placement ---------------------------------------------------------
         from service.engine import ClassifierEngine
