@@ -51,6 +51,8 @@ _written_sd_files: list[Path] = []
 # this process deployed and leaves the cluster's Serve running.
 _joined = False
 _joined_apps: list[str] = []
+# The Serve client start() made, which deploy() uses (None once stop() ran).
+_client = None
 # (port, ip) of the metrics exporter of the Gateway's node, once start() has deployed.
 metrics_exporter: tuple[int, str] | None = None
 
@@ -179,14 +181,21 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
                      _node_ip_address=node_ip,
                      _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": metrics_interval_ms})
-    client = serve_api.serve_start(http_options=config.http_options.model_dump(),
-                                   proxy_location=config.proxy_location)
+    global _client
+    began = time.monotonic()
+    client = _client = serve_api.serve_start(http_options=config.http_options.model_dump(),
+                                             proxy_location=config.proxy_location)
     names = [a.name for a in config.applications]
     if _joined:
         _joined_apps.extend(names)  # from here on, stop() deletes them
         deploy(with_cluster_apps(config, client.get_serve_details()), timeout_s, names)
     else:
         deploy(config, timeout_s)
+    where = (f"joined the Ray cluster at {address} and its Serve" if _joined else
+             f"started a Ray of its own (node {node_ip}) and Serve's HTTP proxy")
+    print(f"mita-serve: {where}; deployed {', '.join(names)} "
+          f"({sum(len(a.deployments) for a in config.applications)} deployments) in "
+          f"{time.monotonic() - began:.0f} s", flush=True)
     for app in config.applications:
         if app.import_path.replace(":", ".") == "service.app.build_app":
             metrics_exporter = gateway_exporter(app.name)
@@ -321,7 +330,9 @@ def deploy(config: ServeDeploySchema, timeout_s: float = 300.0,
     applied through ``reconfigure`` without restarting replicas — and wait until its
     applications (or those in ``names``) are RUNNING. Raises RuntimeError when one fails to
     deploy or ``timeout_s`` passes."""
-    serve_api.serve_start().deploy_apps(config, _blocking=False)
+    # The client start() made: serve_start() again logs "Connecting to existing Serve app …
+    # New http_options/controller_options will not be applied", which reads like an error.
+    (_client or serve_api.serve_start()).deploy_apps(config, _blocking=False)
     deadline = time.monotonic() + timeout_s
     names = names or [a.name for a in config.applications]
     while True:
@@ -373,7 +384,8 @@ def stop(at_once: bool = False) -> None:
     disconnect, leaving the cluster and its Serve instance running. ``at_once``: skip Serve's
     graceful shutdown (and, joined, the deletion); Ray's processes on this machine still
     stop."""
-    global _joined
+    global _joined, _client
+    _client = None
     if at_once:
         _joined_apps.clear()
         _joined = False

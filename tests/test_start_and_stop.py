@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -202,6 +203,13 @@ def test_ctrl_c_drains_in_flight_requests(tmp_path):
     assert "drained (0 request(s) still in flight)" in out, out[-2000:]
     assert "stopping once start-up is done" not in out  # said on every stop, once
     assert "Ray Serve mode: default" in out, out[-2000:]
+    # one line of what the start did; not Ray's "Connecting to existing Serve app … New
+    # http_options/controller_options will not be applied", which a second serve_start() in
+    # deploy() logged at every fresh start
+    assert re.search(r"mita-serve: started a Ray of its own \(node 127\.0\.0\.1\) and "
+                     r"Serve's HTTP proxy; deployed mita-serve \(3 deployments\) in \d+ s",
+                     out), out[-3000:]
+    assert "Connecting to existing Serve app" not in out, out[-3000:]
     assert list((ray_tmp / "ray").glob("session_*")), "its own Ray, in RAY_TMPDIR"
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
