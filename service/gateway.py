@@ -56,6 +56,7 @@ from .live_config import LiveConfig, store_key
 from .policy import choose_variant, shadow_comparison
 from .recorder import Recorder
 from .replicas import fetch_classifier_replicas
+from .routing import check_warm_start
 from .schemas import (
     DEPLOYMENTS,
     VARIANTS,
@@ -154,7 +155,8 @@ class Gateway:
         self.config = GatewayConfig()
         context = serve.get_replica_context()
         self.live = LiveConfig(GatewayConfig, f"deployment {context.deployment!r} user_config",
-                               store_key(context.app_name, context.deployment))
+                               store_key(context.app_name, context.deployment),
+                               check=lambda c: check_warm_start(c, mita_setting))
         self.recorder = Recorder()
         replica_state.gateway = self
         self.rng = random.Random()

@@ -40,11 +40,12 @@ class LiveConfig:
     ``where`` names the deployment in messages (e.g. ``"deployment 'Gateway' user_config"``);
     ``key``: where the last applied value is kept (``store_key``; None: not kept, e.g.
     without Ray); ``counted``: export ``mita_serve_config_updates_total`` and
-    ``mita_serve_config_refused`` (the gateway's)."""
+    ``mita_serve_config_refused`` (the gateway's); ``check``: called with each parsed value,
+    raises ValueError to refuse what the schema alone cannot see (e.g. a file it names)."""
 
     def __init__(self, schema: type[BaseModel], where: str, key: bytes | None = None,
-                 counted: bool = True):
-        self.schema, self.where, self.key = schema, where, key
+                 counted: bool = True, check=None):
+        self.schema, self.where, self.key, self.check = schema, where, key, check
         self.value: BaseModel | None = None
         self.applied_at: float | None = None  # Unix seconds of the last applied update
         self.refused: dict | None = None  # the last refusal since then, or None
@@ -61,6 +62,11 @@ class LiveConfig:
         (naming ``where`` and each refused field) when there is neither."""
         try:
             new = validated(self.schema, raw, self.where)
+            if self.check is not None:
+                try:
+                    self.check(new)
+                except ValueError as e:
+                    raise ValueError(f"{self.where}: {e}") from None
         except ValueError as e:
             changed = False
             if self.value is None:

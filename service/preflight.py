@@ -320,13 +320,21 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
     safetensors only, ``config.json``'s weights SHA-256 checked. Raises ValueError/OSError
     naming the problem (e.g. a hash mismatch, a ``mita_setting`` the model refuses:
     ``app.served_config``) so the service refuses to start."""
+    from mita.config import setting_name
     from mita.model import load_checkpoint
 
     from .app import served_config
     from .engine import resolve_checkpoint
+    from .routing import check_warm_start
 
     for app in config.applications:
-        a, _ = served_config(app.args or {})
+        a, cfg = served_config(app.args or {})
+        try:
+            check_warm_start(gateway_config(app), setting_name(
+                cfg.num_landmarks, cfg.topk, cfg.route_topk, cfg.shared_scale))
+        except ValueError as e:
+            raise ValueError(f"application {app.name!r} deployment {DEPLOYMENTS['gateway']!r} "
+                             f"user_config: {e}") from None
         checkpoint = a.checkpoint
         model = load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
         max_n = gateway_config(app).max_n

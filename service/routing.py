@@ -133,10 +133,8 @@ class RoutingTable:
                 self.warm_start = None
                 if file is not None:
                     self.warm_start = {"file": file}
-                    path = Path(file)
-                    try:  # a relative path: from the project root, as the checkpoint's
-                        priors = advisor_priors(path if path.is_absolute() else
-                                                PROJECT_ROOT / path, mita_setting)
+                    try:
+                        priors = warm_start_priors(file, mita_setting)
                     except (OSError, ValueError) as e:
                         self.warm_start["error"] = f"{type(e).__name__}: {e}"[:300]
                         log.warning("policy auto: warm start %s not used: %s", file,
@@ -193,6 +191,28 @@ class RoutingTable:
         in force, the auto thresholds, the warm start and every bucket's row."""
         return {"policy": policy, "auto": self.policy.model_dump(mode="json"),
                 "warm_start": self.warm_start, "buckets": self.table()}
+
+
+def check_warm_start(config, mita_setting: str | None) -> None:
+    """Refuse (ValueError) a ``GatewayConfig`` whose ``auto.warm_start`` file cannot be used
+    for the served MiTA setting (``warm_start_priors`` fails): ``python -m service --check``,
+    its start and every live update refuse it, rather than a replica serving without the
+    prior and only logging why."""
+    file = config.auto.warm_start
+    if file is None:
+        return
+    try:
+        warm_start_priors(file, mita_setting)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"auto.warm_start {file!r} cannot be used: {type(e).__name__}: "
+                         f"{e}"[:600]) from None
+
+
+def warm_start_priors(file: str, mita_setting: str | None) -> dict[str, dict]:
+    """``advisor_priors`` of policy auto's ``warm_start`` file, a relative path taken from the
+    project root (as the checkpoint's). Raises as ``advisor_priors``."""
+    path = Path(file)
+    return advisor_priors(path if path.is_absolute() else PROJECT_ROOT / path, mita_setting)
 
 
 def advisor_priors(path: Path, mita_setting: str | None) -> dict[str, dict]:
