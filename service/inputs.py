@@ -59,6 +59,10 @@ def charset_refusal(charset: str | None) -> str | None:
     return None
 
 
+def _doc(body: bytes | str) -> str:
+    return body if isinstance(body, str) else body.decode(errors="replace")
+
+
 class StrictJSONRequest(Request):
     """``json()`` that refuses duplicate keys and too-deep nesting with a JSON decode error
     (→ 400 "malformed JSON body") instead of taking the last copy or a RecursionError (500);
@@ -79,13 +83,13 @@ class StrictJSONRequest(Request):
             try:
                 self._json = json.loads(body, object_pairs_hook=_reject_duplicates)
             except RecursionError:
-                raise json.JSONDecodeError("nesting too deep", "", 0) from None
+                raise json.JSONDecodeError("nesting too deep", _doc(body), 0) from None
             except ValueError as e:
                 if isinstance(e, json.JSONDecodeError):
                     raise
                 why = ("an integer with too many digits" if "int_max_str_digits" in str(e)
                        else str(e))
-                raise json.JSONDecodeError(why, "", 0) from None
+                raise json.JSONDecodeError(why, _doc(body), 0) from None
         return self._json
 
 

@@ -155,20 +155,20 @@ def test_progress_bar_counts_warm_ups_and_every_phase(monkeypatch):
     warm-ups included, and a phase cut short by --duration-s advances it by what it skipped."""
     bars = []
 
-    class Bar(engine.tqdm):
+    class Bar(engine.Progress):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw, file=io.StringIO())
-            self.seen: list[tuple[int, int]] = []  # (n, total) after each update
+            self.seen: list[tuple[int, int]] = []  # (done, total) after each update
             bars.append(self)
 
         def update(self, k=1):
             super().update(k)
-            self.seen.append((self.n, self.total))
+            self.seen.append((self.done, self.total))
 
     def answer(request):
         return httpx.Response(200, json={"variant": "mita", "profile": {}})
 
-    monkeypatch.setattr(engine, "tqdm", Bar)
+    monkeypatch.setattr(engine, "Progress", Bar)
     monkeypatch.setattr(engine.httpx, "AsyncHTTPTransport",
                         lambda **kw: httpx.MockTransport(answer))
     cfg = LoadConfig(url="http://127.0.0.1:8000", ns=[16, 32], variants=["mita", "dense"],

@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -244,9 +245,12 @@ def main() -> None:
         url = f"http://127.0.0.1:{http_port}"
         client = httpx.Client(base_url=url, timeout=60)
         # the cluster's proxy runs the guard: HTTP it cannot parse gets the JSON 400
-        bad = client.post("/v1/classify", content=b"{}", headers={
-            "content-type": "application/json", "content-length": "1x"})
-        report["proxy_guard_400"] = [bad.status_code, bad.headers.get("content-type")]
+        with socket.create_connection(("127.0.0.1", http_port), timeout=30) as s:
+            s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n")
+            raw = b"".join(iter(lambda: s.recv(65536), b""))
+        head = raw.partition(b"\r\n\r\n")[0].decode(errors="replace").lower()
+        report["proxy_guard_400"] = [int(head.split()[1]),
+                                     "content-type: application/json" in head]
 
         # -- answers and placement ---------------------------------------------------------
         from service.engine import ClassifierEngine
