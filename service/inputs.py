@@ -79,7 +79,7 @@ class StrictJSONRequest(Request):
                 except UnicodeDecodeError as e:
                     raise json.JSONDecodeError(
                         f"the body is not valid {charset} (byte {e.start}), the charset its "
-                        "Content-Type declares", "", 0) from None
+                        "Content-Type declares", _doc(body), 0) from None
             try:
                 self._json = json.loads(body, object_pairs_hook=_reject_duplicates)
             except RecursionError:
