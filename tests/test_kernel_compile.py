@@ -82,7 +82,7 @@ def test_sample_is_drawn_by_its_seed():
     assert [(str(c), cap) for c, cap in first] == [(str(c), cap) for c, cap in again]
     assert len({(str(c), cap) for c, cap in first}) == 16
     seen = {(str(c), cap) for seed in range(200) for c, cap in aot_table.sample(seed)}
-    assert len(seen) == 256  # every row is drawn over 200 seeds
+    assert len(seen) == 258  # every row is drawn over 200 seeds
 
 
 def test_the_key_follows_the_code_not_its_comments(tmp_path):
@@ -103,7 +103,7 @@ def test_the_key_follows_the_code_not_its_comments(tmp_path):
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(results):
-    """All 128 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
+    """All 129 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
     32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 64 × 64, 8 warps,
@@ -111,18 +111,19 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
     3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32 16 × 32 with 2 stages,
     16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK),
     3 × 2 × 2; for the tile table each (s = 1 or not, HAS_MASK), 2 × 2; for the threshold
-    select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64, 128}), 3 × 2
-    each, and for its select each (CAP, ROWS) from (128, 16) to (4096, 1), with 8 warps from
-    CAP 2048. (The committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows``
-    compiles a sample again.)"""
-    assert len(results) == 256
+    select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64, 128}),
+    3 × 2 each (the fallback's tiles and warps by dtype and BLOCK_D), its θ kernel, and for
+    its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096. (The
+    committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles a
+    sample again.)"""
+    assert len(results) == 258
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
     assert max(r["shared_bytes"] for r in results if r["sm"] == 80) <= 163 * 1024
     seen = {kernel: set() for kernel in aot.KERNELS}
     for r in results:
-        meta, dtype = r["meta"], r["case"].split("-")[1]
+        meta, dtype = r["meta"], (r["case"].split("-") + ["int"])[1]  # theta: no dtype
         f32 = dtype == "float32"
         assert r["num_warps"] == meta.get("num_warps", 4)  # Triton's default: 4
         if r["kernel"] == "pool":
@@ -134,11 +135,20 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
         if r["kernel"] == "select":  # no float inputs: the second field is k
             seen["select"].add((meta["CAP"], meta["ROWS"], meta["num_warps"]))
             continue
+        if r["kernel"] == "theta":
+            seen["theta"].add(meta["BLOCK_G"])
+            continue
         assert meta["IEEE"] == f32 and meta["UPCAST"] is False
+        if r["kernel"] in ("groupmax", "filter"):
+            assert meta["PHASE"] == ("groupmax", "filter").index(r["kernel"])
         if r["kernel"] in ("groupmax", "filter", "bisect"):
             seen[r["kernel"]].add((dtype, meta["BLOCK_D"]))
-            if r["kernel"] == "bisect":  # 16-bit at BLOCK_D 128: 32-key tiles (no spill)
-                want = (16, 32 if not f32 and meta["BLOCK_D"] == 128 else 64)
+            if r["kernel"] == "bisect":  # the tiles that do not spill (bisect.BISECT_TILES)
+                block_n, warps = {(False, 64): (64, 8), (False, 128): (32, 4),
+                                  (True, 64): (32, 4), (True, 128): (64, 8)}[
+                    f32, meta["BLOCK_D"]]
+                want = (16, block_n)
+                assert r["num_warps"] == warps, r["case"]
             else:  # float32: 16 × 16 tiles, IEEE FMA dots in registers
                 want = (16, 16) if f32 else (64, 64)
             assert (meta["BLOCK_L"], meta["BLOCK_N"]) == want, r["case"]
@@ -158,27 +168,29 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
     assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
                                                      "route_shared": 12, "pool": 12,
                                                      "tile_table": 8, "groupmax": 6,
-                                                     "filter": 6, "select": 6, "bisect": 6}
-    assert seen["select"] == {(128, 16, 4), (256, 8, 4), (512, 4, 4), (1024, 2, 4),
-                              (2048, 1, 8), (4096, 1, 8)}
+                                                     "theta": 1, "filter": 6,
+                                                     "select": 6, "bisect": 6}
+    assert seen["select"] == {(128, 8, 4), (256, 4, 4), (512, 2, 4), (1024, 1, 4),
+                              (2048, 1, 4), (4096, 1, 8)}
     assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
     assert {k[2] for k in seen["landmark_topk"]} == {64, 128, 256, 512}
 
 
 def _inputs(r) -> str:
     """A record's input dtype; ``"int"`` for the kernels with integer inputs only."""
-    return "int" if r["kernel"] in ("tile_table", "select") else r["case"].split("-")[1]
+    return ("int" if r["kernel"] in ("tile_table", "select", "theta")
+            else r["case"].split("-")[1])
 
 
 @pytest.mark.parametrize("dtypes,records", [(("float16", "bfloat16"), 152), (("float32",), 76),
-                                            (("int",), 28)])
+                                            (("int",), 30)])
 def test_no_specialisation_spills_registers(results, dtypes, records):
     """No case of ``aot.cases()`` — every specialisation the service can pick — spills
     registers to local memory on sm_80 or sm_90 (ptxas's spill store and spill load bytes
     are 0): 38 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, and the
-    threshold select's group max, filter and fallback 2 each) and 14 with integer inputs only
-    (tile table 8, select 6), × 2 targets. float32 too: its IEEE products are FMA loops over
-    registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
+    threshold select's group max, filter and fallback 2 each) and 15 with integer inputs only
+    (tile table 8, select 6, θ 1), × 2 targets. float32 too: its IEEE products are FMA loops
+    over registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
     mine = [r for r in results if _inputs(r) in dtypes]
     assert len(mine) == records
     spilled = [f"sm_{r['sm']} {r['case']}: {r['registers']} registers, "
@@ -234,7 +246,7 @@ def test_resident_blocks_by_the_occupancy_rules(registers, shared, warps, sm, wa
 
 def test_table_has_one_row_per_result(results):
     lines = aot.table(results).splitlines()
-    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 256
+    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 258
     assert all(line.count("|") == len(aot.COLUMNS) + 1 and "FAILED" not in line
                for line in lines[2:])
 
@@ -274,3 +286,35 @@ def test_compile_check_catches_a_plain_global(tmp_path):
                           env=env | {"TRITON_INTERPRET": "1"}, timeout=120)
     # Under the interpreter the kernel is not compilable at all: compile_launch says so.
     assert "REFUSED RuntimeError False" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_filter_and_tile_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
+    """The filter appends with relaxed per-key atomics: its sm_90 SASS (cuobjdump of the cubin
+    compiled from the plan that runs at long N, 16 tiles per chunk) has atomics but no
+    GPU-scope fence (``MEMBAR.*.GPU``) and no L1 invalidation (``CCTL.IVALL``) — the default
+    ``acq_rel`` atomic put both around every atomic of the old per-tile append. The plan keeps
+    its tile loop (``TILES_PER_CHUNK`` a runtime value, not the 1 Triton folds away)."""
+    from triton import knobs
+
+    case = next(c for c in aot.cases() if c.kernel == "filter" and c.dtype == "bfloat16")
+    fn, args, meta = aot.example_plan(case)
+    assert meta["PHASE"] == 1 and args[-4] == 16  # TILES_PER_CHUNK
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from mita.kernels import aot
+        case = next(c for c in aot.cases() if str(c) == {str(case)!r})
+        fn, args, meta = aot.example_plan(case)
+        sys.stdout.buffer.write(aot.compile_launch(fn, args, meta, 90).asm["cubin"])
+        """)], cwd=ROOT, capture_output=True, env={k: v for k, v in os.environ.items()
+                                                    if k != "TRITON_INTERPRET"})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    cubin = ROOT / ".pytest-filter.cubin"
+    try:
+        cubin.write_bytes(done.stdout)
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-sass", str(cubin)],
+                              capture_output=True, text=True).stdout
+    finally:
+        cubin.unlink(missing_ok=True)
+    assert sass.count("ATOMG.E.ADD") >= 32  # one per key a thread holds of the 64 × 64 tile
+    assert "MEMBAR.ALL.GPU" not in sass and "MEMBAR.SC.GPU" not in sass
+    assert "CCTL.IVALL" not in sass

@@ -82,13 +82,14 @@ EXPECTED = {
 
 
 # The top-k stage per path (the same with and without a mask: the int8 key vector is the pool
-# kernel's): the threshold select's group max (which also zeroes the candidate counters), the
-# threshold (one torch.topk over the group maxima), filter, select and the bisection fallback
-# (launched always: it returns at once when no landmark overflowed); the bitonic kernel and
-# the same fallback for a landmark that did not take exactly k. Buffers are allocated empty.
+# kernel's): the threshold select's group max (which also zeroes the candidate counters), θ,
+# filter (group max and filter one scoring kernel), select and the fallback (launched always:
+# it returns at once when no landmark needs it); the bitonic kernel and the same fallback for
+# a landmark that did not take exactly k. Buffers are allocated empty.
 TOPK = {
-    "select": ["triton:_groupmax_kernel", "topk", "triton:_filter_kernel",
-               "triton:_select_kernel", "triton:_bisect_topk_kernel"],
+    "select": ["triton:_select_pass_kernel", "triton:_theta_kernel",
+               "triton:_select_pass_kernel", "triton:_select_kernel",
+               "triton:_bisect_topk_kernel"],
     "bitonic": ["triton:_landmark_topk_kernel", "triton:_bisect_topk_kernel"],
 }
 

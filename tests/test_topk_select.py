@@ -98,27 +98,28 @@ def run_plans(topk_module, landmarks, k, topk, mask=None):
     return out, topk_module.overflow_flags(launches)
 
 
-# (B, H, N, m, k, masked, tied fraction, overflows, dtypes): each case's landmarks fit one
-# select program (≤ 16 landmarks of a 128-slot buffer, one of 2,048), since the interpreter
-# runs Triton's sort slowly; the multi-program cases run float32 only.
+# (B, H, N, m, k, masked, tied fraction, dtypes): each case's landmarks fit one select program
+# (≤ 8 landmarks of a 2 × 128-slot buffer, one of 2 × 2,048), since the interpreter runs
+# Triton's sort slowly; the multi-program cases run float32 only.
 ALL = (torch.float32, torch.bfloat16, torch.float16)
 F32 = (torch.float32,)
 
 
-@pytest.mark.parametrize("B,H,N,m,topk,masked,tied,overflows,dtypes", [
-    (1, 2, 300, 5, 7, False, 0.0, False, ALL),   # 5 chunks of one 64-key tile, ties at k-th
-    (2, 1, 200, 8, 40, True, 0.0, False, ALL),   # padding; rows with < k real keys overflow
-    (1, 1, 48, 3, 48, True, 0.0, False, ALL),    # k = N: padded keys fill rows, lowest first
-    (1, 2, 200, 6, 20, False, 0.8, True, ALL),   # ~160 keys tied: the buffer (128) overflows
-    (1, 1, 200, 70, 30, False, 0.0, False, F32),  # two landmark blocks, five select programs
-    (1, 1, 700, 2, 600, False, 0.0, False, F32),  # k > 512 (a 2,048-slot buffer)
+@pytest.mark.parametrize("B,H,N,m,topk,masked,tied,dtypes", [
+    (1, 2, 300, 5, 7, False, 0.0, ALL),   # 5 chunks of one 64-key tile, ties at k-th
+    (2, 1, 200, 8, 40, True, 0.0, ALL),   # padding: rows with < k real keys
+    (1, 1, 48, 3, 48, True, 0.0, ALL),    # k = N: padded keys fill rows, lowest first
+    (1, 2, 200, 6, 20, False, 0.8, ALL),  # ~160 keys tied at θ: more than the 128 tie slots
+    (1, 1, 200, 70, 30, False, 0.0, F32),  # two landmark blocks, nine select programs
+    (1, 1, 700, 2, 600, False, 0.0, F32),  # k > 512 (a 2 × 2,048-slot buffer)
 ])
-def test_select_equals_reference_with_ties(kernels, B, H, N, m, topk, masked, tied, overflows,
-                                           dtypes):
+def test_select_equals_reference_with_ties(kernels, B, H, N, m, topk, masked, tied, dtypes):
     """Every case has one 64-key tile per chunk (the 264-program target asks for more chunks
-    than there are tiles), so each group holds one key and θ is the k-th score itself: a
-    landmark overflows exactly when more than ``candidate_capacity(k)`` keys score ≥ its k-th
-    score — e.g. a padded row with fewer than k real keys, whose k-th score is -inf."""
+    than there are tiles), so each group holds one key and θ is the k-th score itself. Ties
+    at θ — a padded row with fewer than k real keys (its k-th score is -inf), mass ties of
+    small integers — go to their own half of the buffer or, past it, to the fallback launch's
+    one pass from θ (flag 2), exactly where more ties than the half's 128 slots reached θ and
+    fewer than k keys lie above it: exact, and no landmark is sent to the bisection (flag 1)."""
     _, topk_module = kernels
     assert topk_module.num_chunks(N, m, topk, B * H)[1] == 1
     landmarks, k = integer_qk(B, H, N, m, 16, seed=N + topk, tied_keys=tied)
@@ -128,13 +129,78 @@ def test_select_equals_reference_with_ties(kernels, B, H, N, m, topk, masked, ti
         kth = scores.sort(-1, descending=True).values[..., topk - 1:topk]
         if topk < N:
             assert ((scores == kth).sum(-1) > 1).any()  # there really are ties at the k-th
+        one_pass = (((scores > kth).sum(-1) < topk)
+                    & ((scores == kth).sum(-1) > topk_module.candidate_capacity(topk)))
+        if tied:  # the tie half (128 slots) overflows: every landmark takes the pass from θ
+            assert bool(one_pass.all())
         got, flag = run_plans(topk_module, landmarks, k.to(dtype), topk, mask)
         assert got.dtype == torch.int64 and torch.equal(got, want), dtype
-        # the landmarks whose candidates overflowed, and only those, went to the fallback
-        over = (scores >= kth).sum(-1) > topk_module.candidate_capacity(topk)
-        assert torch.equal(flag.bool(), over)
-        if overflows:
-            assert bool(over.all())  # ~160 tied keys reach θ for every landmark
+        assert torch.equal(flag, one_pass.to(torch.int8) * 2), dtype
+
+
+def repeated_keys(block, copies, m, d, seed, noise=0.0):
+    """Keys that are one block of ``block`` random keys repeated ``copies`` times (plus
+    ``noise``·N(0, 1) per element), and m random landmarks."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, 2, block, d, generator=g).repeat(1, 1, copies, 1)
+    k = k + noise * torch.randn(k.shape, generator=g)
+    return torch.randn(1, 2, m, d, generator=g), k
+
+
+@pytest.mark.parametrize("block,copies,topk,target", [
+    (256, 8, 64, 2),    # 2,048 keys in 32 tiles, 4 chunks (G = 256): 8 copies of a key a group
+    (128, 32, 64, 2),   # 4,096 keys, G = 256: each key in 2 groups of 16 copies
+    (128, 32, 30, 2),   # G = 128, k below the 32 copies of the best key: θ is its score
+])
+def test_repeated_content_is_exact_without_the_fallback(kernels, monkeypatch, block, copies,
+                                                       topk, target):
+    """The issue's repeated content, test-sized (a 2,048-token block repeated to 16K and 64K
+    at the service's shapes puts every copy of a key in one group, as here): θ counts the
+    copies equal to each group's max, so at most the copies of k keys reach it and the
+    select is the float64 top-k (lowest index among the equal copies), none flagged. Before
+    the group counts, θ was the k-th largest group max: with 8 copies per group ≥ 8k keys
+    reached it, more than the 2k-slot buffer, and every landmark went to the bisection."""
+    _, topk_module = kernels
+    monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", target)
+    landmarks, k = repeated_keys(block, copies, 4, 16, seed=block + copies)
+    n = block * copies
+    C, per_chunk = topk_module.num_chunks(n, 4, topk, 2)
+    assert per_chunk > 1 and (C * 64) % block == 0  # groups hold several copies of one key
+    got, flag = run_plans(topk_module, landmarks, k, topk)
+    assert torch.equal(got, reference(landmarks, k, topk, torch.float32)[0])
+    assert not flag.any()
+
+
+def test_all_equal_keys_and_short_padded_rows_take_one_pass_from_theta(kernels, monkeypatch):
+    """All-equal keys (every score ties) and a padded row with 10 real keys of 3,000 (k = 50):
+    θ is the tied score (−inf for the padded row), thousands of keys tie at it, and the
+    fallback launch takes one pass from θ (flag 2): the keys above it and the lowest-index
+    ties, left to right; exact, no landmark sent to the bisection."""
+    _, topk_module = kernels
+    monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
+    g = torch.Generator().manual_seed(4)
+    landmarks = torch.randn(2, 1, 3, 16, generator=g)
+    k = torch.randn(2, 1, 3000, 16, generator=g)
+    k[0] = 0.5  # batch row 0: all keys equal
+    mask = torch.zeros(2, 3000, dtype=torch.bool)
+    mask[1, 10:] = True  # batch row 1: 10 real keys
+    got, flag = run_plans(topk_module, landmarks, k, 50, mask)
+    assert torch.equal(got, reference(landmarks, k, 50, torch.float32, mask)[0])
+    assert torch.equal(got[0], torch.arange(50).expand(1, 3, 50))
+    assert (flag == 2).all()
+
+
+def test_noisy_repeats_overflow_to_the_exact_fallback(kernels, monkeypatch):
+    """What the group counts cannot bound: copies that differ by noise (positions make a
+    model's repeated tokens such keys) each count once, so ~copies × k keys score above θ,
+    more than the 2k slots. Those landmarks are flagged 1 and the bisection computes them:
+    still exact (the k-th and (k+1)-th scores are far apart on these rows)."""
+    _, topk_module = kernels
+    monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 2)
+    landmarks, k = repeated_keys(256, 8, 4, 16, seed=8, noise=1e-3)
+    got, flag = run_plans(topk_module, landmarks, k, 64)
+    assert (flag == 1).all()
+    assert torch.equal(got, reference(landmarks, k, 64, torch.float32)[0])
 
 
 def test_threshold_topk_is_its_launches(kernels):
@@ -192,21 +258,48 @@ def test_select_random_scores_match_float64(kernels):
     assert torch.equal(got[clear], want[clear])
 
 
+def sort_keys(scores):
+    """``triton_common.score_keys``' int32 sort keys of float scores (float32 bits, negatives
+    flipped)."""
+    bits = scores.float().contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 def test_bisect_fallback_redoes_only_flagged_landmarks(kernels):
-    """The exact fallback on its own: flagged landmarks get the reference top-k, the others'
-    rows are left as they were (poisoned with -7)."""
+    """The exact fallback on its own: landmarks flagged 1 (bisection) and 2 (the k-th score
+    given, with the count of keys above it), mixed in one program, get the reference top-k;
+    the others' rows are left as they were (poisoned with -7)."""
+    bisect = importlib.import_module("mita.kernels.bisect")
     landmarks, k = integer_qk(1, 2, 130, 20, 16, seed=5)
-    want, _ = reference(landmarks, k, 11, torch.float32)
+    want, scores = reference(landmarks, k, 11, torch.float32)
+    kth_score = scores.sort(-1, descending=True).values[..., 10]
+    assert ((scores == kth_score[..., None]).sum(-1) > 1).any()  # ties at the k-th
     out = torch.full((1, 2, 20, 11), -7, dtype=torch.int64)
     flag = torch.zeros(1, 2, 20, dtype=torch.int8)
     flag[0, 0, [0, 3, 17]] = 1
     flag[0, 1, 19] = 1
+    flag[0, 0, [1, 4]] = 2  # in the programs of landmarks 0-15 and 16-19 with bisected ones
+    flag[0, 1, [2, 18]] = 2
+    kth = sort_keys(kth_score).to(torch.int32)
+    count = torch.stack([(scores > kth_score[..., None]).sum(-1),
+                         torch.full_like(kth, 999)], -1).to(torch.int32)
     key_valid = torch.ones(1, 130, dtype=torch.int8)
-    importlib.import_module("mita.kernels.bisect").bisect_fallback(
-        landmarks, k, key_valid, flag, out, 11, 0.25, False)
+    kernel, grid, args, meta = bisect.bisect_plan(landmarks, k, key_valid, flag, out, 11, 0.25,
+                                                  False, kth=kth, count=count)
+    kernel[grid](*args, **meta)
     done = flag.bool()
     assert torch.equal(out[done], want[done])
     assert (out[~done] == -7).all()
+    # flag 2 takes the given k-th key, no bisection: a k-th key below every score with no key
+    # counted above it makes the pass write the first k keys
+    kth[0, 1, 2], count[0, 1, 2, 0] = -(2 ** 31) + 1, 0
+    kernel[grid](*args, **meta)
+    assert torch.equal(out[0, 1, 2], torch.arange(11)) and not torch.equal(want[0, 1, 2],
+                                                                            torch.arange(11))
+    out.fill_(-7)
+    flag.masked_fill_(flag == 2, 0)
+    bisect.bisect_fallback(landmarks, k, key_valid, flag, out, 11, 0.25, False)
+    assert torch.equal(out[flag.bool()], want[flag.bool()]) and (out[flag == 0] == -7).all()
 
 
 def test_bitonic_kernel_stores_stay_inside_the_row(kernels):

@@ -16,8 +16,8 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where most kernels p
 MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
 # routing._landmark_topk_kernel calls tl.sort(dim=1) on a 2-D tensor and tl.bitonic_merge, which
 # came with Triton 3.4 (triton-lang/triton#6461: the 3.3.1 wheel's standard.py has no
-# bitonic_merge, 3.4.0's has it); topk._filter_kernel uses the old value tl.atomic_add returns
-# for each landmark row, which reaches every thread holding that row only since
+# bitonic_merge, 3.4.0's has it); topk's filter (_select_pass_kernel, PHASE 1) uses the old
+# values tl.atomic_add returns, which reach every thread holding an element only since
 # triton-lang/triton#7460 (fixing #7402: before it, threads but one read 0), after the 3.4.0
 # release (triton-lang/triton#7957): so 3.5.
 TRITON_FLOOR = (3, 5)

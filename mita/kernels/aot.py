@@ -16,7 +16,7 @@ PTX with Triton's flags: only ptxas reports spills), cross-checked against ``cuo
 --dump-resource-usage`` of the cubin itself; shared memory; and blocks per SM by the CUDA
 occupancy rules (``resident_blocks``).
 
-The records of all 256 compiles are committed (``compiled.json`` beside this file, written by
+The records of all 258 compiles are committed (``compiled.json`` beside this file, written by
 ``make kernels-table``; ``aot_table.py``), keyed by a hash of what they depend on.
 """
 
@@ -43,9 +43,12 @@ SM_BLOCKS = 32
 
 
 KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_table", "groupmax",
-           "filter", "select", "bisect")
-# threshold_topk's launches by case name (the second, torch.topk, is no Triton kernel)
-SELECT_LAUNCH = {"groupmax": 0, "filter": 2, "select": 3, "bisect": 4}
+           "theta", "filter", "select", "bisect")
+# threshold_topk's launches by case name
+SELECT_LAUNCH = {"groupmax": 0, "theta": 1, "filter": 2, "select": 3, "bisect": 4}
+# keys of the threshold select's example plans: 16 tiles per chunk, the tile loop as it runs at
+# long N (an N giving one tile per chunk lets Triton drop the loop: not the kernel that runs)
+SELECT_EXAMPLE_N = 66 * 16 * 64
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class Case:
             return f"tile_table-s{self.s}-{'mask' if self.masked else 'nomask'}-{self.dtype}"
         if self.kernel == "select":
             return f"select-k{self.topk}"
+        if self.kernel == "theta":
+            return "theta"
         if self.kernel in SELECT_LAUNCH:
             return f"{self.kernel}-{self.dtype}-d{self.d}"
         return f"route_shared-{self.dtype}-d{self.d}"
@@ -91,8 +96,10 @@ def cases() -> list[Case]:
     BLOCK_D ∈ {16, 32, 64, 128} = 12. ``pool``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
     (mask, none) = 12. ``tile_table``: (16-bit, float32: their attention tiles) × (s = 1,
     s > 1) × (mask, none) = 8. The threshold select (``topk.threshold_topk``): ``groupmax``,
-    ``filter`` and ``bisect`` 3 dtypes × BLOCK_D ∈ {64, 128} = 6 each; ``select`` (no float
-    inputs) CAP ∈ {128 … 4096} (k 40, 100, 200, 512, 600, 2048) = 6. Tiles, warps and stages
+    ``filter`` and ``bisect`` 3 dtypes × BLOCK_D ∈ {64, 128} = 6 each; ``theta``
+    (no float inputs) 1; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100, 200,
+    512, 600, 2048) = 6. The select's scoring passes are planned at N = ``SELECT_EXAMPLE_N``
+    (16 tiles per chunk, as at long N). Tiles, warps and stages
     follow from (dtype, BLOCK_D) or (dtype, K_PAD) (``mita_attention._blocks``,
     ``routing._route_blocks``, ``routing._topk_blocks``: float32 takes smaller tiles than
     16-bit), so they add no other cases."""
@@ -108,6 +115,7 @@ def cases() -> list[Case]:
         ("bfloat16", "float32"), (1, 3), (False, True))]
     out += [Case(kernel, dt, d, topk=8) for kernel, dt, d in itertools.product(
         ("groupmax", "filter", "bisect"), DTYPE_NAMES, (48, 128))]
+    out += [Case("theta", "float32", 32, topk=8)]
     out += [Case("select", "float32", 32, topk=topk) for topk in (40, 100, 200, 512, 600, 2048)]
     return out
 
@@ -124,7 +132,7 @@ def example_plan(case: Case) -> tuple:
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
     B, H, m, topk = 2, 2, 6, case.topk or 8
-    N = max(600, topk)
+    N = SELECT_EXAMPLE_N if case.kernel in SELECT_LAUNCH else max(600, topk)
     q, k, v = (torch.randn(B, H, N, case.d, generator=g).to(dtype) for _ in range(3))
     landmarks = torch.randn(B, H, m, case.d, generator=g)
     shared_values = torch.randn(B, H, m, case.d, generator=g)
@@ -312,7 +320,7 @@ def _check_args(args):
 
 
 def jobs(capabilities=CAPABILITIES) -> list[tuple[Case, int]]:
-    """Every (case, capability) to compile: ``cases()`` × ``capabilities``, 256 by default."""
+    """Every (case, capability) to compile: ``cases()`` × ``capabilities``, 258 by default."""
     return [(c, cap) for cap in capabilities for c in cases()]
 
 

@@ -6,37 +6,42 @@ for long rows (PyTorch's radix select, FlashInfer's filtered top-k, TensorRT-LLM
 indexer top-k) never sort a row either; this design follows the same idea with a bound that
 needs no histogram:
 
-1. **Group max** (``_groupmax_kernel``, grid (landmark blocks × C chunks of N, B·H)): 64
-   landmarks score a chunk of keys tile by tile (``triton_common.score_keys``: the same
-   order-preserving int32 keys as the bitonic kernel) and keep an elementwise running max
-   per column of the [64, 64] score tile. Chunk c holds the tiles c, c + C, c + 2C, … and key
-   j of chunk c falls in group (c, j mod 64), so neighbouring keys (pooled landmarks score a
-   neighbourhood alike) land in different groups, and a row padded at its end still reaches
-   every group;
-   the G = 64·C group maxima per landmark are written out. The chunk-0 programs also zero the
-   candidate counters the filter appends with.
-2. **Threshold**: θ = the k-th largest group max (one ``torch.topk`` over G values per
-   landmark). The groups are disjoint, so the k largest group maxima are k distinct keys'
-   scores: θ ≤ the k-th largest score, a guaranteed lower bound.
-3. **Filter** (``_filter_kernel``, grid as 1): the same scores again (same code, same tiles:
-   bit-identical), and every (score, index) with score ≥ θ appended to a per-landmark buffer
-   of ``CAP`` slots through an atomic counter, packed into one int64 whose order is (score
-   descending, index ascending).
-4. **Select** (``_select_kernel``, one program per 2,048 candidate slots: 16 landmarks
-   of 128 down to one of 4,096): sort the candidates (at most
-   ``CAP``) descending, keep k, sort their indices ascending — the project's lowest-index tie
-   rule, deterministic whatever order the atomics appended in. A landmark whose candidates
-   overflowed ``CAP`` (mass ties at θ, as with small-integer inputs, or strongly clustered
-   scores) is flagged and left to
-5. **the exact fallback** (``_bisect_topk_kernel``): programs whose landmarks are all
-   unflagged return at once; the others find the k-th score T by bisection over the 32-bit
-   keys (32 counting passes over N) and write every key above T and the first keys equal to T,
-   left to right (``triton_common.emit_topk``). No host synchronisation anywhere, so it runs inside
-   a CUDA graph capture.
+1. **Group max** (``_select_pass_kernel`` ``PHASE`` 0, grid (landmark blocks × C chunks of
+   N, B·H)): a block of landmarks scores a chunk of keys tile by tile
+   (``triton_common.score_keys``: the same order-preserving int32 keys as the bitonic kernel)
+   and keeps, per column of the score tile, the running max and how many keys equal it.
+   Chunk c holds the tiles c, c + C, c + 2C, … and key j of chunk c falls in group
+   (c, j mod BLOCK_N), so neighbouring keys (pooled landmarks score a neighbourhood alike)
+   land in different groups, and a row padded at its end still reaches every group. The
+   chunk-0 programs also zero the two counters per landmark the filter appends with.
+2. **Threshold** (``_theta_kernel``, one program per landmark): θ = the largest t such that
+   the groups whose max is ≥ t hold ≥ k keys equal to their max — a 32-step bisection over
+   the int32 keys. The groups are disjoint, so at least k keys score ≥ θ: θ ≤ the k-th largest
+   score, a guaranteed lower bound; counting the copies of a max makes θ the k-th score
+   itself where repeated content puts many equal keys in one group.
+3. **Filter** (``PHASE`` 1, grid as 1): the same scores again (same routine, same tiles:
+   bit-identical); every key above θ goes to the first half of its landmark's buffer
+   (``CAP`` slots), every key equal to θ to the second, each through one relaxed atomic
+   counter, packed into one int64 whose order is (score descending, index ascending).
+4. **Select** (``_select_kernel``, one program per 2,048 candidate slots: 8 landmarks of
+   2 × 128 down to one of 2 × 4,096): sort both halves descending, keep k, sort their indices
+   ascending — deterministic whatever order the atomics appended in. Two kinds of landmark are
+   left to the last launch: flag 2, fewer than k keys above θ but more ties at θ than their
+   half holds (repeated content, all-equal keys, a row with fewer than k real keys): θ is
+   then the k-th score, and the half holds some ties but not the lowest-index ones; flag 1,
+   more keys above θ than their half holds (strongly clustered scores, noisy repeated
+   content).
+5. **The exact fallback** (``bisect._bisect_topk_kernel``): programs with no flagged landmark
+   return at once. Flag 2 takes one left-to-right pass from the known k-th score θ: every key
+   above it and the first k − (keys above θ) keys equal to it (``triton_common.emit_topk``,
+   the lowest-index tie rule). Flag 1 first finds the k-th score T by bisection over the
+   32-bit keys (32 counting passes over N), then the same pass from T. No host
+   synchronisation anywhere, so it runs inside a CUDA graph capture.
 
-Cost: the score product twice (2·2·m·N·d FLOPs, tensor cores), one max per score, the
-threshold's top-k over m·G values, and a sort of ≤ ``CAP`` pairs per landmark. Memory: m·G
-int32 group maxima and m·CAP int64 candidates per (batch, head).
+Cost: the score product twice (2·2·m·N·d FLOPs, tensor cores), one max per score, 32 passes
+over m·G group maxima for θ, and a sort of ≤ 2·``CAP`` pairs per landmark; plus one more
+product over N for the blocks holding a flag-2 landmark, 33 for a flag-1 one. Memory: 2·m·G
+int32 group maxima and counts and 2·m·CAP int64 candidates per (batch, head).
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ from .triton_common import (
 
 SELECT_BLOCK_L = 64  # landmarks per group-max / filter program (a tensor-core-sized tile)
 SELECT_BLOCK_N = 64  # keys per score tile = groups per chunk
-SELECT_ELEMENTS = 2048  # candidates one select program sorts: 16 landmarks of 128 … 1 of 2,048
+SELECT_ELEMENTS = 2048  # candidates one select program sorts: 8 landmarks of 2 × 128 … 1
+THETA_BLOCK = 1024  # group maxima per step of the θ bisection
+SELECT = 3  # the select's place in threshold_topk_plans' launches (its FLAG is args[3])
 MAX_SELECT_TOPK = 2048  # candidate buffers up to 4,096 int64 sorted by one program
 TARGET_PROGRAMS = 264  # ≥ 2 programs per SM on a 132-SM H100 / H200
 GROUPS_PER_K = 4  # G ≥ 4k groups: for continuous scores ~1.1-1.3k keys reach θ
@@ -69,6 +76,13 @@ GROUPS_PER_K = 4  # G ≥ 4k groups: for continuous scores ~1.1-1.3k keys reach 
 def candidate_capacity(topk: int) -> int:
     """Candidate slots per landmark: twice k rounded up to a power of two (≥ 128)."""
     return max(128, 2 * triton.next_power_of_2(topk))
+
+
+def select_warps(cap: int) -> int:
+    """Warps of the select program sorting 2·``cap`` slots per landmark: 8 for 8,192 slots
+    (k > 1,024), else 4 — the counts that compile without spills (8 warps spilled 16 B on
+    sm_90 at 4,096 slots, 16 warps 8 B on sm_80; ``make kernels-table``)."""
+    return 8 if 2 * cap >= 8192 else 4
 
 
 def select_blocks(dtype: torch.dtype) -> tuple[int, int]:
@@ -92,51 +106,17 @@ def num_chunks(n: int, m: int, topk: int, bh: int, block_l: int = SELECT_BLOCK_L
 
 
 @triton.jit
-def _groupmax_kernel(
-    LM, K, KEY_VALID, GMAX, COUNT,
-    stride_lb, stride_lh, stride_lm, stride_ld,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    H, N, M, D, C, TILES_PER_CHUNK, scale,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    lb = pid // C
-    chunk = pid % C
-    lrows = lb * BLOCK_L + tl.arange(0, BLOCK_L)
-    lmask = lrows < M
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
-    lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
-                    stride_ld)
-    cols = tl.arange(0, BLOCK_N)
-    best = tl.full([BLOCK_L, BLOCK_N], NO_KEY, tl.int32)
-    # chunk c holds tiles c, c + C, c + 2C, …: a row's real keys (padding at its end, as the
-    # service pads) reach every chunk, so every group, not only the first chunks'
-    for t in range(TILES_PER_CHUNK):
-        key = score_keys(lm, K, KEY_VALID, b, h, (chunk + t * C) * BLOCK_N + cols, dd, dmask, N,
-                          stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE, UPCAST)
-        best = tl.maximum(best, key)
-    G = C * BLOCK_N
-    row = bh * M + lrows
-    tl.store(GMAX + row[:, None] * G + chunk * BLOCK_N + cols[None, :], best,
-             mask=lmask[:, None])
-    if chunk == 0:
-        tl.store(COUNT + row, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
-
-
-@triton.jit
-def _filter_kernel(
-    LM, K, KEY_VALID, THETA, COUNT, CAND,
+def _select_pass_kernel(
+    LM, K, KEY_VALID, GMAX, GCNT, THETA, COUNT, CAND,
     stride_lb, stride_lh, stride_lm, stride_ld,
     stride_kb, stride_kh, stride_kn, stride_kd,
     H, N, M, D, C, TILES_PER_CHUNK, TOPK, CAP, scale,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    PHASE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # One function for the two passes that score keys (group max, filter), so their
+    # [BLOCK_L, BLOCK_N] score tiles come from one routine with one tile shape and one warp
+    # layout: the filter sees the group max's scores bit for bit.
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -145,59 +125,116 @@ def _filter_kernel(
     chunk = pid % C
     lrows = lb * BLOCK_L + tl.arange(0, BLOCK_L)
     lmask = lrows < M
+    row = bh * M + lrows
+    cols = tl.arange(0, BLOCK_N)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
-    lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
-                    stride_ld)
-    row = bh * M + lrows
-    # θ is the last of each row's k largest group maxima (torch.topk's sorted values)
-    theta = tl.load(THETA + row * TOPK + TOPK - 1, mask=lmask, other=0)
-    cols = tl.arange(0, BLOCK_N)
-    for t in range(TILES_PER_CHUNK):  # the group max's tiles, in the same order
-        c = (chunk + t * C) * BLOCK_N + cols
-        key = score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
-                          stride_kn, stride_kd, scale, IEEE, UPCAST)
-        sel = ((key >= theta[:, None]) & (c < N)[None, :] & lmask[:, None]).to(tl.int32)
-        n = tl.sum(sel, 1)
-        base = tl.atomic_add(COUNT + row, n, mask=lmask & (n > 0))
-        pos = base[:, None] + tl.cumsum(sel, 1) - sel
-        # (score descending, index ascending) as one signed int64: the score key in the
-        # high half, 2^32 - 1 - index in the low half
-        packed = key.to(tl.int64) * 4294967296 + (4294967295 - c[None, :].to(tl.int64))
-        tl.store(CAND + row[:, None] * CAP + pos, packed, mask=(sel != 0) & (pos < CAP))
+    if PHASE == 0:
+        # group max: per column of the score tile, the running max and how many keys of the
+        # group equal it (so θ can count ties: repeated content puts copies in one group)
+        lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+                        stride_ld)
+        best = tl.full([BLOCK_L, BLOCK_N], NO_KEY, tl.int32)
+        same = tl.zeros([BLOCK_L, BLOCK_N], tl.int32)
+        # chunk c holds tiles c, c + C, c + 2C, …: a row's real keys (padding at its end, as
+        # the service pads) reach every chunk, so every group, not only the first chunks'
+        for t in range(TILES_PER_CHUNK):
+            key = score_keys(lm, K, KEY_VALID, b, h, (chunk + t * C) * BLOCK_N + cols, dd,
+                              dmask, N, stride_kb, stride_kh, stride_kn, stride_kd, scale,
+                              IEEE, UPCAST)
+            same = tl.where(key > best, 1, tl.where(key == best, same + 1, same))
+            best = tl.maximum(best, key)
+        G = C * BLOCK_N
+        at = row[:, None] * G + chunk * BLOCK_N + cols[None, :]
+        tl.store(GMAX + at, best, mask=lmask[:, None])
+        tl.store(GCNT + at, same, mask=lmask[:, None])
+        if chunk == 0:
+            tl.store(COUNT + 2 * row, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
+            tl.store(COUNT + 2 * row + 1, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
+    else:
+        # filter: every key above θ and every key at θ, each appended to its own half of the
+        # landmark's buffer through a relaxed per-key atomic (about 1 key in 4,000 passes; the
+        # order within a half does not matter, the select sorts), no fence, no scan
+        lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
+                        stride_ld)
+        theta = tl.load(THETA + row, mask=lmask, other=0)
+        for t in range(TILES_PER_CHUNK):  # the group max's tiles, in the same order
+            c = (chunk + t * C) * BLOCK_N + cols
+            key = score_keys(lm, K, KEY_VALID, b, h, c, dd, dmask, N, stride_kb, stride_kh,
+                              stride_kn, stride_kd, scale, IEEE, UPCAST)
+            live = lmask[:, None] & (c < N)[None, :]
+            tie = (key == theta[:, None]) & live
+            hit = (key > theta[:, None]) & live | tie
+            half = tie.to(tl.int64)
+            pos = tl.atomic_add(COUNT + 2 * row[:, None] + half, 1, mask=hit, sem="relaxed")
+            # (score descending, index ascending) as one signed int64: the score key in the
+            # high half, 2^32 - 1 - index in the low half
+            packed = key.to(tl.int64) * 4294967296 + (4294967295 - c[None, :].to(tl.int64))
+            tl.store(CAND + (2 * row[:, None] + half) * CAP + pos, packed,
+                     mask=hit & (pos < CAP))
+
+
+@triton.jit
+def _theta_kernel(GMAX, GCNT, THETA, G, TOPK, BLOCK_G: tl.constexpr):
+    # θ = the largest t with Σ over groups of max ≥ t of (keys equal to that max) ≥ k: at
+    # least k keys score ≥ θ, so θ ≤ the k-th score (a lower bound), and θ is the k-th score
+    # itself when a group's copies of one key reach k. Bisection over the 2^32 int32 keys.
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    lo = tl.full([1], -(2 ** 31), tl.int64)
+    hi = tl.full([1], 2 ** 31, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        n = tl.zeros([1], tl.int32)
+        for start in range(0, G, BLOCK_G):
+            live = start + g < G
+            best = tl.load(GMAX + row * G + start + g, mask=live, other=NO_KEY)
+            same = tl.load(GCNT + row * G + start + g, mask=live, other=0)
+            n += tl.sum(tl.where(best.to(tl.int64) >= mid, same, 0), 0)
+        enough = n >= TOPK
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    tl.store(THETA + row + tl.arange(0, 1), lo.to(tl.int32))
 
 
 @triton.jit
 def _select_kernel(COUNT, CAND, IDX, FLAG, R, TOPK, CAP: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < R
-    count = tl.load(COUNT + rows, mask=live, other=0)
-    # more candidates than slots, or fewer than k (only if the filter's scores differed from
-    # the group max's, which the same code on the same tiles rules out): the fallback's
-    overflow = (count > CAP) | (count < TOPK)
-    slot = tl.arange(0, CAP)
-    packed = tl.load(CAND + rows[:, None] * CAP + slot[None, :],
-                     mask=live[:, None] & (slot[None, :] < count[:, None]), other=-(2 ** 63))
+    n_gt = tl.load(COUNT + 2 * rows, mask=live, other=0)
+    n_eq = tl.load(COUNT + 2 * rows + 1, mask=live, other=0)
+    # flag 1, the bisection: more keys above θ than their half holds, or (only if the passes'
+    # scores differed, which one scoring routine rules out) fewer than k keys at or above θ;
+    # flag 2, one pass from θ: θ is the k-th score but its ties overflowed their half, so the
+    # half holds some ties, not the lowest-index ones
+    bisect = (n_gt > CAP) | (n_gt + n_eq < TOPK)
+    ties = (n_gt < TOPK) & (n_eq > CAP) & ~bisect
+    slot = tl.arange(0, 2 * CAP)
+    above = slot < CAP
+    valid = tl.where(above[None, :], slot[None, :] < n_gt[:, None],
+                     slot[None, :] - CAP < tl.minimum(n_eq, CAP)[:, None])
+    packed = tl.load(CAND + rows[:, None] * (2 * CAP) + slot[None, :],
+                     mask=live[:, None] & valid, other=-(2 ** 63))
     packed = tl.sort(packed, dim=1, descending=True)
     index = (4294967295 - (packed & 4294967295)).to(tl.int32)
     # the k chosen, in ascending index order
     index = tl.sort(tl.where(slot[None, :] < TOPK, index, 2 ** 31 - 1), dim=1)
-    written = tl.where(overflow, 0, TOPK)  # an overflowed landmark is the fallback's
+    written = tl.where(bisect | ties, 0, TOPK)  # a flagged landmark is the fallback's
     tl.store(IDX + rows[:, None] * TOPK + slot[None, :], index.to(tl.int64),
              mask=live[:, None] & (slot[None, :] < written[:, None]))
-    tl.store(FLAG + rows, overflow.to(tl.int8), mask=live)
+    tl.store(FLAG + rows, tl.where(bisect, 1, tl.where(ties, 2, 0)).to(tl.int8), mask=live)
 
 
 def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
                          key_padding_mask: Tensor | None = None,
                          interpreter: bool | None = None, key_valid: Tensor | None = None):
-    """Validate ``threshold_topk``'s arguments and build its five launches, in order:
-    ``[(kernel or None, grid, args, meta)]`` — ``None`` stands for the threshold's
-    ``torch.topk`` (``args`` = its tensor and k, ``meta`` = where its values go) — and the
+    """Validate ``threshold_topk``'s arguments and build its five launches, in order — group
+    max, θ, filter, select, fallback — as ``[(kernel, grid, args, meta)]``, and the
     output ``(B, H, m, k)`` int64. ``mita.kernels.aot`` compiles the same (args, meta) ahead
     of time. Arguments and errors as ``threshold_topk``. Specialisations: dtype × ``BLOCK_D``
-    ∈ {64, 128} for group max, filter and fallback; (``CAP``, ``ROWS``) ∈ {(128, 16), (256, 8),
-    (512, 4), (1024, 2), (2048, 1), (4096, 1)} for the select (``num_warps`` 8 from 2,048)."""
+    ∈ {64, 128} × ``PHASE`` ∈ {0, 1} for the scoring passes, dtype × ``BLOCK_D`` for the
+    fallback, one θ kernel, and (``CAP``, ``ROWS``) ∈ {(128, 8), (256, 4), (512, 2),
+    (1024, 1), (2048, 1), (4096, 1)} for the select (``num_warps``: ``select_warps``)."""
     check_inputs(k, k)
     B, H, N, d = k.shape
     m = landmarks.shape[2]
@@ -214,29 +251,33 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     block_l, block_n = select_blocks(k.dtype)
     C, per_chunk = num_chunks(N, m, topk, B * H, block_l, block_n)
     cap = candidate_capacity(topk)
-    rows = max(1, SELECT_ELEMENTS // cap)  # landmarks per select program
+    rows = max(1, SELECT_ELEMENTS // (2 * cap))  # landmarks per select program
     dev = k.device
-    gmax = torch.empty(B, H, m, C * block_n, dtype=torch.int32, device=dev)
-    count = torch.empty(B, H, m, dtype=torch.int32, device=dev)
-    cand = torch.empty(B, H, m, cap, dtype=torch.int64, device=dev)
+    G = C * block_n
+    gmax = torch.empty(B, H, m, G, dtype=torch.int32, device=dev)
+    gcnt = torch.empty(B, H, m, G, dtype=torch.int32, device=dev)
+    count = torch.empty(B, H, m, 2, dtype=torch.int32, device=dev)  # keys above θ, at θ
+    cand = torch.empty(B, H, m, 2, cap, dtype=torch.int64, device=dev)
     out = torch.empty(B, H, m, topk, dtype=torch.int64, device=dev)
     flag = torch.empty(B, H, m, dtype=torch.int8, device=dev)
-    theta = torch.empty(B, H, m, topk, dtype=torch.int32, device=dev)
+    theta = torch.empty(B, H, m, dtype=torch.int32, device=dev)
     common = dict(IEEE=k.dtype == torch.float32, UPCAST=interpreter_upcast(k, interpreter),
                   BLOCK_N=block_n, BLOCK_D=max(64, block_d_for(d)))
-    scored = (lm, k, key_valid)
     strides = (*lm.stride(), *k.stride())
+    scored = (lm, k, key_valid, gmax, gcnt, theta, count, cand, *strides, H, N, m, d)
     grid = (triton.cdiv(m, block_l) * C, B * H)
+    tail = (topk, cap, float(scale))
     launches = [
-        (_groupmax_kernel, grid, (*scored, gmax, count, *strides, H, N, m, d, C, per_chunk,
-                                  float(scale)), dict(common, BLOCK_L=block_l)),
-        (None, None, (gmax, topk), theta),
-        (_filter_kernel, grid, (*scored, theta, count, cand, *strides, H, N, m, d, C, per_chunk,
-                                topk, cap, float(scale)), dict(common, BLOCK_L=block_l)),
+        (_select_pass_kernel, grid, (*scored, C, per_chunk, *tail),
+         dict(common, BLOCK_L=block_l, PHASE=0)),
+        (_theta_kernel, (B * H * m,), (gmax, gcnt, theta, G, topk), dict(BLOCK_G=THETA_BLOCK)),
+        (_select_pass_kernel, grid, (*scored, C, per_chunk, *tail),
+         dict(common, BLOCK_L=block_l, PHASE=1)),
         (_select_kernel, (triton.cdiv(B * H * m, rows),), (count, cand, out, flag, B * H * m,
                                                            topk),
-         dict(CAP=cap, ROWS=rows, num_warps=8 if cap >= 2048 else 4)),
-        bisect_plan(lm, k, key_valid, flag, out, topk, scale, common["UPCAST"]),
+         dict(CAP=cap, ROWS=rows, num_warps=select_warps(cap))),
+        bisect_plan(lm, k, key_valid, flag, out, topk, scale, common["UPCAST"], kth=theta,
+                    count=count),
     ]
     return launches, out
 
@@ -272,14 +313,11 @@ def threshold_topk(landmarks: Tensor, k: Tensor, topk: int, scale: float,
 def run_launches(launches) -> None:
     """Run ``threshold_topk_plans``' launches in order."""
     for kernel, grid, args, meta in launches:
-        if kernel is None:
-            torch.topk(args[0], args[1], dim=-1, out=(meta, torch.empty(
-                meta.shape, dtype=torch.int64, device=meta.device)))
-        else:
-            kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta)
 
 
 def overflow_flags(launches) -> Tensor:
-    """``(B, H, m)`` int8 of a run of ``launches``: 1 where a landmark's candidates overflowed
-    the buffer and the bisection fallback computed its top-k."""
-    return launches[3][2][3]
+    """``(B, H, m)`` int8 of a run of ``launches``: 0 where the select wrote a landmark's top-k
+    from its candidates, 2 where the fallback launch took one pass from θ (ties at θ
+    overflowed), 1 where it ran the bisection (keys above θ overflowed)."""
+    return launches[SELECT][2][3]
