@@ -55,7 +55,7 @@ from .inputs import ApiError, binary_ids, to_ids
 from .live_config import LiveConfig, store_key
 from .policy import choose_variant, shadow_comparison
 from .recorder import Recorder
-from .replicas import fetch_classifier_replicas
+from .replicas import fetch_classifier_replicas, watch_classifier_configs
 from .routing import check_warm_start
 from .schemas import (
     DEPLOYMENTS,
@@ -158,6 +158,7 @@ class Gateway:
                                store_key(context.app_name, context.deployment),
                                check=lambda c: check_warm_start(c, mita_setting))
         self.recorder = Recorder()
+        watch_classifier_configs(self.handles, context.app_name)
         replica_state.gateway = self
         self.rng = random.Random()
         # Shadow work is bounded and shed while it would compete with primary work: per

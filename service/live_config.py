@@ -102,6 +102,12 @@ class LiveConfig:
             self._gauge.set(float(self.refused is not None))
 
     def _store(self, value: BaseModel) -> None:
+        # Ray (2.60) has no public cluster-wide key-value API. internal_kv is what Serve's own
+        # controller checkpoints to (serve._private.storage.kv_store, through the GCS client);
+        # the public alternative, a detached named actor holding the configs, would be one
+        # more process per application that must outlive every replica and be deleted with
+        # the application, for a few hundred bytes. The underscore functions stay, each call
+        # wrapped: the store is a fallback and serving goes on without it.
         if self.key is None:
             return
         try:

@@ -215,3 +215,17 @@ def config_refused_gauge() -> Gauge:
     return Gauge("mita_serve_config_refused",
                  description="1 while the gateway replica's last live user_config update was "
                              "refused (it serves the last applied config), else 0.")
+
+
+def classifier_config_refused_gauge() -> Gauge:
+    """``mita_serve_classifier_config_refused``: per ``variant``, 1 while the classifier replica
+    the gateway last asked (``service.replicas.watch_classifier_configs``) serves its last
+    applied ``user_config`` because it refused the live update after it, else 0."""
+    gauge = Gauge("mita_serve_classifier_config_refused",
+                  description="Per variant, 1 while the classifier replica last asked by the "
+                              "gateway refused its latest live user_config update (it serves "
+                              "the last applied config), else 0.",
+                  tag_keys=("variant",))
+    for variant in VARIANTS:  # 0 from start-up, so the alert's absence means no refusal
+        gauge.set(0.0, {"variant": variant})
+    return gauge

@@ -8,12 +8,22 @@ import asyncio
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.schema import ServeDeploySchema
 
 from mita.data.listops import encode, generate_long
 from service import launch
 
 from .helpers import REFUSALS, REFUSALS_COUNTED, counter, send_refusals, set_gateway, wait_for
+
+
+def classifier_refused(service, variant: str) -> float | None:
+    """``ray_mita_serve_classifier_config_refused{variant}`` as the gateway exports it, or
+    None while the series is absent (so a 0 is a real 0)."""
+    values = [s.value for fam in text_string_to_metric_families(service.metrics_text())
+              for s in fam.samples if s.name == "ray_mita_serve_classifier_config_refused"
+              and s.labels.get("variant") == variant]
+    return values[0] if values else None
 
 
 def serve_deploy(service, route_prefix: str | None = None, **user_configs: dict) -> None:
@@ -46,8 +56,9 @@ def test_refused_live_update_keeps_the_running_version(service):
     reconfigure raise, Serve stopped the replica, and every request, /healthz included, got
     408 then 503 until a good config came. Now the replicas refuse the update, keep serving
     with the old config (all traffic to dense here), and the refusal is in /v1/models, the
-    log and, for the gateway, ``mita_serve_config_updates_total{outcome="refused"}``; a good
-    deploy applies."""
+    log and, for the gateway, ``mita_serve_config_updates_total{outcome="refused"}``, for
+    the classifier ``mita_serve_classifier_config_refused{variant="mita"}`` (no metric at all
+    before: only the gateway's refusals were counted); a good deploy applies."""
     c = service.client
     set_gateway(service, weights={"mita": 0.0, "dense": 1.0})
     replicas = {v: i["replica"] for v, i in c.get("/v1/models").json()["variants"].items()}
@@ -82,6 +93,9 @@ def test_refused_live_update_keeps_the_running_version(service):
         assert wait_for(counted, timeout_s=20) == 1, service.metrics_text()[-3000:]
         assert wait_for(lambda: counter(service.metrics_text(), "ray_mita_serve_config_"
                                         "refused", deployment="Gateway") == 1, timeout_s=20)
+        # the classifier's refusal, exported by the gateway (classifier replicas export none)
+        assert wait_for(lambda: classifier_refused(service, "mita") == 1, timeout_s=30)
+        assert classifier_refused(service, "dense") == 0
     finally:
         set_gateway(service)  # a good deploy applies again
         restore(service)
@@ -91,6 +105,7 @@ def test_refused_live_update_keeps_the_running_version(service):
     assert models["ab_policy"]["weights"] == shipped_user_config("Gateway")["weights"]
     assert wait_for(lambda: counter(service.metrics_text(), "ray_mita_serve_config_refused",
                                     deployment="Gateway") == 0, timeout_s=20)
+    assert wait_for(lambda: classifier_refused(service, "mita") == 0, timeout_s=30)
 
 
 def test_every_check_holds_under_a_route_prefix(service):
