@@ -288,7 +288,7 @@ def test_compile_check_catches_a_plain_global(tmp_path):
     assert "REFUSED RuntimeError False" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
-def test_filter_and_tile_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
+def test_filter_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
     """The filter appends with relaxed per-key atomics: its sm_90 SASS (cuobjdump of the cubin
     compiled from the plan that runs at long N, 16 tiles per chunk) has atomics but no
     GPU-scope fence (``MEMBAR.*.GPU``) and no L1 invalidation (``CCTL.IVALL``) — the default
