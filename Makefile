@@ -44,7 +44,7 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
 
-# The compiled resources of every Triton kernel specialisation (256 compiles, 8-25 min on 2
+# The compiled resources of every Triton kernel specialisation (258 compiles, 8-25 min on 2
 # cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it
 # and commit the file with any change of a kernel, a launcher, mita/kernels/aot.py or Triton.
 kernels-table: $(DEV_STAMP)
