@@ -29,15 +29,14 @@ serve: $(STAMP)
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
-# One process by default. TEST_WORKERS=N runs N pytest-xdist workers (tests/conftest.py keeps
-# the Ray tests in one of them): on 2 cores 2 workers took as long as one process (1,563 s vs
-# 1,614 s); with the Ray tests split over two workers 3 workers took 1,153 s, but timing checks
-# (load shedding, elapsed bounds) failed under the contention now and then; make test stays
-# serial so that what fails is a fault.
-TEST_WORKERS ?= 0
+# Three pytest-xdist workers (tests/conftest.py): the session service's tests in one, the tests
+# that start a Ray of their own in another (a lock keeps their timed parts apart), the tests
+# without Ray in the background (a session of their own at nice 19) of the third and of any
+# worker that is done. TEST_WORKERS=0 runs it all in this process, one test after another.
+TEST_WORKERS ?= 3
 
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 # No Ray, no subprocess CLIs, no Triton interpreter: under a minute once the CPU kernels are
 # built (the first run builds them, ~30 s).

@@ -28,14 +28,21 @@ finally:
         del os.environ["TRITON_INTERPRET"]
 
 
-# Parallel workers (make test TEST_WORKERS=2: pytest -n 2 --dist loadgroup). Each worker is a
-# process of its own; what they start on this machine is kept apart:
-# - every test that runs Ray — the session's service, and the tests that start a Ray instance of
-#   their own — runs in one worker, one after another (xdist group "ray"), as in a serial run:
-#   their timing checks (load shedding, p99 ratios, drains, exit times) hold as they do there;
-#   two Ray instances side by side on 2 cores failed them now and then;
-# - the other worker runs the rest (no Ray: kernels, the interpreter, compiles, CLIs) at nice
-#   19 (``cpu_priority``), on what the Ray tests leave of the 2 cores;
+# Parallel workers (make test: pytest -n 3 --dist loadgroup). Each worker is a process of its
+# own; what they start on this machine is kept apart:
+# - the tests that take the session's service run in one worker, in order (xdist group "ray");
+#   the tests that start a Ray instance of their own (a subprocess, a cluster) in another
+#   (group "ray-own"). A test of either group holds the cores lock (``pytest_runtest_protocol``)
+#   while it runs, so that its timing checks (load shedding, p99 ratios, drains, exit times)
+#   meet no other Ray test's load, as in a serial run; only the session's tests in ``SHARING``,
+#   which mostly wait (for Prometheus' scrapes, a deadline) and check nothing a busier machine
+#   moves, run beside one of them without it, first in their worker;
+# - every other test (no Ray: kernels, the interpreter, compiles, CLIs) runs in the background
+#   (``cpu_priority``): in a worker that is a session of its own (a scheduling autogroup of its
+#   own, where the kernel has them: Linux's default) at nice 19, it takes only what the Ray
+#   tests leave of the cores. A plain nice 19 in pytest's session does not do that with
+#   autogroups: the kernel shares the CPU between sessions first, and Ray's workers run at nice
+#   15 anyway;
 # - per worker, a share of the loopback ports ``helpers.free_port`` draws from, and of Serve's
 #   direct-ingress ports (throughput mode: each Ray instance hands them out from the same
 #   first port, 30,000, without asking whether another instance holds it). Set here, in the
@@ -48,9 +55,9 @@ if WORKERS > 1:
         os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", str(low))
         os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT",
                               str(low + 1000 // WORKERS - 1))
-# Node ids (file::name; parameters left out) of the tests that run in the group "ray" but take
-# no session service: those that start a Ray instance of their own, and those whose timing
-# checks a process at nice 19 could miss (Poisson arrivals' gaps, a refusal within 30 s).
+# Node ids (file::name; parameters left out) of the tests that start a Ray instance of their
+# own (group "ray-own"), and of those whose timing checks a background process could miss
+# (Poisson arrivals' gaps, a refusal within 30 s).
 SERIAL = ("tests/test_cluster.py::", "tests/test_gpu_placement.py::",
           "tests/test_readme.py::test_readme_walkthrough",
           "tests/test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly",
@@ -58,6 +65,27 @@ SERIAL = ("tests/test_cluster.py::", "tests/test_gpu_placement.py::",
           "tests/test_start_and_stop.py::test_second_sigterm_stops_at_once_and_leaves_no_ray_behind",
           "tests/test_loadtest_numbers.py::",
           "tests/test_launch.py::test_busy_port_and_bad_config_refused_before_ray_starts")
+# Tests of the session's service that run beside another Ray test (no cores lock), and before
+# the rest of their group: each mostly waits (busy 6-40 % of the cores when run alone) and its
+# checks are counts, Prometheus' answers, bucket-wide percentiles and deadlines of seconds.
+SHARING = ("tests/test_prometheus.py::", "tests/test_stats_endpoint.py::",
+           "tests/test_proxy_guard.py::test_stalled_uploads_beyond_the_gateways_slots_leave",
+           "tests/test_live_update.py::test_refused_live_update_keeps_the_running_version")
+# Tests of the session's service whose latency ratios the background tests moved, nice 19 or
+# not: the shadow flood's dense p99, shadow on over off (bound 2x), was 0.8x in a serial run and
+# 1.9-2.6x beside background tests. No background test runs beside them.
+QUIET = ("tests/test_shadow_load.py::",)
+# Tests without Ray that are not for the background: an in-process server's deadlines of
+# 0.5-1.5 s, measured to within 1 s. In the group "ray", under the cores lock.
+FOREGROUND = ("tests/test_proxy_guard.py::",)
+
+
+def pytest_configure(config):
+    """An xdist worker starts a session of its own before anything (the session's service, a
+    module's cluster) starts processes: ``cpu_priority`` sets the session's priority per test,
+    and the processes a test starts share it."""
+    if WORKERS > 1 and os.getsid(0) != os.getpid():
+        os.setsid()
 
 
 def numpy_sort(x, dim=None, descending=False):
@@ -126,15 +154,13 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(autouse=True)
 def cpu_priority(request):
-    """Under xdist, a test of no group (no Ray) runs at nice 19: the 2 cores go first to the
-    Ray tests and the timings they are checked against, and such a test takes what is left. A
-    worker turns back to nice 0 for a grouped test where it may (as root, CI)."""
+    """Under xdist, the worker's session (``pytest_configure``) at the test's lane's nice
+    value (``NICE``): a test without Ray in the background at 19, so that the cores go first to
+    the Ray tests and the timings they are checked against."""
     if WORKERS > 1:
-        grouped = request.node.get_closest_marker("xdist_group") is not None
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 0 if grouped else 19)
-        except PermissionError:  # only root may lower it again
-            pass
+        from .helpers import set_priority
+
+        set_priority(NICE.get(lane(request.node), BACKGROUND_NICE))
     yield
 
 
@@ -175,24 +201,87 @@ def serve_reset(service):
             set_classifier(service, name, **undo)
 
 
+# Each worker's priority (``cpu_priority``) by the test's group: the Ray tests at 0, the rest
+# in the background.
+NICE = {"ray": 0, "ray-own": 0}
+BACKGROUND_NICE = 19
+
+
+def lane(item) -> str:
+    """The xdist group ``pytest_collection_modifyitems`` gave ``item``."""
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+def _locked(item, name: str, mode: int):
+    """The run's lock file ``name`` (one per run, shared by its workers), flock'ed in ``mode``;
+    closing it releases the lock."""
+    import fcntl
+    import tempfile
+
+    uid = item.config.workerinput["testrunuid"]
+    f = open(os.path.join(tempfile.gettempdir(), f"mita-serve-tests-{uid}-{name}.lock"), "a")
+    fcntl.flock(f, mode)
+    return f
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, from a test's fixtures' set-up (a module's cluster is started there) to
+    their teardown: a Ray test (not in ``SHARING``) holds the cores lock; a test in ``QUIET``
+    also holds the quiet lock, which waits for the background tests running and keeps new ones
+    from starting (each takes it shared, after a turnstile the QUIET test holds while it
+    waits, so that back-to-back background tests cannot keep it out)."""
+    import fcntl
+
+    held = []
+    if WORKERS > 1:
+        if lane(item) not in NICE:
+            _locked(item, "turnstile", fcntl.LOCK_SH).close()
+            held.append(_locked(item, "quiet", fcntl.LOCK_SH))
+        elif not item.nodeid.startswith(SHARING):
+            held.append(_locked(item, "cores", fcntl.LOCK_EX))
+            if item.nodeid.startswith(QUIET):
+                turnstile = _locked(item, "turnstile", fcntl.LOCK_EX)
+                held.append(_locked(item, "quiet", fcntl.LOCK_EX))
+                turnstile.close()
+    try:
+        yield
+    finally:
+        for f in reversed(held):
+            f.close()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items):
     """A test that takes the session's Ray Serve app (``service``, directly or through another
     fixture) is a ``service`` test: no hand-written mark to forget, so ``make test-fast``
     (``-m "not service and not slow"``) never starts Ray. Tests that start Ray another way
-    (a subprocess, their own cluster) mark themselves."""
+    (a subprocess, their own cluster) mark themselves.
+
+    Every test gets an xdist group, the unit that ``make test``'s workers take whole: "ray"
+    (the session's service, ``FOREGROUND``), "ray-own" (``SERIAL``), else its file, so that a
+    file's tests run in one process in their order, as serially (module fixtures once; a test
+    that reads what the tests before it counted)."""
     for item in items:
         if "service" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.service)
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.xdist_group("ray-own"))
+        elif item.nodeid.startswith(FOREGROUND):
             item.add_marker(pytest.mark.xdist_group("ray"))
-    # The group first, its session-service tests before the rest (the service stops after
-    # its last test, not idling beside the Ray instances started after it); then the slow
-    # tests (the interpreter, compiles), so that the workers taking one test at a time end
-    # together. Stable: the tests keep their order otherwise.
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # The session-service tests first, those in SHARING first of all (they run beside the
+    # tests with a Ray of their own, which start at once in another worker); the service stops
+    # after its last test, not idling beside the Ray instances started after it. Then those
+    # with a Ray of their own; then the files with slow tests (the interpreter, compiles), so
+    # that the workers end together. The workers take the groups in this order (make test:
+    # --no-loadscope-reorder). Stable: the tests keep their order otherwise.
     def rank(item) -> int:
-        if item.get_closest_marker("xdist_group"):
-            return 0 if "service" in getattr(item, "fixturenames", ()) else 1
-        return 2 if item.get_closest_marker("service") or item.get_closest_marker("slow") else 3
+        if lane(item) == "ray":
+            return 0 if item.nodeid.startswith(SHARING) else 1
+        if lane(item) == "ray-own":
+            return 2
+        return 3 if item.get_closest_marker("service") or item.get_closest_marker("slow") else 4
     items.sort(key=rank)

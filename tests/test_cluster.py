@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from .helpers import inherit_priority
+
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -39,7 +41,8 @@ def report():
         (out / name).unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "two_node_cluster.py"),
                              "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=inherit_priority())
     leftovers: list = []
     try:
         output, _ = proc.communicate(timeout=360)

@@ -23,6 +23,8 @@ import torch
 from mita.kernels import cpu
 from service.engine import ClassifierEngine
 
+from .helpers import inherit_priority
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = "checkpoints/listops-default"
 LOAD = ("import logging\n"
@@ -86,7 +88,7 @@ class _Load:
         env = os.environ | {"MITA_CPU_BUILD_DIR": str(cache), "MITA_CPU_BUILD_TIMEOUT_S": "240"}
         self.proc = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=inherit_priority())
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         self.killed = "not killed"

@@ -65,10 +65,11 @@ def server():
 
 
 def ask(port: int, raw: bytes, wait_s: float = 5.0) -> tuple[float, int, dict]:
-    """Send ``raw``, read until the server closes; (seconds, status, JSON body)."""
+    """Send ``raw``, read until the server closes; (seconds from before the connection, at
+    or before the server's header deadline starts, status, JSON body)."""
+    start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.settimeout(wait_s)
-        start = time.perf_counter()
         s.sendall(raw)
         out = b""
         while chunk := s.recv(65536):

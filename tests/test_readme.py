@@ -29,7 +29,7 @@ import psutil
 import pytest
 import yaml
 
-from .helpers import kill_under_load, stop_under_load, wait_for
+from .helpers import inherit_priority, kill_under_load, stop_under_load, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -259,7 +259,8 @@ def test_readme_walkthrough(tmp_path):
         return sh(shrink(command, tmp_path), env, timeout_s)
 
     serve = subprocess.Popen(["make", "serve"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             preexec_fn=inherit_priority())
     # Read all along: a pipe nobody reads blocks the service's next print once it is full.
     serve.lines = []
     serve.reader = threading.Thread(target=lambda: serve.lines.extend(serve.stdout),
@@ -339,7 +340,7 @@ def test_readme_walkthrough(tmp_path):
         ran.add(prom)
         prometheus = subprocess.Popen(shlex.split(shrink(prom, tmp_path)), cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=inherit_priority())
 
         def scraped():
             try:

@@ -24,7 +24,7 @@ import yaml
 
 from mita.data.listops import encode, generate_long
 
-from .helpers import CHECKPOINT, is_ready, listening, stop_under_load, wait_for
+from .helpers import CHECKPOINT, inherit_priority, is_ready, listening, stop_under_load, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,8 @@ def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None
                              str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port),
                              *(args or ("--dashboard-host", "off"))],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=os.environ | (env or {}), start_new_session=terminal)
+                            env=os.environ | (env or {}), start_new_session=terminal,
+                            preexec_fn=inherit_priority() if terminal else None)
     proc.args_env = env or {}
     # Read all along: a pipe nobody reads blocks the service's next print once it is full.
     proc.lines = []

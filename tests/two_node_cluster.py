@@ -48,7 +48,7 @@ from loadtest.engine import LoadConfig, run_load  # noqa: E402
 from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from service import launch, proxy_guard  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers import free_port, inherit_priority  # noqa: E402
 
 APP = "mita-serve"
 WORKER = {"num_cpus": 2, "resources": {"mita_classifier": 4, "mita_spread": 4}}
@@ -232,7 +232,8 @@ def main() -> None:
             service = subprocess.Popen(
                 [sys.executable, "-m", "service", "--address", cluster.address,
                  "--config", str(config)], cwd=ROOT, stdout=service_log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=inherit_priority())
         deadline = time.monotonic() + 150
         while "mita-serve is up" not in (a.out / "service.log").read_text():
             if service.poll() is not None or time.monotonic() > deadline:
