@@ -75,6 +75,11 @@ SHARING = ("tests/test_prometheus.py::", "tests/test_stats_endpoint.py::",
 # not: the shadow flood's dense p99, shadow on over off (bound 2x), was 0.8x in a serial run and
 # 1.9-2.6x beside background tests. No background test runs beside them.
 QUIET = ("tests/test_shadow_load.py::",)
+# The files without Ray that cost the most, most first (CPU seconds in a serial run: 90, 83, 48,
+# 46, 39, 38): the background workers take them before the rest, so that the run does not end
+# on one of them alone.
+HEAVY = ("tests/test_kernels.py", "tests/test_topk_select.py", "tests/test_kernel_build.py",
+         "tests/test_kernel_compile.py", "tests/test_launches.py", "tests/test_readme.py")
 # Tests without Ray that are not for the background: an in-process server's deadlines of
 # 0.5-1.5 s, measured to within 1 s. In the group "ray", under the cores lock.
 FOREGROUND = ("tests/test_proxy_guard.py::",)
@@ -275,13 +280,17 @@ def pytest_collection_modifyitems(items):
     # The session-service tests first, those in SHARING first of all (they run beside the
     # tests with a Ray of their own, which start at once in another worker); the service stops
     # after its last test, not idling beside the Ray instances started after it. Then those
-    # with a Ray of their own; then the files with slow tests (the interpreter, compiles), so
-    # that the workers end together. The workers take the groups in this order (make test:
-    # --no-loadscope-reorder). Stable: the tests keep their order otherwise.
-    def rank(item) -> int:
+    # with a Ray of their own; then the files without Ray, HEAVY first, then those with slow
+    # tests (the interpreter, compiles, subprocesses), so that the workers end together. The
+    # workers take the groups in this order (make test: --no-loadscope-reorder). Stable: the
+    # tests keep their order otherwise.
+    def rank(item) -> tuple[int, int]:
         if lane(item) == "ray":
-            return 0 if item.nodeid.startswith(SHARING) else 1
+            return (0 if item.nodeid.startswith(SHARING) else 1, 0)
         if lane(item) == "ray-own":
-            return 2
-        return 3 if item.get_closest_marker("service") or item.get_closest_marker("slow") else 4
+            return (2, 0)
+        if lane(item) in HEAVY:
+            return (3, HEAVY.index(lane(item)))
+        return (4 if item.get_closest_marker("service") or item.get_closest_marker("slow")
+                else 5, 0)
     items.sort(key=rank)

@@ -37,8 +37,15 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
 
         @pytest.fixture
         def record():
-            def run(name, seconds):
+            def run(name, seconds, after=None):
+                """Sleep ``seconds`` (after the test named ``after`` has started, if given:
+                a worker started late, e.g. beside a busy machine, is waited for)."""
                 start = time.time()
+                folder = Path(os.environ["LAYOUT_RECORD"]).parent
+                (folder / f"{name}.started").touch()
+                while after and not (folder / f"{after}.started").exists():
+                    assert time.time() - start < 120, f"{after} never started"
+                    time.sleep(0.05)
                 time.sleep(seconds)
                 try:
                     autogroup = int(Path("/proc/self/autogroup").read_text().split()[-1])
@@ -53,8 +60,9 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
     ''')
     (pytester.path / "tests").mkdir()
     files = {
-        # tests with a Ray of their own (conftest.SERIAL): 4 s, 1 s
-        "test_cluster.py": ["def test_own(record):\n    record('own', 4)\n"],
+        # tests with a Ray of their own (conftest.SERIAL); the first lasts until 2 s after
+        # the SHARING test started
+        "test_cluster.py": ["def test_own(record):\n    record('own', 2, after='sharing')\n"],
         "test_gpu_placement.py": ["def test_own_2(record):\n    record('own', 1)\n"],
         # the session's service: SHARING (first in its worker), two timed ones, QUIET
         "test_prometheus.py": ["def test_sharing(service, record):\n"
@@ -82,7 +90,7 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
     locked = by["own"] + by["timed"] + by["quiet"]
     assert not any(overlap(a, b) for a in locked for b in locked if a is not b), locked
     assert not any(overlap(by["quiet"][0], b) for b in by["background"])
-    # the SHARING test went first in its worker, beside the 3 s test with a Ray of its own
+    # the SHARING test went first in its worker, beside the test with a Ray of its own
     assert overlap(by["sharing"][0], by["own"][0])
     assert by["sharing"][0]["start"] < min(r["start"] for r in by["timed"] + by["quiet"])
     # three workers, each a session of its own; the background at nice 19, the Ray tests at 0

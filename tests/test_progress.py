@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 
 from mita.progress import Progress
 
@@ -35,7 +36,15 @@ def test_on_a_terminal_the_bar_is_drawn_and_phase_lines_are_not():
             bar.update(4)
             bar.phase_done("N=1024 mita: 4 of 4 answered")
         tty.flush()
-        out = os.read(leader, 65536).decode()
+        # all of it: one read returns what the pty holds at that moment, which was now and
+        # then only the first part of the output (1 run in 15)
+        out = b""
+        while select.select([leader], [], [], 0.5)[0]:
+            chunk = os.read(leader, 65536)
+            if not chunk:
+                break
+            out += chunk
+        out = out.decode()
     os.close(leader)
     assert "\r" in out and "load:" in out  # the bar, redrawn in place
     assert "n=1024, variant=mita" in out  # the phase beside the bar
