@@ -207,13 +207,13 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(autouse=True)
 def cpu_priority(request):
-    """Under xdist, the worker's session (``pytest_configure``) at the test's lane's nice
-    value (``NICE``): a test without Ray in the background at 19, so that the cores go first to
+    """Under xdist, the worker's session (``pytest_configure``) at nice 0 for a test of
+    ``RAY_LANES``, else in the background at ``BACKGROUND_NICE``, so that the cores go first to
     the Ray tests and the timings they are checked against."""
     if WORKERS > 1:
         from .helpers import set_priority
 
-        set_priority(NICE.get(lane(request.node), BACKGROUND_NICE))
+        set_priority(0 if lane(request.node) in RAY_LANES else BACKGROUND_NICE)
     yield
 
 
@@ -254,9 +254,9 @@ def serve_reset(service):
             set_classifier(service, name, **undo)
 
 
-# Each worker's priority (``cpu_priority``) by the test's group: the Ray tests at 0, the rest
-# in the background.
-NICE = {"ray": 0, "ray-own": 0}
+# The groups of the Ray tests; every other test runs in the background, at BACKGROUND_NICE
+# (``cpu_priority``), the Ray tests at 0.
+RAY_LANES = ("ray", "ray-own")
 BACKGROUND_NICE = 19
 
 
@@ -288,7 +288,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     held = []
     if WORKERS > 1:
-        if lane(item) not in NICE:
+        if lane(item) not in RAY_LANES:
             _locked(item, "turnstile", fcntl.LOCK_SH).close()
             held.append(_locked(item, "quiet", fcntl.LOCK_SH))
         elif not item.nodeid.startswith(SHARING):

@@ -199,7 +199,6 @@ def free_port() -> int:
     every client socket take theirs, so the port could be taken between this check and the
     service's bind. Ray's workers use 10,002–19,999 and Serve's direct ingress 30,000+ (its
     throughput mode)."""
-
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     share = 10000 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     while True:
