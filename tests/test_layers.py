@@ -75,6 +75,8 @@ def read_imports(root: Path) -> dict[str, set[str]]:
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found = set()
         for module, alias, level in _imports_of(path.read_text()):
+            if module and _top(module) == "mutmut":  # make mutate's copy: its trampolines
+                continue
             if not alias:
                 found.add(module)
                 continue
