@@ -11,6 +11,9 @@ import sys
 # given or the variable is set (benchmarks/serve_overhead.py: faster in both latency
 # and throughput). Only when run as a program: importing this module changes nothing.
 DEFAULT_MODE_FLAG = "--ray-serve-default-mode"
+# How often a running service checks that Ray and its applications are still there
+# (launch.gone): Ray's core worker aborts a driver 60 s after its GCS went away.
+WATCH_S = 2.0
 if __name__ == "__main__":
     if DEFAULT_MODE_FLAG in sys.argv[1:]:
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "0"  # the flag wins over the variable
@@ -154,9 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
           f"-d '{example}'\n(the expression's value is 4; \"label\" is the model's answer, "
           "right or wrong: see the README for its accuracy)\nCtrl-C stops.", flush=True)
+    why, seen = None, 0
     try:
-        while not stop.wait(1.0):
-            pass
+        # twice in a row: a controller Ray is restarting answers nothing for a moment
+        while seen < 2 and not stop.wait(WATCH_S):
+            why = launch.gone(config)
+            seen = seen + 1 if why else 0
+        if seen >= 2:
+            raise Gone(why)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, stop_at_once)
         drain_s = launch.drain_time_s(config)
@@ -166,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mita-serve: drained ({left} request(s) still in flight); stopping", flush=True)
     except StopAtOnce:
         stop_now()
+    except Gone as e:
+        # what is left (our own Ray's processes after serve shutdown) stops; nothing to drain
+        print(f"mita-serve: {e}; stopping and exiting with status 1", file=sys.stderr,
+              flush=True)
+        launch.stop(at_once=True)
+        raise SystemExit(1) from None
     except BaseException:
         launch.stop()
         raise
@@ -173,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         launch.stop()
     except StopAtOnce:
         stop_now()
+
+
+class Gone(Exception):
+    """The service was stopped from outside (``launch.gone`` says how)."""
 
 
 class StopAtOnce(BaseException):

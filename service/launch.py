@@ -14,12 +14,14 @@ import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import ray
 import torch
 from ray import serve
@@ -378,6 +380,61 @@ def drain(config: ServeDeploySchema, timeout_s: float | None = None) -> int:
     return left
 
 
+def gone(config: ServeDeploySchema, status_timeout_s: float = 10.0) -> str | None:
+    """Why the service is no longer running under this process, or None while it is: Ray's
+    GCS stopped answering (``ray stop`` on this machine, the cluster gone), Serve was shut down
+    (``serve shutdown``) or one of ``config``'s applications deleted (``serve delete``) from
+    outside. A Serve status that takes over ``status_timeout_s`` (a busy controller) counts as
+    running. Called every few seconds by ``python -m service`` while it serves: the driver
+    would otherwise wait on, serving nothing, or be aborted by Ray's core worker after 60 s
+    without its GCS."""
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+    except OSError as e:
+        return (f"Ray's GCS at {host}:{port} is gone ({e.strerror or type(e).__name__}): Ray "
+                "was stopped from outside (ray stop?)")
+    result: list = []
+    ask = threading.Thread(target=lambda: result.append(_serve_apps()), daemon=True)
+    ask.start()
+    ask.join(status_timeout_s)
+    if not result:
+        return None
+    apps = result[0]
+    if isinstance(apps, Exception):
+        return (f"Serve was shut down from outside (serve shutdown?): "
+                f"{type(apps).__name__}: {str(apps).splitlines()[0] if str(apps) else ''}")
+    missing = [app.name for app in config.applications if app.name not in apps]
+    if missing:
+        return (f"application(s) {', '.join(repr(n) for n in missing)} deleted from outside "
+                "(serve delete or serve shutdown?)")
+    return None
+
+
+def _serve_apps() -> dict[str, str] | Exception:
+    """Serve's applications and their status, or the exception asking for them raised."""
+    try:
+        return {name: getattr(app.status, "value", str(app.status))
+                for name, app in serve.status().applications.items()}
+    except Exception as e:  # the controller killed (serve shutdown): RayActorError …
+        return e
+
+
+def ray_processes() -> list[psutil.Process]:
+    """The processes this one started that are Ray's (GCS, raylet, agents, workers: ``ray::``
+    titles and programs in Ray's package), at any depth; the ones that ended are left out."""
+    package = str(Path(ray.__file__).parent)
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            line = proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if line and (line[0].startswith("ray::") or any(package in part for part in line)):
+            found.append(proc)
+    return found
+
+
 def stop(at_once: bool = False) -> None:
     """Shut Serve and Ray down and remove this instance's Prometheus file-SD list. On a
     cluster joined with ``start(address=...)``: delete this config's applications only and
@@ -400,6 +457,14 @@ def stop(at_once: bool = False) -> None:
         _joined = False
     else:
         serve.shutdown()
+    # Ray's own processes on this machine (none when joined): its agents outlived ray.shutdown()
+    # when the GCS had been stopped under it (ray stop, a killed gcs_server)
+    ours = ray_processes()
     ray.shutdown()
+    for proc in psutil.wait_procs(ours, timeout=5)[1]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
     while _written_sd_files:
         _written_sd_files.pop().unlink(missing_ok=True)

@@ -261,3 +261,55 @@ def test_second_sigterm_stops_at_once_and_leaves_no_ray_behind(tmp_path):
     assert wait_for(lambda: not any(alive(p) for p in ray), timeout_s=20), \
         [" ".join(p.cmdline())[:80] for p in ray if alive(p)]
     assert wait_for(lambda: not listening(metrics_port), timeout_s=20), "metrics port held"
+
+
+@pytest.mark.service  # its own Ray, in a subprocess
+@pytest.mark.parametrize("how", ["ray stop", "serve shutdown"])
+def test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left(tmp_path, how):
+    """Ray or Serve stopped under a running service: ``ray stop`` (here its first act on this
+    instance alone: SIGTERM to the GCS server) or Ray's ``serve shutdown`` CLI (through the Ray
+    dashboard). One line saying what happened, exit status 1, no process of that Ray left, the
+    HTTP and metrics ports free. On main, after serve shutdown ``python -m service`` kept
+    running with nothing to serve until a signal; after ray stop Ray's core worker aborted it
+    60 s later with its own 'Failed to connect to GCS within 60 seconds'."""
+    from .helpers import free_port
+
+    dashboard_port = free_port()
+    args = (("--dashboard-host", "off") if how == "ray stop" else
+            ("--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)))
+    proc, http_port, metrics_port = own_instance(tmp_path, *args)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_started(proc, url)
+        assert wait_for(lambda: any("Ctrl-C stops." in line for line in proc.lines), 60)
+        ray = psutil.Process(proc.pid).children(recursive=True)
+        address = next(a.split("=", 1)[1] for p in ray if "raylet" in p.name()
+                       for a in p.cmdline() if a.startswith("--gcs-address="))
+        t0 = time.monotonic()
+        if how == "ray stop":
+            next(p for p in ray if "gcs_server" in p.name()).terminate()
+        else:
+            done = subprocess.run(
+                [str(Path(sys.executable).parent / "serve"), "shutdown", "-y",
+                 "-a", f"http://127.0.0.1:{dashboard_port}"], cwd=ROOT, capture_output=True,
+                text=True, timeout=120, env=os.environ | {"RAY_AUTH_MODE": "token"})
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        out = output(proc, 60)
+        exit_s = time.monotonic() - t0
+    finally:
+        reap(proc)
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    assert proc.returncode == 1, out[-2000:]
+    said = {"ray stop": f"mita-serve: Ray's GCS at {address} is gone",
+            "serve shutdown": "mita-serve: Serve was shut down from outside (serve shutdown?)"}
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith(said[how]) and last.endswith("exiting with status 1"), out[-2000:]
+    assert "Traceback" not in out and "Failed to connect to GCS" not in out, out[-2000:]
+    assert exit_s < 45, (exit_s, out[-2000:])
+    assert not [p for p in ray if alive(p)], [" ".join(p.cmdline())[:80] for p in ray if alive(p)]
+    assert not listening(metrics_port) and not listening(http_port)
