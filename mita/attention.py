@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import stages as S
 from .config import check_backend, check_setting, clamp_topk
-from .hooks import NULL_HOOK, StageHook
+from .hooks import NULL_HOOK, StageHook, check_cancelled
 
 
 def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk: int,
@@ -173,20 +173,38 @@ def _warn_no_triton(reason: str) -> None:
                                         "stages on CUDA: %s", reason)
 
 
+# Query rows × keys of one dense SDPA call on the CPU above which it runs in query chunks:
+# each row's softmax is its own (bit-identical results), and between chunks
+# hooks.check_cancelled can stop a forward whose callers left. 2^28: chunks of 1,024 rows at
+# N = 262,144, about a second each on 2 cores; none at N ≤ 16,384.
+DENSE_CHUNK_ELEMENTS = 1 << 28
+
+
 def dense_attention(q: Tensor, k: Tensor, v: Tensor,
                     key_padding_mask: Tensor | None = None, check_mask: bool = True) -> Tensor:
-    """Dense softmax attention (§3.1, eqs. 1-4) via ``F.scaled_dot_product_attention``.
+    """Dense softmax attention (§3.1, eqs. 1-4) via ``F.scaled_dot_product_attention``; on the
+    CPU above ``DENSE_CHUNK_ELEMENTS`` in query chunks, between which
+    ``hooks.check_cancelled`` is asked.
 
     Args: ``q``, ``k`` ``(B, H, N, d)``; ``v`` ``(B, H, N, dv)``; optional ``(B, N)`` bool
     mask, True = padding; ``check_mask`` as in ``mita_attention``. Returns ``(B, H, N, dv)``;
     zero at padded query positions.
-    Raises: ValueError on an all-padding row or a bad mask.
+    Raises: ValueError on an all-padding row or a bad mask; ``hooks.Cancelled`` (chunked
+    only) when the forward's callers have gone.
     """
-    if key_padding_mask is None:
-        return F.scaled_dot_product_attention(q, k, v)
     B, _, N, _ = q.shape
-    if check_mask:
+    if key_padding_mask is not None and check_mask:
         S.check_padding_mask(key_padding_mask, B, N)
-    valid = ~key_padding_mask
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
-    return out.masked_fill(~valid[:, None, :, None], 0.0)
+    valid = None if key_padding_mask is None else ~key_padding_mask
+    mask = None if valid is None else valid[:, None, None, :]
+    rows = max(1, DENSE_CHUNK_ELEMENTS // k.shape[2])
+    if q.is_cuda or rows >= N:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        chunks = []
+        for start in range(0, N, rows):
+            check_cancelled()
+            chunks.append(F.scaled_dot_product_attention(q[:, :, start:start + rows], k, v,
+                                                         attn_mask=mask))
+        out = torch.cat(chunks, 2)
+    return out if valid is None else out.masked_fill(~valid[:, None, :, None], 0.0)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .config import OPTIONAL_FIELDS, ModelConfig, check_backend
-from .hooks import NULL_HOOK, StageHook
+from .hooks import NULL_HOOK, StageHook, check_cancelled
 from .layers import DenseAttention, MiTAAttention
 from .stages import check_padding_mask
 
@@ -124,6 +124,7 @@ class EncoderClassifier(nn.Module):
             x = self.embed(ids) + sinusoidal_positions(N, self.config.dim, ids.device,
                                                        self.embed.weight.dtype)
         for i, block in enumerate(self.blocks):
+            check_cancelled()  # hooks.cancellable: the callers may have gone meanwhile
             with hook.layer(i):
                 x = block(x, key_padding_mask, hook)
         with hook.stage("head"):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mita.hooks import Cancelled, cancellable
 from mita.kernels import MAX_HEAD_DIM, choose, triton_supported
 from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from mita.timer import profile_forward
@@ -235,20 +236,24 @@ class ClassifierEngine:
         gateway timeout). It is asked just before each forward — before each sequence with
         ``deterministic``, before each length group otherwise — and a sequence whose caller is
         gone gets no forward: its result is ``n``, ``variant``, ``model_id``, ``abandoned: True``
-        and ``error`` (nobody reads it). A forward already running is not interrupted.
+        and ``error`` (nobody reads it). A forward already running stops when every caller
+        of its sequences has gone (``mita.hooks.cancellable``: before each block, and between
+        dense attention's query chunks of a long sequence on the CPU), with the same result.
         """
         results: list[dict | None] = [None] * len(batch)
         pad = self.model.config.pad_id
         lengths = [len(x) for x in batch]
+
+        def left(i: int, when: str) -> dict:
+            return {"n": lengths[i], "variant": self.variant, "model_id": self.model_id,
+                    "abandoned": True, "error": f"the caller left {when} this sequence ran"}
         groups = ([[i] for i in range(len(batch))] if deterministic
                   else length_groups(lengths))
         for group in groups:
             if abandoned is not None:
                 for i in group:
                     if abandoned[i]():
-                        results[i] = {"n": lengths[i], "variant": self.variant,
-                                      "model_id": self.model_id, "abandoned": True,
-                                      "error": "the caller left before this sequence ran"}
+                        results[i] = left(i, "before")
                 group = [i for i in group if results[i] is None]
                 if not group:
                     continue
@@ -274,10 +279,17 @@ class ClassifierEngine:
             started_at = time.time()
             replays = self.graphs.replays if self.graphs is not None else 0
             choose.CHOOSER.take_served()  # forget a call made outside this forward
-            with self._stages(want):
-                logits, prof = profile_forward(
-                    self.model, ids.to(self.device), mask,
-                    replay=None if want or self.graphs is None else self.graphs.run)
+            everyone_gone = (lambda g=group: all(abandoned[i]() for i in g)) \
+                if abandoned is not None else (lambda: False)
+            try:
+                with self._stages(want), cancellable(everyone_gone):
+                    logits, prof = profile_forward(
+                        self.model, ids.to(self.device), mask,
+                        replay=None if want or self.graphs is None else self.graphs.run)
+            except Cancelled:
+                for i in group:
+                    results[i] = left(i, "while")
+                continue
             graph = self.graphs is not None and self.graphs.replays > replays
             topk_path = self._topk_path((len(group), n_max, mask is not None), graph)
             # numpy from here: per-row work on a few logits costs microseconds, not tens

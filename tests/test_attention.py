@@ -218,6 +218,27 @@ def test_dense_matches_reference_with_mask():
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_dense_in_query_chunks_is_the_same_attention(monkeypatch, masked):
+    """Above DENSE_CHUNK_ELEMENTS (lowered here to 7 rows × 19 keys) dense attention runs in
+    query chunks, the last one short (19 = 7 + 7 + 5): the float64 reference to F64_TOL, and
+    the very same numbers as one SDPA call (each row's softmax is its own)."""
+    import mita.attention
+
+    q, k, v = rand_qkv(2, 2, 19, 8, seed=21)
+    mask = random_mask(2, 19, seed=22, suffix=False) if masked else None
+    whole = dense_attention(q, k, v, key_padding_mask=mask)
+    monkeypatch.setattr(mita.attention, "DENSE_CHUNK_ELEMENTS", 7 * 19)
+    chunks = []
+    monkeypatch.setattr(mita.attention, "check_cancelled", lambda: chunks.append(1))
+    got = dense_attention(q, k, v, key_padding_mask=mask)
+    assert len(chunks) == 3
+    assert torch.equal(got, whole)
+    want = reference_dense(q.numpy(), k.numpy(), v.numpy(),
+                           None if mask is None else mask.numpy())
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=F64_TOL)
+
+
 def test_gradcheck():
     q, k, v = rand_qkv(1, 1, 10, 4, seed=13)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
