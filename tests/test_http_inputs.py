@@ -138,6 +138,35 @@ def test_nasty_bodies(service, body, status, message):
     assert message in r.json()["error"], r.json()
 
 
+# A new user's tries (issue: faults a user hits): each refused with what is wrong, quickly.
+BIG = [
+    ("/v1/classify/batch", {"items": [{"text": "[MAX 2 3 ]"}] * 5000}, 422, 1.0,
+     "5000 items exceed max_batch_items = 64"),
+    ("/v1/classify/batch", {"items": [{"ids": [3] * 100_000}] * 8}, 422, 5.0,
+     "items[0]: sequence length N = 100000 exceeds max_n = 16384"),
+    ("/v1/classify", {"text": " " * 10_000_000}, 413, 1.0,
+     "request body of 10000012 bytes exceeds the limit of 4194304 bytes"),
+    ("/v1/classify", {"text": "[MAX " * 10_000 + "1" + " ]" * 10_000}, 422, 1.0,
+     "sequence length N = 20001 exceeds max_n = 16384"),
+    ("/v1/classify", {"ids": [3] * 1_048_576, "variant": "dense"}, 422, 5.0,
+     "sequence length N = 1048576 exceeds max_n = 16384"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,within_s,message", BIG,
+                         ids=["5000-tiny-items", "8x100k-ids", "10MB-whitespace",
+                              "brackets-10000-deep", "dense-1M"])
+def test_big_and_deep_bodies_are_refused_quickly(service, path, body, status, within_s,
+                                                 message):
+    data = json.dumps(body)
+    t0 = time.monotonic()
+    r = raw(service, data, path)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == status, r.text
+    assert r.json()["error"] == message
+    assert elapsed < within_s, elapsed
+
+
 def test_many_bad_items_answer_fast_and_small(service):
     """Found by a user: 800,000 bad ids took 20 s (stalling the gateway) and returned a 70 MB
     error. Now the first 10 errors are reported with the total."""
