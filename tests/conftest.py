@@ -64,6 +64,7 @@ SERIAL = ("tests/test_cluster.py::", "tests/test_gpu_placement.py::",
           "tests/test_start_and_stop.py::test_ctrl_c_drains_in_flight_requests",
           "tests/test_start_and_stop.py::test_second_sigterm_stops_at_once_and_leaves_no_ray_behind",
           "tests/test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left",
+          "tests/test_start_and_stop.py::test_requests_beyond_the_drain_time_are_cut_when_it_ends",
           "tests/test_loadtest_numbers.py::",
           "tests/test_launch.py::test_busy_port_and_bad_config_refused_before_ray_starts")
 # Tests of the session's service that run beside another Ray test (no cores lock), and before

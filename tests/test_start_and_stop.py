@@ -68,13 +68,15 @@ def test_tampered_checkpoint_refuses_to_start(tmp_path):
 # Stopping: Ctrl-C during start-up and SIGTERM, each to its own python -m service.
 
 def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None = None,
-                 terminal: bool = False) -> tuple[subprocess.Popen, int, int]:
+                 terminal: bool = False, gateway: dict | None = None
+                 ) -> tuple[subprocess.Popen, int, int]:
     """``python -m service`` on the shipped CPU config with the tests' fixed replicas, on free
     loopback ports, as a subprocess with its own Ray; ``args``: more flags (default: no Ray
     dashboard); ``route_prefix``: the application's; ``env``: added to this process's
     environment; ``terminal``: in a process group of its own, as a terminal's foreground job
-    (Ctrl-C there signals every process of the group, Ray's included). Returns (process, HTTP
-    port, metrics port); the config is ``tmp_path / "serve.yaml"``."""
+    (Ctrl-C there signals every process of the group, Ray's included); ``gateway``: fields of
+    the Gateway deployment set in the config. Returns (process, HTTP port, metrics port); the
+    config is ``tmp_path / "serve.yaml"``."""
     from .helpers import TEST_OVERRIDES, free_port
 
     http_port, metrics_port = free_port(), free_port()
@@ -85,6 +87,8 @@ def own_instance(tmp_path, *args: str, route_prefix: str = "/", env: dict | None
         for key, value in TEST_OVERRIDES["deployments"][dep["name"]].items():
             if key != "user_config":
                 dep[key] = value
+        if dep["name"] == "Gateway":
+            dep.update(gateway or {})
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.Popen([sys.executable, "-m", "service", "--config",
                              str(tmp_path / "serve.yaml"), "--metrics-port", str(metrics_port),
@@ -313,3 +317,43 @@ def test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left(tmp_path, h
     assert exit_s < 45, (exit_s, out[-2000:])
     assert not [p for p in ray if alive(p)], [" ".join(p.cmdline())[:80] for p in ray if alive(p)]
     assert not listening(metrics_port) and not listening(http_port)
+
+
+@pytest.mark.service  # its own Ray, in a subprocess
+def test_requests_beyond_the_drain_time_are_cut_when_it_ends(tmp_path):
+    """SIGTERM with 24 dense N = 16,384 requests in flight (~1-2 s each, one replica) and a
+    5 s drain time (the Gateway's graceful_shutdown_timeout_s): the drain ends with requests
+    left, which are cut then, and the process exits 0 within the drain time plus a few
+    seconds. On main Serve's graceful shutdown waited for them once more, up to the same 5 s
+    (exit 16.1 s after SIGTERM; with the shipped 30 s past Serve's own 30 s limit:
+    "Controller failed to shut down within 30.0s")."""
+    import signal
+
+    proc, http_port, _ = own_instance(tmp_path, "--dashboard-host", "off",
+                                      gateway={"graceful_shutdown_timeout_s": 5})
+    url = f"http://127.0.0.1:{http_port}"
+    ids = encode(generate_long(16384, seed=4)[0])
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
+                "ids": ids, "variant": "dense"})) for _ in range(24)]
+            await asyncio.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            answers = await asyncio.gather(*sent, return_exceptions=True)
+            return signalled, answers
+    try:
+        wait_started(proc, url)
+        signalled, answers = asyncio.run(scenario())
+        out = output(proc, 60)
+        exit_s = time.monotonic() - signalled
+    finally:
+        reap(proc)
+    assert proc.returncode == 0, out[-2000:]
+    assert exit_s < 5 + 6, (exit_s, out[-2000:])
+    left = re.search(r"drained \((\d+) request\(s\) still in flight\); stopping: those are cut",
+                     out)
+    assert left and int(left[1]) > 0, out[-2000:]
+    answered = sum(getattr(a, "status_code", None) == 200 for a in answers)
+    assert 0 < answered < 24, answers
