@@ -74,6 +74,9 @@ README_COMMANDS = {
     "serve config": ("run", ".venv/bin/serve config"),
     "serve deploy": ("run", "as .venv/bin/serve deploy my.yaml"),
     "ray get-auth-token --generate": ("run", "make serve runs it on first start"),
+    "ray stop": ("test", "tests/test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_"
+                         "message_and_no_ray_left (SIGTERM to that instance's GCS: ray stop would "
+                         "stop every Ray on the machine, the suite's too)"),
     "prometheus --config.file=deploy/prometheus/prometheus.yml "
     "--web.listen-address=127.0.0.1:9090 --storage.tsdb.path=runs/prometheus": (
         "run", "until it scrapes the service"),
