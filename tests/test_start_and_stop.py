@@ -119,6 +119,14 @@ def reap(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def alive(p: psutil.Process) -> bool:
+    """``p`` runs (not ended, not a zombie)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def wait_started(proc: subprocess.Popen, url: str, timeout_s: float = 180) -> None:
     """Return once ``url``'s /readyz answers 200; else fail at once if ``proc`` exited, or
     after ``timeout_s``, with the end of its output and of its Ray session's Serve logs."""
@@ -253,11 +261,6 @@ def test_second_sigterm_stops_at_once_and_leaves_no_ray_behind(tmp_path):
     finally:
         reap(proc)
 
-    def alive(p: psutil.Process) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
     assert proc.returncode == 1, out[-2000:]
     assert "mita-serve: a second signal: stopping at once" in out, out[-2000:]
     assert "drained (" not in out, out[-2000:]  # the drain was cut short
@@ -303,11 +306,6 @@ def test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left(tmp_path, h
     finally:
         reap(proc)
 
-    def alive(p: psutil.Process) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
     assert proc.returncode == 1, out[-2000:]
     said = {"ray stop": f"mita-serve: Ray's GCS at {address} is gone",
             "serve shutdown": "mita-serve: Serve was shut down from outside (serve shutdown?)"}
