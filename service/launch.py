@@ -55,6 +55,9 @@ _joined = False
 _joined_apps: list[str] = []
 # The Serve client start() made, which deploy() uses (None once stop() ran).
 _client = None
+# The Ray processes (GCS, raylet, agents) of the instance start() started, which stop() makes
+# sure have ended: Ray's agents outlived ray.shutdown() once the GCS was stopped under it.
+_own_ray: list[psutil.Process] = []
 # (port, ip) of the metrics exporter of the Gateway's node, once start() has deployed.
 metrics_exporter: tuple[int, str] | None = None
 
@@ -184,6 +187,8 @@ def start(config: ServeDeploySchema, metrics_port: int = DEFAULT_METRICS_PORT,
                      _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": metrics_interval_ms})
     global _client
+    if not _joined:
+        _own_ray.extend(ray_processes())  # its GCS, raylet and agents, for stop()
     began = time.monotonic()
     client = _client = serve_api.serve_start(http_options=config.http_options.model_dump(),
                                              proxy_location=config.proxy_location)
@@ -394,10 +399,12 @@ def gone(config: ServeDeploySchema, status_timeout_s: float = 10.0) -> str | Non
     except OSError as e:
         return (f"Ray's GCS at {host}:{port} is gone ({e.strerror or type(e).__name__}): Ray "
                 "was stopped from outside (ray stop?)")
+    if _asking and _asking[-1].is_alive():
+        return None  # the last question is still unanswered: a busy controller, not gone
     result: list = []
-    ask = threading.Thread(target=lambda: result.append(_serve_apps()), daemon=True)
-    ask.start()
-    ask.join(status_timeout_s)
+    _asking[:] = [threading.Thread(target=lambda: result.append(_serve_apps()), daemon=True)]
+    _asking[0].start()
+    _asking[0].join(status_timeout_s)
     if not result:
         return None
     apps = result[0]
@@ -409,6 +416,9 @@ def gone(config: ServeDeploySchema, status_timeout_s: float = 10.0) -> str | Non
         return (f"application(s) {', '.join(repr(n) for n in missing)} deleted from outside "
                 "(serve delete or serve shutdown?)")
     return None
+
+
+_asking: list[threading.Thread] = []  # gone()'s last question to Serve
 
 
 def _serve_apps() -> dict[str, str] | Exception:
@@ -457,10 +467,9 @@ def stop(at_once: bool = False) -> None:
         _joined = False
     else:
         serve.shutdown()
-    # Ray's own processes on this machine (none when joined): its agents outlived ray.shutdown()
-    # when the GCS had been stopped under it (ray stop, a killed gcs_server)
-    ours = ray_processes()
     ray.shutdown()
+    ours = _own_ray[:]
+    _own_ray.clear()
     for proc in psutil.wait_procs(ours, timeout=5)[1]:
         try:
             proc.kill()
