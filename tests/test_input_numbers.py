@@ -13,7 +13,15 @@ import pytest
 from fastapi import Request  # the endpoint's annotation below, resolved at module level
 
 from mita.data.vocab import Vocabulary
-from service.inputs import ApiError, StrictJSONRequest, binary_ids, check_ids, to_ids
+from service.inputs import (
+    ApiError,
+    StrictJSONRequest,
+    binary_ids,
+    charset_refusal,
+    check_ids,
+    declared_charset,
+    to_ids,
+)
 from service.schemas import (
     ClassifyRequest,
 )
@@ -113,12 +121,15 @@ def test_binary_bodies_messages():
     assert refusal(binary_ids, b"", "uint8", 2, LISTOPS)[0] == 400
 
 
-def json_of(body: bytes):
+def json_of(body: bytes, content_type: str | None = None):
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
 
+    headers = [] if content_type is None else [(b"content-type", content_type.encode())]
+
     async def parse():
-        request = StrictJSONRequest({"type": "http", "method": "POST", "headers": []}, receive)
+        request = StrictJSONRequest({"type": "http", "method": "POST", "headers": headers},
+                                    receive)
         first = await request.json()
         assert await request.json() is first  # parsed once
         return first
@@ -165,6 +176,61 @@ def test_strict_json_route_hands_the_endpoint_a_strict_request():
 
 def test_strict_json_parses_a_plain_body():
     assert json_of(b'{"a": [1, 2], "b": {"a": 3}}') == {"a": [1, 2], "b": {"a": 3}}
+
+
+@pytest.mark.parametrize("content_type,charset", [
+    ("application/json", None),
+    ("application/json; charset=UTF-8", "utf-8"),
+    ('application/json;Charset="Latin-1" ', "latin-1"),   # any case, quoted, spaced
+    ("application/json; q=1; charset = ISO-8859-1", "iso-8859-1"),  # not the first parameter
+    ("application/json; notcharset=utf-16", None),
+    ("charset=utf-16", None),                               # the media type, not a parameter
+    ("application/json; charset=", ""),
+    ("", None),
+])
+def test_declared_charset_is_the_content_types_parameter(content_type, charset):
+    assert declared_charset(content_type) == charset
+
+
+UNKNOWN = ("{!r} is not a text encoding this service knows; send UTF-8 (JSON's encoding, "
+           "RFC 8259) or name a known charset")
+
+
+@pytest.mark.parametrize("charset,why", [
+    (None, None), ("utf-8", None), ("latin-1", None), ("cp1252", None),
+    ("utf-32", None),        # known: two bytes are too few for it, which is not the point here
+    ("klingon", "charset " + UNKNOWN.format("klingon")),
+    ("base64", "charset " + UNKNOWN.format("base64")),   # a codec, but bytes to bytes
+    ("", "charset " + UNKNOWN.format("")),
+    ("x" * 100, "charset " + UNKNOWN.format("x" * 40)),  # cut at 40 characters
+])
+def test_charset_refusal_names_unknown_charsets_only(charset, why):
+    assert charset_refusal(charset) == why
+
+
+def test_strict_json_decodes_by_the_declared_charset():
+    # 'é' is 0xe9 in latin-1 and not UTF-8 on its own: read as declared
+    assert json_of(b'{"text": "caf\xe9"}', "application/json; charset=latin-1") == {
+        "text": "caf\u00e9"}
+    body = '{"text": "caf\u00e9"}'.encode("utf-16-le")
+    assert json_of(body, "application/json; charset=utf-16-le") == {"text": "caf\u00e9"}
+    # declared UTF-8 as no charset at all
+    assert json_of('{"a": "\u00e9"}'.encode(), "application/json; charset=utf-8") == {
+        "a": "\u00e9"}
+
+
+@pytest.mark.parametrize("body,charset,why,doc", [
+    (b'{"a": "\xff"}', "utf-8",
+     "the body is not valid utf-8 (byte 7), the charset its Content-Type declares",
+     '{"a": "\ufffd"}'),
+    (b'{"a": 1, "a": 2}', "latin-1", "duplicate key 'a'", '{"a": 1, "a": 2}'),
+    (b"[" * 100_000 + b"]" * 100_000, "ascii", "nesting too deep",
+     "[" * 100_000 + "]" * 100_000),
+])
+def test_strict_json_refusals_with_a_declared_charset(body, charset, why, doc):
+    with pytest.raises(json.JSONDecodeError) as e:
+        json_of(body, f"application/json; charset={charset}")
+    assert (e.value.msg, e.value.doc, e.value.pos) == (why, doc, 0)
 
 
 def test_api_error_defaults():
