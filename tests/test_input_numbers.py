@@ -186,6 +186,8 @@ def test_strict_json_parses_a_plain_body():
     ("application/json; notcharset=utf-16", None),
     ("charset=utf-16", None),                               # the media type, not a parameter
     ("application/json; charset=", ""),
+    ("application/json; charset=x=y", "x=y"),               # split at the first '='
+    ("application/json; charset=X-MAC-ROMAN", "x-mac-roman"),  # only quotes stripped
     ("", None),
 ])
 def test_declared_charset_is_the_content_types_parameter(content_type, charset):
