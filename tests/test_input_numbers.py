@@ -205,7 +205,7 @@ UNKNOWN = ("{!r} is not a text encoding this service knows; send UTF-8 (JSON's e
     ("base64", "charset " + UNKNOWN.format("base64")),   # a codec, but bytes to bytes
     ("", "charset " + UNKNOWN.format("")),
     ("x" * 100, "charset " + UNKNOWN.format("x" * 40)),  # cut at 40 characters
-])
+], ids=["none", "utf-8", "latin-1", "cp1252", "utf-32", "klingon", "base64", "empty", "long"])
 def test_charset_refusal_names_unknown_charsets_only(charset, why):
     assert charset_refusal(charset) == why
 
@@ -228,7 +228,7 @@ def test_strict_json_decodes_by_the_declared_charset():
     (b'{"a": 1, "a": 2}', "latin-1", "duplicate key 'a'", '{"a": 1, "a": 2}'),
     (b"[" * 100_000 + b"]" * 100_000, "ascii", "nesting too deep",
      "[" * 100_000 + "]" * 100_000),
-])
+], ids=["not-utf-8", "duplicate-key", "too-deep"])
 def test_strict_json_refusals_with_a_declared_charset(body, charset, why, doc):
     with pytest.raises(json.JSONDecodeError) as e:
         json_of(body, f"application/json; charset={charset}")
