@@ -21,6 +21,10 @@ from service import proxy_guard
 from .helpers import free_port
 
 HEADER_S, BODY_S, IDLE_S = 0.5, 1.5, 0.5
+# How early by the clock a deadline may fire: uvicorn runs uvloop, whose (libuv's) timers count
+# whole milliseconds from the loop's time as cached at the start of its iteration; in a loaded
+# clean-clone run the 0.5 s header deadline answered after 0.49967 s by the client's clock.
+TIMER_SLACK_S = 0.005
 
 
 class Guarded(HttpToolsProtocol):
@@ -90,7 +94,7 @@ def test_a_stalled_body_is_answered_408_json_and_never_reaches_the_app(server):
     assert status == 408
     assert body == {"error": f"no part of the request body arrived for {IDLE_S:g} s (4 bytes "
                              "received); send the whole body at once"}
-    assert IDLE_S <= took < IDLE_S + 1.0
+    assert IDLE_S - TIMER_SLACK_S <= took < IDLE_S + 1.0
     assert len(seen) == before
 
 
@@ -119,7 +123,7 @@ def test_a_body_trickling_past_its_deadline_is_refused_in_all(server):
         took = time.perf_counter() - start
     assert out.split()[1] == b"408"
     assert b"did not arrive within 1.5 s" in out
-    assert BODY_S <= took < BODY_S + 1.0
+    assert BODY_S - TIMER_SLACK_S <= took < BODY_S + 1.0
     assert len(seen) == before
 
 
@@ -140,7 +144,7 @@ def test_stalled_headers_are_answered_408_json(server, raw):
     took, status, body = ask(server[0], raw)
     assert (status, body) == (408, {"error": f"the request headers did not arrive within "
                                              f"{HEADER_S:g} s"})
-    assert HEADER_S <= took < HEADER_S + 1.0
+    assert HEADER_S - TIMER_SLACK_S <= took < HEADER_S + 1.0
 
 
 def test_a_keep_alive_connection_gets_the_header_deadline_again(server):
@@ -157,7 +161,7 @@ def test_a_keep_alive_connection_gets_the_header_deadline_again(server):
         while chunk := s.recv(65536):
             out += chunk
     assert out.split()[1] == b"408"
-    assert HEADER_S <= time.perf_counter() - start < HEADER_S + 1.0
+    assert HEADER_S - TIMER_SLACK_S <= time.perf_counter() - start < HEADER_S + 1.0
 
 
 @pytest.mark.parametrize("raw", [
@@ -237,4 +241,4 @@ def test_stalled_uploads_beyond_the_gateways_slots_leave_the_service_answering(s
     assert head.split()[1] == b"408"
     assert json.loads(body)["error"].startswith(
         f"no part of the request body arrived for {proxy_guard.BODY_IDLE_S:g} s")
-    assert proxy_guard.BODY_IDLE_S <= took < proxy_guard.BODY_IDLE_S + 5
+    assert proxy_guard.BODY_IDLE_S - TIMER_SLACK_S <= took < proxy_guard.BODY_IDLE_S + 5
