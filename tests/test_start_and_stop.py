@@ -127,6 +127,29 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
+def sigterm_under_load(proc: subprocess.Popen, url: str, inflight: int,
+                       signals: int) -> tuple[float, list]:
+    """``inflight`` dense N = 16,384 requests to ``url`` (~1-2 s of forward each here), and
+    1 s later SIGTERM to ``proc``, ``signals`` times 0.5 s apart. Returns (monotonic time of
+    the last signal, each request's response or the exception it raised)."""
+    import signal
+
+    ids = encode(generate_long(16384, seed=4)[0])
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
+                "ids": ids, "variant": "dense"})) for _ in range(inflight)]
+            await asyncio.sleep(1.0)
+            for n in range(signals):
+                if n:
+                    await asyncio.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+            last = time.monotonic()
+            return last, await asyncio.gather(*sent, return_exceptions=True)
+    return asyncio.run(scenario())
+
+
 def wait_started(proc: subprocess.Popen, url: str, timeout_s: float = 180) -> None:
     """Return once ``url``'s /readyz answers 200; else fail at once if ``proc`` exited, or
     after ``timeout_s``, with the end of its output and of its Ray session's Serve logs."""
@@ -233,29 +256,14 @@ def test_second_sigterm_stops_at_once_and_leaves_no_ray_behind(tmp_path):
     seconds, no process of that Ray instance left and the metrics port free. On main the
     second signal killed ``python -m service`` outright: Ray's dashboard and runtime-env agents
     stayed (the first holding the metrics port) and the next start was refused."""
-    import signal
-
     proc, http_port, metrics_port = own_instance(tmp_path, "--dashboard-host", "off")
     url = f"http://127.0.0.1:{http_port}"
-    ids = encode(generate_long(16384, seed=4)[0])
-
-    async def scenario():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
-                "ids": ids, "variant": "dense"})) for _ in range(4)]
-            await asyncio.sleep(1.0)
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            second = time.monotonic()
-            await asyncio.gather(*sent, return_exceptions=True)
-            return second
     try:
         wait_started(proc, url)
         assert wait_for(lambda: any("Ctrl-C stops." in line for line in proc.lines), 60)
         ray = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(p.cmdline()) for p in ray)
-        second = asyncio.run(scenario())
+        second, _ = sigterm_under_load(proc, url, inflight=4, signals=2)
         out = output(proc, 60)
         exit_s = time.monotonic() - second
     finally:
@@ -325,25 +333,12 @@ def test_requests_beyond_the_drain_time_are_cut_when_it_ends(tmp_path):
     seconds. On main Serve's graceful shutdown waited for them once more, up to the same 5 s
     (exit 16.1 s after SIGTERM; with the shipped 30 s past Serve's own 30 s limit:
     "Controller failed to shut down within 30.0s")."""
-    import signal
-
     proc, http_port, _ = own_instance(tmp_path, "--dashboard-host", "off",
                                       gateway={"graceful_shutdown_timeout_s": 5})
     url = f"http://127.0.0.1:{http_port}"
-    ids = encode(generate_long(16384, seed=4)[0])
-
-    async def scenario():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
-                "ids": ids, "variant": "dense"})) for _ in range(24)]
-            await asyncio.sleep(1.0)
-            proc.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            answers = await asyncio.gather(*sent, return_exceptions=True)
-            return signalled, answers
     try:
         wait_started(proc, url)
-        signalled, answers = asyncio.run(scenario())
+        signalled, answers = sigterm_under_load(proc, url, inflight=24, signals=1)
         out = output(proc, 60)
         exit_s = time.monotonic() - signalled
     finally:
