@@ -191,12 +191,16 @@ def test_overloaded_shadow_does_not_fail_primary(service):
 def test_replica_killed_mid_load(service, serve_reset):
     """The only MiTA replica is killed under a closed loop of 8: the requests it held are sent
     again by the gateway (counted in retries_total) and answered once Serve's replacement
-    runs, so none fails (on main 23 of 1,148 got a 503), none waits past the deadline."""
+    runs, so none fails (on main 23 of 1,148 got a 503), none waits past the deadline.
+    N = 8,192 makes the replica the loop's bottleneck (a MiTA forward of ~25 ms on one core
+    against a few ms of HTTP and gateway work), so requests wait in it when it dies: at
+    N = 1,024 (~3 ms) it was often empty, and a clean-clone CI run killed it holding none
+    (1,125 answered, no resend to count)."""
     set_gateway(service, request_timeout_s=30)
     old = replica_ids(service)["mita"]
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if "MiTAClassifier" in a["name"] and old in a["name"])
-    cfg = LoadConfig(url=service.url, ns=[1024], variants=["mita"], warmup=0, mode="closed",
+    cfg = LoadConfig(url=service.url, ns=[8192], variants=["mita"], warmup=0, mode="closed",
                      concurrency=8, requests=100_000, duration_s=20, timeout_s=45)
     result: dict = {}
     text0 = service.metrics_text()
