@@ -34,10 +34,9 @@ finally:
 #   the tests that start a Ray instance of their own (a subprocess, a cluster) in another
 #   (group "ray-own"). A test of either group holds the cores lock (``pytest_runtest_protocol``)
 #   while it runs, so that its timing checks (load shedding, p99 ratios, drains, exit times)
-#   meet no other Ray test's load, as in a serial run; those in ``UNTIMED`` hold it shared,
-#   two at once, one of each group; only the session's tests in ``SHARING``, which mostly wait
-#   (for Prometheus' scrapes, a deadline) and check nothing a busier machine moves, run beside
-#   one of them without it, first in their worker;
+#   meet no other Ray test's load, as in a serial run; only the session's tests in ``SHARING``,
+#   which mostly wait (for Prometheus' scrapes, a deadline) and check nothing a busier machine
+#   moves, run beside one of them without it, first in their worker;
 # - every other test (no Ray: kernels, the interpreter, compiles, CLIs) runs in the background
 #   (``cpu_priority``): in a worker that is a session of its own (a scheduling autogroup of its
 #   own, where the kernel has them: Linux's default) at nice 19, it takes only what the Ray
@@ -76,22 +75,6 @@ SERIAL = ("tests/test_cluster.py::", "tests/test_gpu_placement.py::",
 SHARING = ("tests/test_prometheus.py::", "tests/test_stats_endpoint.py::",
            "tests/test_proxy_guard.py::test_stalled_uploads_beyond_the_gateways_slots_leave",
            "tests/test_live_update.py::test_refused_live_update_keeps_the_running_version")
-# Ray tests, of either group, whose checks no neighbour's load moves (exit statuses and
-# messages, placement, answers, counts; bounds of 45 s and more on what takes 12-20 s): they
-# take the cores lock shared, so one of each group can run at once (a machine's cores were half
-# idle while the Ray tests ran one at a time), never beside a test that takes it exclusive.
-# Each group runs them first, after SHARING, so that they meet.
-UNTIMED = ("tests/test_cluster.py::", "tests/test_gpu_placement.py::",
-           "tests/test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly",
-           "tests/test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left",
-           "tests/test_service.py::test_metrics_counts_match_requests",
-           "tests/test_service.py::test_ab_split_stickiness_and_shadow",
-           "tests/test_service.py::test_fused_mita_with_sampled_and_requested_staged_profiles",
-           "tests/test_reliability.py::test_non_finite_logits_answer_500_and_count_as_errors",
-           "tests/test_live_update.py::test_every_check_holds_under_a_route_prefix",
-           "tests/test_live_update.py::test_replicas_started_after_a_refused_update_serve_the_last_applied_config",
-           "tests/test_http_inputs.py::test_every_refusal_of_a_classify_request_is_counted",
-           "tests/test_binary.py::test_one_million_binary_ids_accepted")
 # Tests of the session's service whose latency ratios the background tests moved, nice 19 or
 # not: the shadow flood's dense p99, shadow on over off (bound 2x), was 0.8x in a serial run and
 # 2.1-2.5x beside background tests (1.9x beside a busy loop). No background test runs beside them.
@@ -299,8 +282,7 @@ def _locked(item, name: str, mode: int):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, from a test's fixtures' set-up (a module's cluster is started there) to
-    their teardown: a Ray test (not in ``SHARING``) holds the cores lock, shared if it is in
-    ``UNTIMED``, else exclusive; a test in ``QUIET``
+    their teardown: a Ray test (not in ``SHARING``) holds the cores lock; a test in ``QUIET``
     also holds the quiet lock, which waits for the background tests running and keeps new ones
     from starting (each takes it shared, after a turnstile the QUIET test holds while it
     waits, so that back-to-back background tests cannot keep it out)."""
@@ -312,8 +294,7 @@ def pytest_runtest_protocol(item, nextitem):
             _locked(item, "turnstile", fcntl.LOCK_SH).close()
             held.append(_locked(item, "quiet", fcntl.LOCK_SH))
         elif not item.nodeid.startswith(SHARING):
-            held.append(_locked(item, "cores", fcntl.LOCK_SH if item.nodeid.startswith(UNTIMED)
-                                else fcntl.LOCK_EX))
+            held.append(_locked(item, "cores", fcntl.LOCK_EX))
             if item.nodeid.startswith(QUIET):
                 turnstile = _locked(item, "turnstile", fcntl.LOCK_EX)
                 held.append(_locked(item, "quiet", fcntl.LOCK_EX))
@@ -347,20 +328,19 @@ def pytest_collection_modifyitems(items):
         else:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     # The session-service tests first, those in SHARING first of all (they run beside the
-    # tests with a Ray of their own, which start at once in another worker), then those in
-    # UNTIMED; the service stops after its last test, not idling beside the Ray instances
-    # started after it. Then those with a Ray of their own, UNTIMED first; then the files
-    # without Ray, HEAVY first, then those with slow tests (the interpreter, compiles,
-    # subprocesses), so that the workers end together. The workers take the groups in this
-    # order (make test: --no-loadscope-reorder). Stable: the tests keep their order otherwise.
+    # tests with a Ray of their own, which start at once in another worker); the service stops
+    # after its last test, not idling beside the Ray instances started after it. Then those
+    # with a Ray of their own; then the files without Ray, HEAVY first, then those with slow
+    # tests (the interpreter, compiles, subprocesses), so that the workers end together. The
+    # workers take the groups in this order (make test: --no-loadscope-reorder). Stable: the
+    # tests keep their order otherwise.
     def rank(item) -> tuple[int, int]:
-        untimed = item.nodeid.startswith(UNTIMED)
         if lane(item) == "ray":
-            return (0, 0 if item.nodeid.startswith(SHARING) else 1 if untimed else 2)
+            return (0 if item.nodeid.startswith(SHARING) else 1, 0)
         if lane(item) == "ray-own":
-            return (1, 0 if untimed else 1)
+            return (2, 0)
         if lane(item) in HEAVY:
-            return (2, HEAVY.index(lane(item)))
-        return (3 if item.get_closest_marker("service") or item.get_closest_marker("slow")
-                else 4, 0)
+            return (3, HEAVY.index(lane(item)))
+        return (4 if item.get_closest_marker("service") or item.get_closest_marker("slow")
+                else 5, 0)
     items.sort(key=rank)

@@ -1,7 +1,6 @@
 """``make test``'s three workers (``conftest.py``): on a stand-in suite named like the real one,
 run with ``-n 3 --dist loadgroup``, each test records when it ran, in which process and at
-which priority; the Ray tests' timed parts never overlap each other or an UNTIMED test, one
-UNTIMED test of each Ray worker runs at once, a QUIET test never overlaps a
+which priority; the Ray tests' timed parts never overlap, a QUIET test never overlaps a
 background test, a SHARING test runs beside a test with a Ray of its own, and the background
 tests run in a session of their own at nice 19. No Ray."""
 
@@ -61,17 +60,13 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
     ''')
     (pytester.path / "tests").mkdir()
     files = {
-        # tests with a Ray of their own (conftest.SERIAL): an UNTIMED one, first in its worker,
-        # lasts until 2 s after the session's UNTIMED test started; then a timed one
-        "test_cluster.py": ["def test_own(record):\n"
-                            "    record('own_untimed', 2, after='untimed')\n"],
-        "test_start_and_stop.py": ["def test_ctrl_c_drains_in_flight_requests(record):\n"
-                                   "    record('own', 1)\n"],
-        # the session's service: SHARING (first in its worker), UNTIMED, two timed, QUIET
+        # tests with a Ray of their own (conftest.SERIAL); the first lasts until 2 s after
+        # the SHARING test started
+        "test_cluster.py": ["def test_own(record):\n    record('own', 2, after='sharing')\n"],
+        "test_gpu_placement.py": ["def test_own_2(record):\n    record('own', 1)\n"],
+        # the session's service: SHARING (first in its worker), two timed ones, QUIET
         "test_prometheus.py": ["def test_sharing(service, record):\n"
                                "    record('sharing', 1.5)\n"],
-        "test_binary.py": ["def test_one_million_binary_ids_accepted(service, record):\n"
-                           "    record('untimed', 1)\n"],
         "test_service.py": [f"def test_timed_{i}(service, record):\n    record('timed', 0.5)\n"
                             for i in range(2)],
         "test_shadow_load.py": ["def test_quiet(service, record):\n    record('quiet', 1)\n"],
@@ -84,28 +79,24 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
         (pytester.path / "tests" / name).write_text("\n\n".join(tests))
     result = pytester.runpytest_subprocess("-n", "3", "--dist", "loadgroup",
                                            "--no-loadscope-reorder", "tests")
-    result.assert_outcomes(passed=23)
+    result.assert_outcomes(passed=22)
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     by = {k: [r for r in rows if r["name"] == k]
-          for k in ("own_untimed", "own", "sharing", "untimed", "timed", "quiet", "background")}
-    assert [len(v) for v in by.values()] == [1, 1, 1, 1, 2, 1, 16]
+          for k in ("own", "sharing", "timed", "quiet", "background")}
+    assert [len(v) for v in by.values()] == [2, 1, 2, 1, 16]
 
     def overlap(a, b) -> bool:
         return a["start"] < b["end"] and b["start"] < a["end"]
-    locked = by["own"] + by["timed"] + by["quiet"]  # the cores lock, exclusive
-    shared = by["own_untimed"] + by["untimed"]  # the cores lock, shared
-    assert not any(overlap(a, b) for a in locked for b in locked + shared if a is not b), rows
-    assert overlap(*shared)  # one UNTIMED test of each Ray worker at once
+    locked = by["own"] + by["timed"] + by["quiet"]
+    assert not any(overlap(a, b) for a in locked for b in locked if a is not b), locked
     assert not any(overlap(by["quiet"][0], b) for b in by["background"])
-    # the SHARING test went first in its worker, beside the test with a Ray of its own; then
-    # the UNTIMED one, then the timed ones
-    assert overlap(by["sharing"][0], by["own_untimed"][0])
-    assert by["sharing"][0]["start"] < by["untimed"][0]["start"] < min(
-        r["start"] for r in by["timed"] + by["quiet"])
+    # the SHARING test went first in its worker, beside the test with a Ray of its own
+    assert overlap(by["sharing"][0], by["own"][0])
+    assert by["sharing"][0]["start"] < min(r["start"] for r in by["timed"] + by["quiet"])
     # three workers, each a session of its own; the background at nice 19, the Ray tests at 0
     assert len({r["pid"] for r in rows}) == 3 and all(r["sid"] == r["pid"] for r in rows)
     assert {r["nice"] for r in by["background"]} == {19}
-    assert {r["nice"] for r in locked + shared + by["sharing"]} == {0}
+    assert {r["nice"] for r in locked + by["sharing"]} == {0}
     if os.path.exists("/proc/self/autogroup") and os.geteuid() == 0:
         assert {r["autogroup"] for r in by["background"]} == {19}
-        assert {r["autogroup"] for r in locked + shared + by["sharing"]} == {0}
+        assert {r["autogroup"] for r in locked + by["sharing"]} == {0}
