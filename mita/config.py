@@ -1,16 +1,20 @@
 """``ModelConfig``: the model's hyper-parameters, validated once here and handed whole to the
 modules that use them (``EncoderClassifier``, ``DenseAttention``, ``MiTAAttention``), with the
 one check of a MiTA setting (``check_setting``), its one parser (``parse_setting``), the one
-top-k clamp and the names of the attentions and backends. Imports no other ``mita`` module:
-every layer above reads its rules from here."""
+top-k clamp and the names of the attentions and backends, and the reading of a checkpoint's
+``config.json`` (``checkpoint_metadata``, ``checkpoint_config``: no torch, so the service's
+start-up reads a checkpoint's settings without importing it). Imports no other ``mita``
+module: every layer above reads its rules from here."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 ATTENTIONS = ("dense", "mita")
 SHARED_SCALES = ("paper", "official")
@@ -168,3 +172,50 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+CONFIG_FILE = "config.json"  # a checkpoint folder's settings (its weights: mita.model)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"duplicate key(s) {twice}")
+    return dict(pairs)
+
+
+def checkpoint_config(folder: str | Path, meta: dict | None = None,
+                      **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint's config.json with ``overrides`` replacing fields
+    (``meta``: its parsed ``checkpoint_metadata``, read here when None). Every field must be
+    written out — a default would stand in for what the weights' shapes do not pin down
+    (attention, m, k, s, shared_scale, pad_id) — except ``OPTIONAL_FIELDS``, which take the
+    value that means what older checkpoints did. Raises ValueError naming the absent,
+    unknown or invalid fields; FileNotFoundError without config.json."""
+    meta = checkpoint_metadata(folder) if meta is None else meta
+    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"])
+                    - set(OPTIONAL_FIELDS))
+    if absent:
+        raise ValueError(f"{Path(folder) / CONFIG_FILE}: config lacks field(s) {absent}")
+    return ModelConfig.from_dict(OPTIONAL_FIELDS | meta["config"] | overrides)
+
+
+def checkpoint_metadata(folder: str | Path) -> dict:
+    """The parsed ``config.json`` of a checkpoint: ``config`` (an object), ``weights_sha256``
+    and training metadata (``training``, an object, when present).
+
+    Raises: FileNotFoundError without the file; ValueError (naming the file) when it is not
+    UTF-8 JSON, repeats a key, nests too deeply, or has not that shape."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {path}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
+        raise ValueError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ValueError(f"{path}: expected an object with a 'config' object")
+    if not isinstance(meta.get("training", {}), dict):
+        raise ValueError(f"{path}: 'training' must be an object")
+    return meta

@@ -23,14 +23,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .config import OPTIONAL_FIELDS, ModelConfig, check_backend
+from .config import CONFIG_FILE, ModelConfig, check_backend, checkpoint_config, checkpoint_metadata
 from .hooks import NULL_HOOK, StageHook, check_cancelled
 from .layers import DenseAttention, MiTAAttention
 from .stages import check_padding_mask
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"
 
 
 _POSITION_TABLES: dict[tuple, Tensor] = {}
@@ -267,47 +267,3 @@ def check_weights(state: dict[str, Tensor], own: dict[str, Tensor], path: Path) 
     if converted:
         log.warning("%s: converting %d tensor(s) to %s: %s", path, len(converted),
                     next(iter(own.values())).dtype, ", ".join(converted))
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ValueError(f"duplicate key(s) {twice}")
-    return dict(pairs)
-
-
-def checkpoint_config(folder: str | Path, meta: dict | None = None,
-                      **overrides) -> ModelConfig:
-    """The ``ModelConfig`` of a checkpoint's config.json with ``overrides`` replacing fields
-    (``meta``: its parsed ``checkpoint_metadata``, read here when None). Every field must be
-    written out — a default would stand in for what the weights' shapes do not pin down
-    (attention, m, k, s, shared_scale, pad_id) — except ``OPTIONAL_FIELDS``, which take the
-    value that means what older checkpoints did. Raises ValueError naming the absent,
-    unknown or invalid fields; FileNotFoundError without config.json."""
-    meta = checkpoint_metadata(folder) if meta is None else meta
-    absent = sorted({f.name for f in dataclasses.fields(ModelConfig)} - set(meta["config"])
-                    - set(OPTIONAL_FIELDS))
-    if absent:
-        raise ValueError(f"{Path(folder) / CONFIG_FILE}: config lacks field(s) {absent}")
-    return ModelConfig.from_dict(OPTIONAL_FIELDS | meta["config"] | overrides)
-
-
-def checkpoint_metadata(folder: str | Path) -> dict:
-    """The parsed ``config.json`` of a checkpoint: ``config`` (an object), ``weights_sha256``
-    and training metadata (``training``, an object, when present).
-
-    Raises: FileNotFoundError without the file; ValueError (naming the file) when it is not
-    UTF-8 JSON, repeats a key, nests too deeply, or has not that shape."""
-    path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {path}")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
-        raise ValueError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-        raise ValueError(f"{path}: expected an object with a 'config' object")
-    if not isinstance(meta.get("training", {}), dict):
-        raise ValueError(f"{path}: 'training' must be an object")
-    return meta

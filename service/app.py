@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from mita.config import setting_name
+from mita.config import ModelConfig, checkpoint_config, setting_name
 from mita.data.vocab import Vocabulary
-from mita.model import ModelConfig, checkpoint_config
 
+from . import resolve_checkpoint
 from .classifier import Classifier
-from .engine import resolve_checkpoint
 from .gateway import Gateway
 from .schemas import DEPLOYMENTS, AppArgs, validated
 

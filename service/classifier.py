@@ -24,7 +24,6 @@ import numpy as np
 import ray
 from ray import serve
 
-from .engine import ClassifierEngine
 from .live_config import LiveConfig, store_key
 from .schemas import ClassifierConfig
 
@@ -51,6 +50,10 @@ class Classifier:
     def __init__(self, checkpoint: str, attention: str, device: str = "auto",
                  mita_backend: str = "auto", dtype: str = "auto", cuda_graphs: bool = True,
                  setting: dict | None = None):
+        # Here, not at the top: Serve's controller imports this module to build the app, and
+        # torch (~1-2 s of a start-up) is for the replica alone.
+        from .engine import ClassifierEngine
+
         self.engine = ClassifierEngine(checkpoint, attention, device, mita_backend, dtype,
                                        cuda_graphs, setting)
         # The replica id changes when Serve replaces the replica (crash, OOM kill): tests and

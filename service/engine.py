@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,19 +31,13 @@ from mita.kernels import MAX_HEAD_DIM, choose, triton_supported
 from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from mita.timer import profile_forward
 
-from . import PROJECT_ROOT
+from . import resolve_checkpoint
 from .forward_stats import ForwardStats
 from .graphs import GraphCache
 from .schemas import TopkReport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
-
-
-def resolve_checkpoint(path: str) -> Path:
-    """A checkpoint folder; relative paths are taken from the project root."""
-    p = Path(path)
-    return p if p.is_absolute() else PROJECT_ROOT / p
 
 
 def pick_device(device: str, tool: str = "the service", auto: bool = True) -> torch.device:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from mita import timer
+from mita import records
 
 from .schemas import StageProfile
 
@@ -50,18 +50,18 @@ class ForwardStats:
 
     @cached_property
     def stages_ms(self) -> dict[str, float]:
-        return timer.stages_ms(self.records)
+        return records.stages_ms(self.records)
 
     @cached_property
     def layers_ms(self) -> list[dict[str, float]]:
-        return timer.layers_ms(self.records)
+        return records.layers_ms(self.records)
 
     @cached_property
     def gflops_per_s(self) -> dict[str, float]:
-        return timer.gflops_per_s(self.flops, self.stages_ms)
+        return records.gflops_per_s(self.flops, self.stages_ms)
 
     @classmethod
-    def of(cls, profile: timer.ForwardProfile, **context) -> ForwardStats:
+    def of(cls, profile: records.ForwardProfile, **context) -> ForwardStats:
         """From the stage timer's ``profile`` and the engine's ``context`` (``dtype``,
         ``staged``, ``batch_size``, ``padded_n``, ``started_at``, ``cuda_graph``,
         ``topk_path``). Raises TypeError for a missing or unknown field."""

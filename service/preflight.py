@@ -323,8 +323,8 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
     from mita.config import setting_name
     from mita.model import load_checkpoint
 
+    from . import resolve_checkpoint
     from .app import served_config
-    from .engine import resolve_checkpoint
     from .routing import check_warm_start
 
     for app in config.applications:
