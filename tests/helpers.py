@@ -11,6 +11,7 @@ import importlib
 import os
 import random
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -189,6 +190,7 @@ def inherit_priority():
 
 
 _ports_given: set[int] = set()
+_ports_lock = threading.Lock()
 
 
 def free_port() -> int:
@@ -201,17 +203,18 @@ def free_port() -> int:
     throughput mode)."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     share = 10000 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    while True:
-        port = random.randrange(20000 + worker * share, 20000 + (worker + 1) * share)
-        if port in _ports_given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:  # in use
+    with _ports_lock:  # scenarios run at once in threads (test_start_and_stop.at_once)
+        while True:
+            port = random.randrange(20000 + worker * share, 20000 + (worker + 1) * share)
+            if port in _ports_given:
                 continue
-        _ports_given.add(port)
-        return port
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:  # in use
+                    continue
+            _ports_given.add(port)
+            return port
 
 
 @dataclass

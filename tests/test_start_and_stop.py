@@ -15,6 +15,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -168,18 +170,78 @@ def wait_started(proc: subprocess.Popen, url: str, timeout_s: float = 180) -> No
                 f"{output(proc, 10)[-4000:]}\n" + "\n".join(logs)[-8000:])
 
 
+def at_once(tmp_path: Path, scenarios: dict[str, Callable[[Path, dict], None]]) -> None:
+    """Run ``scenarios`` (name: a function of its folder and its environment, which starts a
+    ``python -m service`` with ``own_instance``) at the same time, each in a thread, a folder
+    and a share of this worker's Serve direct-ingress ports of its own (each Ray hands them out
+    from the range's first port); then raise the first failure, noted with its scenario's
+    name. The starts are the cost of these scenarios and most of it is waiting on other
+    processes: two at once took less than one after the other on 2 cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    envs: list[dict] = [{} for _ in scenarios]
+    for protocol, first in (("HTTP", 30000), ("GRPC", 40000)):
+        low = int(os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", first))
+        high = int(os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT", first + 999))
+        share = (high - low + 1) // len(scenarios)
+        for i, env in enumerate(envs):
+            env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(low + i * share)
+            env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(low + (i + 1) * share - 1)
+    with ThreadPoolExecutor(len(scenarios)) as pool:
+        futures = {}
+        for (name, scenario), env in zip(scenarios.items(), envs, strict=True):
+            folder = tmp_path / re.sub(r"\W+", "-", name)
+            folder.mkdir()
+            futures[name] = pool.submit(scenario, folder, env)
+    for name, future in futures.items():
+        try:
+            future.result()
+        except BaseException as e:  # an assertion, pytest.fail
+            e.add_note(f"scenario: {name}")
+            raise
+
+
+def test_at_once_runs_scenarios_together_and_names_the_failing_one(tmp_path):
+    """``at_once``: both scenarios run at the same time, each with a folder and a disjoint
+    share of the direct-ingress ports, and a failure says which scenario failed."""
+    seen: dict = {}
+    both = threading.Barrier(2, timeout=30)  # each waits for the other: they run together
+
+    def scenario(folder: Path, env: dict, fail: bool) -> None:
+        both.wait()
+        seen[folder.name] = env
+        assert not fail, "planted"
+
+    with pytest.raises(AssertionError, match="planted") as failed:
+        at_once(tmp_path, {"ray stop": partial(scenario, fail=False),
+                           "serve shutdown": partial(scenario, fail=True)})
+    assert failed.value.__notes__ == ["scenario: serve shutdown"]
+    assert sorted(seen) == ["ray-stop", "serve-shutdown"]
+    for protocol in ("HTTP", "GRPC"):
+        a, b = ((int(env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"]),
+                 int(env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"]))
+                for env in seen.values())
+        assert a[0] <= a[1] < b[0] <= b[1] or b[0] <= b[1] < a[0] <= a[1], (a, b)
+
+
 @pytest.mark.service  # its own Ray, in a subprocess
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
-def test_signal_during_start_up_stops_ray_cleanly(tmp_path, signame):
+def test_signal_during_start_up_stops_ray_cleanly(tmp_path):
     """SIGINT (Ctrl-C) while Ray starts (its metrics exporter is up, the deployments are not),
-    or SIGTERM once Ray is up and the applications deploy (a pod stopped while it starts): one
-    line, exit status 1, and no Ray process left holding the metrics port. On main, a
-    KeyboardInterrupt inside ray.init left Ray's agents running (the next start was refused:
-    "port ... is in use"), and SIGTERM met the handler ray.init installs: the process died by
-    SIGABRT (-6) with Ray's stack dump and nothing of ours."""
+    or SIGTERM once Ray is up and the applications deploy (a pod stopped while it starts),
+    each to a python -m service of its own, both at once: one line, exit status 1, and no Ray
+    process left holding the metrics port. On main, a KeyboardInterrupt inside ray.init left
+    Ray's agents running (the next start was refused: "port ... is in use"), and SIGTERM met
+    the handler ray.init installs: the process died by SIGABRT (-6) with Ray's stack dump and
+    nothing of ours."""
+    at_once(tmp_path, {name: partial(signal_during_start_up, signame=name)
+                       for name in ("SIGINT", "SIGTERM")})
+
+
+def signal_during_start_up(tmp_path: Path, env: dict, signame: str) -> None:
+    """``test_signal_during_start_up_stops_ray_cleanly``'s scenario for ``signame``."""
     import signal
 
-    proc, http_port, metrics_port = own_instance(tmp_path)
+    proc, http_port, metrics_port = own_instance(tmp_path, env=env)
     try:
         if signame == "SIGINT":
             assert wait_for(lambda: listening(metrics_port), timeout_s=120, interval_s=0.1)
@@ -279,20 +341,27 @@ def test_second_sigterm_stops_at_once_and_leaves_no_ray_behind(tmp_path):
 
 
 @pytest.mark.service  # its own Ray, in a subprocess
-@pytest.mark.parametrize("how", ["ray stop", "serve shutdown"])
-def test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left(tmp_path, how):
+def test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left(tmp_path):
     """Ray or Serve stopped under a running service: ``ray stop`` (here its first act on this
     instance alone: SIGTERM to the GCS server) or Ray's ``serve shutdown`` CLI (through the Ray
-    dashboard). One line saying what happened, exit status 1, no process of that Ray left, the
-    HTTP and metrics ports free. On main, after serve shutdown ``python -m service`` kept
-    running with nothing to serve until a signal; after ray stop Ray's core worker aborted it
-    60 s later with its own 'Failed to connect to GCS within 60 seconds'."""
+    dashboard), each to a python -m service of its own, both at once. One line saying what
+    happened, exit status 1, no process of that Ray left, the HTTP and metrics ports free. On
+    main, after serve shutdown ``python -m service`` kept running with nothing to serve until
+    a signal; after ray stop Ray's core worker aborted it 60 s later with its own 'Failed to
+    connect to GCS within 60 seconds'."""
+    at_once(tmp_path, {how: partial(stopped_from_outside, how=how)
+                       for how in ("ray stop", "serve shutdown")})
+
+
+def stopped_from_outside(tmp_path: Path, env: dict, how: str) -> None:
+    """``test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left``'s scenario for
+    ``how``."""
     from .helpers import free_port
 
     dashboard_port = free_port()
     args = (("--dashboard-host", "off") if how == "ray stop" else
             ("--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)))
-    proc, http_port, metrics_port = own_instance(tmp_path, *args)
+    proc, http_port, metrics_port = own_instance(tmp_path, *args, env=env)
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_started(proc, url)
