@@ -222,3 +222,22 @@ def test_a_stage_or_layer_left_by_an_exception_is_still_recorded_and_restored(mo
         timed(t, clock, "head", 3_000_000, 3_500_000)  # outside any block again
     assert t.result().records == [StageRecord("attention", 3, 0.75),
                                   StageRecord("head", None, 0.5)]
+
+
+def test_profile_forward_estimates_memory_in_the_models_dtype():
+    """CPU: ``profile_forward``'s peak memory is the analytic estimate in the weights' dtype —
+    a bfloat16 model's is half the float32 one's (2 bytes an element against 4). A mutant
+    that let the estimate default to float32 passed every other test, which profile float32
+    models only."""
+    from mita.cost import activation_bytes_estimate
+    from mita.model import EncoderClassifier, ModelConfig
+
+    cfg = ModelConfig(dim=32, depth=2, num_heads=2, ffn_dim=64, num_landmarks=8, topk=16)
+    torch.manual_seed(3)
+    model = EncoderClassifier(cfg).eval()
+    ids = torch.randint(1, cfg.vocab_size, (2, 96))
+    _, p32 = timer.profile_forward(model, ids)
+    _, p16 = timer.profile_forward(model.to(torch.bfloat16), ids)
+    assert p32.peak_memory_bytes == 2 * p16.peak_memory_bytes
+    assert p16.peak_memory_bytes == activation_bytes_estimate(cfg, 2, 96, torch.bfloat16) > 0
+    assert p16.peak_memory_kind == "analytic_activation_estimate"
