@@ -418,21 +418,32 @@ def is_ready(url: str) -> bool:
         return False
 
 
-def stop_under_load(url: str, inflight: int, stop) -> tuple:
-    """``stop()`` (a signal to the service) 1 s after ``inflight`` long dense requests
-    (N = 16,384: ~1-2 s per forward here) were sent; 0.5 s later one more request, /healthz
-    and /readyz. Returns (the in-flight answers, the late answer, /healthz, /readyz)."""
+LONG_DENSE_N = 16_384  # ~1-2 s of dense forward on 2 cores
+
+
+async def send_long_dense(c: httpx.AsyncClient, inflight: int) -> tuple[list, list[int]]:
+    """``inflight`` dense requests of N = ``LONG_DENSE_N`` ids sent on ``c``, given 1 s to
+    reach the replicas. Returns (their pending answers, asyncio futures; the ids sent)."""
     import asyncio
 
     from mita.data.listops import encode, generate_long
 
-    ids = encode(generate_long(16384, seed=4)[0])
+    ids = encode(generate_long(LONG_DENSE_N, seed=4)[0])
+    sent = [asyncio.ensure_future(c.post("/v1/classify", json={"ids": ids, "variant": "dense"}))
+            for _ in range(inflight)]
+    await asyncio.sleep(1.0)
+    return sent, ids
+
+
+def stop_under_load(url: str, inflight: int, stop) -> tuple:
+    """``stop()`` (a signal to the service) 1 s after ``inflight`` long dense requests
+    (``send_long_dense``) were sent; 0.5 s later one more request, /healthz and /readyz.
+    Returns (the in-flight answers, the late answer, /healthz, /readyz)."""
+    import asyncio
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
-                "ids": ids, "variant": "dense"})) for _ in range(inflight)]
-            await asyncio.sleep(1.0)
+            sent, ids = await send_long_dense(c, inflight)
             stop()
             await asyncio.sleep(0.5)
             late = await c.post("/v1/classify", json={"ids": ids[:100]})

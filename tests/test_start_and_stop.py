@@ -24,9 +24,15 @@ import psutil
 import pytest
 import yaml
 
-from mita.data.listops import encode, generate_long
-
-from .helpers import CHECKPOINT, inherit_priority, is_ready, listening, stop_under_load, wait_for
+from .helpers import (
+    CHECKPOINT,
+    inherit_priority,
+    is_ready,
+    listening,
+    send_long_dense,
+    stop_under_load,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,18 +137,14 @@ def alive(p: psutil.Process) -> bool:
 
 def sigterm_under_load(proc: subprocess.Popen, url: str, inflight: int,
                        signals: int) -> tuple[float, list]:
-    """``inflight`` dense N = 16,384 requests to ``url`` (~1-2 s of forward each here), and
-    1 s later SIGTERM to ``proc``, ``signals`` times 0.5 s apart. Returns (monotonic time of
-    the last signal, each request's response or the exception it raised)."""
+    """``inflight`` long dense requests to ``url`` (``send_long_dense``), and 1 s later
+    SIGTERM to ``proc``, ``signals`` times 0.5 s apart. Returns (monotonic time of the last
+    signal, each request's response or the exception it raised)."""
     import signal
-
-    ids = encode(generate_long(16384, seed=4)[0])
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            sent = [asyncio.ensure_future(c.post("/v1/classify", json={
-                "ids": ids, "variant": "dense"})) for _ in range(inflight)]
-            await asyncio.sleep(1.0)
+            sent, _ = await send_long_dense(c, inflight)
             for n in range(signals):
                 if n:
                     await asyncio.sleep(0.5)
