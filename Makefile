@@ -55,7 +55,8 @@ kernels-table: $(DEV_STAMP)
 # the advisor's and sweep's model runs, the Prometheus client), which the fast tier does not run.
 MUTATE_SCOPE := \
 	'loadtest.engine.x_summarize*' 'loadtest.engine.x_check_loopback*' 'loadtest.report.*' \
-	'mita.quality.*' 'mita.timer.*' 'mita.records.*' 'mita.config.x_parse_setting*' 'mita.data.vocab.*' \
+	'mita.quality.*' 'mita.timer.*' 'mita.records.*' 'mita.config.x_parse_setting*' \
+	'mita.data.vocab.*' \
 	'profiler.advise.x_compare*' 'profiler.advise.xǁConstraintǁ*' \
 	'profiler.advise.x_parse_setting*' 'profiler.advise.x_default_grid*' \
 	'profiler.advise.x_sequence_of_length*' 'profiler.advise.x_report*' \
