@@ -56,7 +56,7 @@ kernels-table: $(DEV_STAMP)
 MUTATE_SCOPE := \
 	'loadtest.engine.x_summarize*' 'loadtest.engine.x_check_loopback*' 'loadtest.report.*' \
 	'mita.quality.*' 'mita.timer.*' 'mita.records.*' 'mita.config.x_parse_setting*' \
-	'mita.data.vocab.*' \
+	'mita.data.vocab.*' 'mita.plots.x_figure*' 'mita.plots.x_save*' 'mita.plots.x_write_csv*' \
 	'profiler.advise.x_compare*' 'profiler.advise.xǁConstraintǁ*' \
 	'profiler.advise.x_parse_setting*' 'profiler.advise.x_default_grid*' \
 	'profiler.advise.x_sequence_of_length*' 'profiler.advise.x_report*' \

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import asdict
 from pathlib import Path
 
 from mita.hooks import MIN_STAGE_SAMPLES, VARIANT_COLORS, stage_sorted
-from mita.plots import stage_lines
+from mita.plots import figure, save, stage_lines, write_csv
 
 from .engine import Sample
 
@@ -73,34 +72,24 @@ def markdown(summary: dict) -> str:
 
 
 def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "loadtest.json", "csv": out / "samples.csv",
              "summary_csv": out / "summary.csv", "md": out / "loadtest.md",
              "latency_png": out / "latency_vs_n.png", "stages_png": out / "stages.png"}
     files["json"].write_text(json.dumps(summary | {"samples": [asdict(s) for s in samples]},
                                         indent=1) + "\n")
-    with open(files["csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["n", "requested", "variant", "status", "start_s", "latency_s", "error"])
-        for s in samples:
-            w.writerow([s.n, s.requested, s.variant, s.status, f"{s.start_s:.6f}",
-                        f"{s.latency_s:.6f}", s.error or ""])
+    write_csv(files["csv"], ["n", "requested", "variant", "status", "start_s", "latency_s",
+                             "error"],
+              ([s.n, s.requested, s.variant, s.status, f"{s.start_s:.6f}", f"{s.latency_s:.6f}",
+                s.error] for s in samples))
     cols = ["n", "variant", "sent", "ok", "p50_ms", "p90_ms", "p99_ms", "throughput_rps",
             "tokens_per_s"]
-    with open(files["summary_csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols + ["errors"])
-        for r in summary["rows"]:
-            w.writerow([r[c] for c in cols] + [json.dumps(r["errors"])])
+    write_csv(files["summary_csv"], [*cols, "errors"],
+              ([r[c] for c in cols] + [json.dumps(r["errors"])] for r in summary["rows"]))
     files["md"].write_text(markdown(summary))
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    plotted = False
+    fig = figure(figsize=(6, 4.5))
+    ax = fig.subplots()
     for v in dict.fromkeys(r["variant"] for r in summary["rows"]):
         sel = [r for r in summary["rows"] if r["variant"] == v and r["ok"]]
         if sel:
@@ -108,8 +97,7 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
             color = VARIANT_COLORS.get(v, AB_COLOR)  # the dashboard's colours
             ax.plot(ns, [r["p50_ms"] for r in sel], "o-", color=color, label=f"{v} p50")
             ax.plot(ns, [r["p99_ms"] for r in sel], "x--", color=color, label=f"{v} p99")
-            plotted = True
-    if plotted:
+    if ax.lines:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.legend(fontsize=7)
@@ -118,9 +106,7 @@ def write(summary: dict, samples: list[Sample], out: Path) -> dict[str, Path]:
                 transform=ax.transAxes)
     ax.set_xlabel("N (tokens)")
     ax.set_ylabel("request latency (ms)")
-    fig.tight_layout()
-    fig.savefig(files["latency_png"], dpi=110)
-    plt.close(fig)
+    save(fig, files["latency_png"])
 
     panels: dict[str, list] = {}
     counts: dict[str, list[int]] = {}

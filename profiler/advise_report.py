@@ -4,12 +4,13 @@ of a recommended setting, and the warning printed when other processes share the
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from pathlib import Path
 
 import torch
+
+from mita.plots import figure, save, write_csv
 
 NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
 # A 1-minute load average above this many runnable processes per core when the advisor starts:
@@ -102,14 +103,11 @@ def plot_frontier(rep: dict, path: Path) -> Path:
     at 100 %, the Pareto frontier (dense included: no other point is both faster and more
     agreeing) as a step line, the constraint's threshold when it is on agreement, the recommendation
     circled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ns = rep["config"]["ns"]
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.8), squeeze=False)
+    fig = figure(figsize=(4.2 * len(ns), 3.8))
+    axes = fig.subplots(1, len(ns), squeeze=False)
     recs = {x["n"]: x for x in rep["recommendations"]}
     for ax, n in zip(axes[0], ns, strict=True):
         pts = [(r["latency"][n]["p50_ms"], 100 * r["agreement"], r["setting"])
@@ -146,10 +144,7 @@ def plot_frontier(rep: dict, path: Path) -> Path:
         ax.set_ylabel("agreement with dense (%)")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
@@ -161,19 +156,15 @@ def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
     files["md"].write_text(markdown(rep))
     files["json"].write_text(json.dumps(rep, indent=2) + "\n")
     ns = rep["config"]["ns"]
-    with open(files["csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement", "kl",
-                    "retention", "n", "p50_ms", "min_ms", "max_ms", "dense_p50_ms", "speedup",
-                    "peak_memory_bytes"])
-        for r in rep["rows"]:
-            for n in ns:
-                lat = r["latency"].get(n, {})
-                w.writerow([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"],
-                            r.get("accuracy"), r.get("agreement"), r.get("kl"),
-                            r.get("retention"), n, lat.get("p50_ms"), lat.get("min_ms"),
-                            lat.get("max_ms"), lat.get("dense_p50_ms"), lat.get("speedup"),
-                            lat.get("peak_memory_bytes")])
+    write_csv(files["csv"], ["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement",
+                             "kl", "retention", "n", "p50_ms", "min_ms", "max_ms",
+                             "dense_p50_ms", "speedup", "peak_memory_bytes"],
+              ([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"], r.get("accuracy"),
+                r.get("agreement"), r.get("kl"), r.get("retention"), n,
+                *(r["latency"].get(n, {}).get(c) for c in ("p50_ms", "min_ms", "max_ms",
+                                                           "dense_p50_ms", "speedup",
+                                                           "peak_memory_bytes"))]
+               for r in rep["rows"] for n in ns))
     files["png"] = plot_frontier(rep, out / "frontier.png")
     snippet = out / "serve_snippet.yaml"
     if rep["overall"].get("snippet"):

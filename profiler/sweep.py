@@ -12,7 +12,6 @@ Settings: ``fig5`` takes m = k = the power of two nearest √(N/4), so m·k ≈ 
 
 from __future__ import annotations
 
-import csv
 import json
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from mita.config import clamp_topk, parse_setting
 from mita.cost import fig5_setting, model_stage_flops
 from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
-from mita.plots import stage_lines
+from mita.plots import figure, save, stage_lines, write_csv
 from mita.progress import Progress
 from mita.timer import profile_forward
 from service.engine import pick_device
@@ -199,24 +198,10 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """Three PNGs: per-stage time vs N per variant/setting (``plots.stage_lines``); MiTA/dense
     speed-up vs N with the FLOP-limit line; measured time vs analytic FLOPs (log-log, fitted
     slope)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if r["status"] == "ok"]
     groups = sorted({(r["variant"], r["setting"]) for r in ok})
     panels = {f"{v} {setting}".strip(" -"): [(r["n"], r["stages_ms"]) for r in ok
@@ -225,7 +210,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     paths = [stage_lines(panels, out / "stages.png", "ms per forward")] if panels else []
 
     sp = speedups(rows)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig = figure(figsize=(6, 4.5))
+    ax = fig.subplots()
     for setting in sorted({x["setting"] for x in sp}):
         sel = sorted((x for x in sp if x["setting"] == setting), key=lambda x: x["n"])
         ns = [x["n"] for x in sel]
@@ -240,9 +226,10 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("N")
     ax.set_ylabel("MiTA / dense speed-up")
     ax.legend(fontsize=7)
-    paths.append(_save(fig, out / "speedup.png"))
+    paths.append(save(fig, out / "speedup.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig = figure(figsize=(6, 4.5))
+    ax = fig.subplots()
     for variant, setting in groups:
         sel = sorted((r for r in ok if (r["variant"], r["setting"]) == (variant, setting)),
                      key=lambda r: r["n"])
@@ -258,7 +245,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("analytic FLOPs per forward")
     ax.set_ylabel("measured ms per forward")
     ax.legend(fontsize=7)
-    paths.append(_save(fig, out / "time_vs_flops.png"))
+    paths.append(save(fig, out / "time_vs_flops.png"))
     return paths
 
 
@@ -272,12 +259,9 @@ def write_outputs(rows: list[dict], cfg: SweepConfig, out: Path) -> dict[str, Pa
     cols = ["n", "variant", "setting", "m", "k", "s", "batch", "depth", "dim", "heads", "dtype",
             "device", "status", "e2e_ms", "flops", "gflops_per_s", "peak_memory_bytes",
             "peak_memory_kind"]
-    with open(files["csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols + [f"{s}_ms" for s in stages])
-        for r in rows:
-            w.writerow([r.get(c, "") for c in cols] +
-                       [r.get("stages_ms", {}).get(s, "") for s in stages])
+    write_csv(files["csv"], cols + [f"{s}_ms" for s in stages],
+              ([r.get(c) for c in cols] + [r.get("stages_ms", {}).get(s) for s in stages]
+               for r in rows))
     header = (f"Sweep: depth {cfg.depth}, dim {cfg.dim}, heads {cfg.num_heads}, batch "
               f"{cfg.batch}, s {cfg.route_topk}, {cfg.dtype}, {cfg.device}, warm-up "
               f"{cfg.warmup}, median of {cfg.repeats}, torch {torch.__version__}\n\n")
