@@ -29,6 +29,7 @@ budget (or Ctrl-C) resumes where it stopped when started again with the same inp
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import sys
 import time
@@ -225,14 +226,12 @@ def load_data(cfg: AdviseConfig, num_classes: int, vocab: Vocabulary | None = No
 
 def sequence_of_length(data: list[tuple[list[int], int]], n: int) -> np.ndarray:
     """The data's sequences concatenated (repeated as needed) and cut to exactly n tokens:
-    real content at any N."""
-    ids: list[int] = []
-    while len(ids) < n:
-        for seq, _ in data:
-            ids.extend(seq)
-            if len(ids) >= n:
-                break
-    return np.asarray(ids[:n], dtype=np.int64)
+    real content at any N. ``data``: (token ids, label) pairs; returns int64 ids of shape
+    ``(n,)``. Raises ValueError when the data hold no token."""
+    ids = np.fromiter(itertools.chain.from_iterable(seq for seq, _ in data), np.int64)
+    if not ids.size:
+        raise ValueError("the data hold no token to build a sequence from")
+    return np.resize(ids, n)  # repeats ids as needed, then cuts at n
 
 
 def _engine(cfg: AdviseConfig, attention: str, setting: Setting | None):

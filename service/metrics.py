@@ -13,6 +13,8 @@ of a gateway replica): classifier replicas export none, so one scrape target has
 
 from __future__ import annotations
 
+import bisect
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from .schemas import MAX_REQUEST_TIMEOUT_S, VARIANTS
@@ -23,11 +25,9 @@ N_BUCKETS = tuple(f"le_{e}" for e in N_BUCKET_EDGES)
 
 
 def n_bucket(n: int) -> str:
-    """The ``n_bucket`` label of a sequence of length n (``le_1024`` … ``le_1048576``)."""
-    for edge, label in zip(N_BUCKET_EDGES, N_BUCKETS, strict=True):
-        if n <= edge:
-            return label
-    return N_BUCKETS[-1]
+    """The ``n_bucket`` label of a sequence of length n: the first bucket whose edge is at least
+    n (``le_1024`` … ``le_1048576``; longer sequences in the last)."""
+    return N_BUCKETS[min(bisect.bisect_left(N_BUCKET_EDGES, n), len(N_BUCKETS) - 1)]
 
 
 def _one_two_five(lo_exp: int, hi: float) -> list[float]:

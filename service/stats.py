@@ -80,9 +80,9 @@ def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dic
     requests. Buckets with no N served by both are left out."""
     median = {key: float(np.median(ms)) for key, ms in latency_by_n.items()}
     by_bucket: dict[str, list[int]] = {}
-    for variant, n in sorted(latency_by_n, key=lambda key: key[1]):
+    for n in sorted(n for variant, n in latency_by_n if variant == "mita"):
         # a zero median has no ratio (not seen; never a 500)
-        if variant == "mita" and median.get(("dense", n), 0) > 0 and median["mita", n] > 0:
+        if median.get(("dense", n), 0) > 0 and median["mita", n] > 0:
             by_bucket.setdefault(n_bucket(n), []).append(n)
     out = []
     for b in N_BUCKETS:
@@ -99,8 +99,8 @@ def matched_ratios(latency_by_n: dict[tuple[str, int], list[float]]) -> list[dic
     return out
 
 
-def _shadow(agree: float, disagree: float, kl_mean: float | None = None,
-            kl_p50: float | None = None, dropped: float = 0.0) -> dict:
+def _shadow(agree: float, disagree: float, kl_mean: float | None,
+            kl_p50: float | None, dropped: float) -> dict:
     total = agree + disagree
     return {"comparisons": total, "agree": agree, "rate": agree / total if total else None,
             "kl_mean": _finite(kl_mean) if total else None,
@@ -128,11 +128,13 @@ def ab_split(answered: dict, weights: dict, shadow: bool, sticky_header: str,
                                                          for v in VARIANTS}}
 
 
+# The dashboard's order of rows: by these fields, each in its fixed order, then by status.
+SORT_ORDERS = {"variant": ("mita", "dense", "none"), "n_bucket": N_BUCKETS, "stage": STAGE_ORDER}
+
+
 def _sort(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (_rank(("mita", "dense", "none"), r["variant"]),
-                                       _rank(N_BUCKETS, r.get("n_bucket", "")),
-                                       _rank(STAGE_ORDER, r.get("stage", "")),
-                                       r.get("status", "")))
+    return sorted(rows, key=lambda r: [_rank(SORT_ORDERS[f], r[f]) if f in SORT_ORDERS else r[f]
+                                       for f in (*SORT_ORDERS, "status") if f in r])
 
 
 class StatsWindow:
@@ -144,7 +146,7 @@ class StatsWindow:
         self.retention_s = retention_s
         # (t, variant, status, N or None, latency_s or None, override)
         self.requests: deque = deque(maxlen=max_records)
-        # (t, variant, n_bucket, stage names, stage ms)
+        # (t, variant, n_bucket, ((stage, ms), ...))
         self.forwards: deque = deque(maxlen=max_records)
         # (t, primary, agree, KL nats); (t, shadow variant, None, None) for a dropped call
         self.shadows: deque = deque(maxlen=max_records)
@@ -156,8 +158,7 @@ class StatsWindow:
         self.requests.append((time.time(), variant, str(status), n, latency_s, override))
 
     def add_forward(self, variant: str, bucket: str, stages_ms: dict[str, float]) -> None:
-        self.forwards.append((time.time(), variant, bucket, tuple(stages_ms),
-                              tuple(stages_ms.values())))
+        self.forwards.append((time.time(), variant, bucket, tuple(stages_ms.items())))
 
     def add_shadow(self, primary: str, agree: bool, kl: float) -> None:
         """A shadow comparison: labels ``agree``, ``kl`` in nats (as the metric's)."""
@@ -213,8 +214,8 @@ def summarize(snapshot: tuple) -> dict:
                              "p95_ms": float(p95), "p99_ms": float(p99)})
 
     stage_ms: dict[tuple, list[float]] = {}
-    for _, variant, bucket, names, values in forwards:
-        for stage, ms in zip(names, values, strict=True):
+    for _, variant, bucket, stages in forwards:
+        for stage, ms in stages:
             stage_ms.setdefault((variant, bucket, stage), []).append(ms)
     stage_rows = []
     for (variant, bucket, stage), ms in stage_ms.items():
@@ -370,7 +371,7 @@ def _prometheus_stats(res: dict, now: float, window_s: float, bin_s: float,
     kl_mean, kl_p50, dropped = (by(k, ()).get((), None)
                                 for k in ("kl_mean", "kl_p50", "shadow_dropped"))
 
-    series = {k: {(s["metric"].get("variant", ""), s["metric"].get("n_bucket"), float(t)):
+    series = {k: {(s["metric"].get("variant"), s["metric"].get("n_bucket"), float(t)):
                   _value(x) for s in res[k] for t, x in s["values"]} for k in RANGE}
     timeline, timeline_by_n = [], []
     served = {(r["variant"], r["n_bucket"]) for r in latency}

@@ -115,6 +115,9 @@ def test_sequence_of_length_repeats_and_cuts():
     assert advise.sequence_of_length(data, 11).tolist() == [1, 2, 3, 4, 5] * 2 + [1]
     assert advise.sequence_of_length(data, 3).tolist() == [1, 2, 3]
     assert advise.sequence_of_length(data, 0).tolist() == []
+    for empty in ([], [([], 0), ([], 1)]):  # once looped for ever
+        with pytest.raises(ValueError, match="^the data hold no token to build a sequence"):
+            advise.sequence_of_length(empty, 5)
 
 
 def test_cpu_sharing_warning_at_and_above_the_threshold(monkeypatch):
@@ -176,6 +179,21 @@ def test_refusal_names_the_setting_closest_to_the_failed_constraint():
         "no setting meets accuracy drop ≤ 1 points at N = 256 (smallest accuracy drop 2 "
         "points, agreement 60.0 % (m16 k16 s2 official))")
     assert advise_report.markdown(rep).count("| +2.0 ± 0.0 |") == 1
+
+
+def test_refusal_under_an_agreement_bound_names_the_best_agreement():
+    """Under an agreement bound the refusal quotes the best agreement (m8: 90 %, though its
+    accuracy drop is the larger, 5 points), and the shortfall is the agreement negated."""
+    cfg = small_cfg(advise.Constraint("agreement", 0.95), ns=[256])
+    done = {("quality", "dense"): quality(0.37, 1.0, 0.0, 0.0),
+            ("quality", M8.name): quality(0.32, 0.9, 0.0, 0.0),
+            ("quality", M16.name): quality(0.35, 0.6, 0.0, 0.0)}
+    rep = advise.report(cfg, done, [])
+    assert rep["recommendations"][0]["answer"] == (
+        "no setting meets agreement with dense ≥ 95.0 % at N = 256 (best agreement 90.0 %, "
+        "accuracy drop 5.0 points (m8 k8 s1 paper))")
+    assert cfg.constraint.shortfall({"agreement": 0.9, "accuracy": 0.32},
+                                    {"accuracy": 0.37}) == -0.9
 
 
 M8 = advise.Setting(8, 8, 1, "paper")

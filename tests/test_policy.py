@@ -87,6 +87,11 @@ def test_kl_on_hand_examples():
     assert rows.shape == (2,) and rows.dtype == np.float64
     # 5e-8: the 7 digits above, and float32(0.9) is 0.9 to 2.4e-8
     assert rows == pytest.approx([KL_DENSE_MITA, KL_MITA_DENSE], abs=5e-8)
+    # exactly: the float32 inputs widened first, then every log taken in float64
+    wide = kl_divergence(np.float32([DENSE, MITA]).astype(np.float64),
+                         np.float32([MITA, DENSE]).astype(np.float64))
+    assert rows.tolist() == wide.tolist()
+    assert kl_divergence(np.float32(DENSE), MITA) == kl_divergence(np.float32(DENSE).tolist(), MITA)
     with pytest.raises(ValueError, match="shape"):
         kl_divergence([0.5, 0.5], [0.2, 0.3, 0.5])
 

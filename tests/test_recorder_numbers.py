@@ -151,6 +151,14 @@ def test_requests_rejections_and_shadow_calls_reach_both_prometheus_and_the_wind
     assert s["shadow"] == {"comparisons": 2, "agree": 1, "rate": 0.5,
                            "kl_mean": pytest.approx(0.4, rel=REL),
                            "kl_p50": pytest.approx(0.4, rel=REL), "dropped": 3}
+    # none of those had n: the routing table counted no pair; with n, its bucket's pairs
+    assert [r["pairs"] for r in rec.routing.table()] == [0] * len(N_BUCKETS)
+    rec.shadow("mita", True, 0.25, n=2000)
+    rec.shadow("dense", False, 0.75, n=2000)
+    rec.shadow("dense", True, 0.5, n=2000)
+    row = rec.routing.table()[1]  # le_4096
+    assert (row["n_bucket"], row["pairs"], row["agreement"], row["kl_mean"]) == (
+        "le_4096", 3, 2 / 3, 0.5)
 
 
 # ---- metric labels and buckets --------------------------------------------------------------

@@ -5,6 +5,8 @@ a subprocess."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 import service.stats as stats_mod
@@ -158,7 +160,7 @@ def test_window_keeps_records_exactly_to_its_edges(monkeypatch):
     assert (now, window_s, truncated) == (10_000.0, 100.0, False)
     assert requests == [(9900.0, "dense", "200", 10, 0.02, True)]
     assert len(w.requests) == 1  # the older one is gone for good
-    assert forwards == [(9990.0, "mita", "le_1024", ("embed", "attention"), (1.5, 2.5))]
+    assert forwards == [(9990.0, "mita", "le_1024", (("embed", 1.5), ("attention", 2.5)))]
     assert shadows == [(9990.0, "mita", True, 0.0), (9990.0, "dense", None, None)]
     assert type(shadows[0][2]) is bool and type(shadows[0][3]) is float  # 1 == True
     _, window_s, _, requests, forwards, _ = w.snapshot(10.0)
@@ -193,15 +195,17 @@ def test_shadow_stats_count_dropped_calls_apart():
     assert s == {"comparisons": 3, "agree": 2, "rate": pytest.approx(2 / 3, rel=REL),
                  "kl_mean": pytest.approx(0.4, rel=REL), "kl_p50": pytest.approx(0.3, rel=REL),
                  "dropped": 2}
-    only_drops = summarize((10.0, 60.0, False, [], [], [shadows[1], shadows[4]]))["shadow"]
+    with warnings.catch_warnings():  # no mean of nothing ("Mean of empty slice" in the log)
+        warnings.simplefilter("error")
+        only_drops = summarize((10.0, 60.0, False, [], [], [shadows[1], shadows[4]]))["shadow"]
     assert only_drops == {"comparisons": 0, "agree": 0, "rate": None, "kl_mean": None,
                           "kl_p50": None, "dropped": 2}
 
 
 def test_stage_rows_percentiles_and_order():
-    forwards = [(1.0, "mita", "le_1024", ("embed", "attention"), (float(i), 10.0 * i))
+    forwards = [(1.0, "mita", "le_1024", (("embed", float(i)), ("attention", 10.0 * i)))
                 for i in (1, 2, 3, 4)]
-    forwards.append((1.0, "mita", "le_4096", ("topk",), (7.0,)))
+    forwards.append((1.0, "mita", "le_4096", (("topk", 7.0),)))
     s = summarize((10.0, 60.0, False, [], forwards, []))
     # embed 1..4: p50 2.5, p95 at rank 2.85 -> 3.85; attention ×10
     assert [(r["n_bucket"], r["stage"], r["count"]) for r in s["stages"]] == [
