@@ -1,0 +1,62 @@
+"""Images as pixel sequences (the command: ``python -m mita.images IMAGES LABELS --out
+FILE.jsonl``).
+
+Reads an image set in the IDX format of MNIST and Fashion-MNIST (``*-images-idx3-ubyte`` and
+``*-labels-idx1-ubyte``, gzipped or not) and writes JSON lines ``{"ids": [...], "label":
+name}``: each grey-scale image read row by row, pixel value p as id p + 1 (0 stays padding,
+as for bytes: 257 ids). Train on it with ``python -m mita.train --train FILE.jsonl
+--landmark-grid HxW`` so MiTA pools its landmarks in 2-D over the H×W grid, as the paper does
+on images (§3.2, Fig. 2).
+
+``--names``: the class names by label value (Fashion-MNIST's: ``FASHION_MNIST``);
+``--limit``: the first n images only; ``--pool F``: average F×F pixel blocks first (28×28 →
+14×14 with F = 2, a quarter of the tokens).
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+
+# Fashion-MNIST's classes by label value (github.com/zalandoresearch/fashion-mnist, README).
+FASHION_MNIST = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                 "Sneaker", "Bag", "Ankle boot")
+_DTYPES = {0x08: np.uint8}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """An IDX file (gzipped when its name ends in ``.gz``) as an array of its shape. Raises
+    ValueError naming the file when the header is not an unsigned-byte IDX or the size does
+    not match it."""
+    path = Path(path)
+    raw = (gzip.decompress if path.suffix == ".gz" else bytes)(path.read_bytes())
+    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _DTYPES:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file (header {raw[:4].hex()})")
+    ndim = raw[3]
+    dims = tuple(int(x) for x in np.frombuffer(raw, ">u4", ndim, 4))
+    data = np.frombuffer(raw, _DTYPES[raw[2]], offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: header says {dims} = {int(np.prod(dims))} values, the file "
+                         f"holds {data.size}")
+    return data.reshape(dims)
+
+
+def pool(images: np.ndarray, factor: int) -> np.ndarray:
+    """``(n, H, W)`` uint8 images averaged over ``factor``×``factor`` blocks (rounded half
+    up) → ``(n, H/f, W/f)``. Raises ValueError when f does not divide H and W."""
+    n, h, w = images.shape
+    if factor < 1 or h % factor or w % factor:
+        raise ValueError(f"--pool {factor} does not divide the {h}×{w} images")
+    blocks = images.reshape(n, h // factor, factor, w // factor, factor).astype(np.float64)
+    return np.floor(blocks.mean(axis=(2, 4)) + 0.5).astype(np.uint8)
+
+
+def rows(images: np.ndarray, labels: np.ndarray, names: tuple[str, ...] | None):
+    """JSON-lines rows of ``(n, H, W)`` images and their ``(n,)`` labels."""
+    if len(images) != len(labels):
+        raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    for img, lab in zip(images, labels, strict=True):
+        name = names[int(lab)] if names is not None else int(lab)
+        yield {"ids": (img.reshape(-1).astype(np.int64) + 1).tolist(), "label": name}

@@ -1,0 +1,303 @@
+"""Training on your own labelled file: ``python -m mita.train --train FILE --out DIR``.
+
+``FILE`` is ``label<TAB>text`` lines (``.tsv``) or JSON lines with ``text`` or ``ids`` and
+``label`` (``.jsonl``; ``mita.data.labelled``). Validation is ``--valid FILE`` or a seeded
+``--valid-share`` (default 0.1) of ``FILE``. Text is byte-level (UTF-8 bytes, 257 ids); ids
+rows keep their ids (``--vocab-size``, default the largest id + 1). Longer than ``--max-len``
+tokens: cut at the end (``--truncate tail``, default) or the start (``--truncate head``), and
+counted. ``--landmark-grid HxW``: every sequence is an H×W grid (an image's pixels row by
+row, ``python -m mita.data.images``), pooled to landmarks in 2-D.
+
+``DIR`` gets a checkpoint the service serves (``args.checkpoint: DIR``): ``config.json`` with
+the model config, ``task`` (name, label names, tokenizer, max length) and ``id2label`` /
+``label2id``; ``model.safetensors``; ``data_card.json`` (files' SHA-256, rows, class counts,
+lengths, split, validation accuracy per attention, warnings); ``metrics.json``.
+
+``--compare``: the three ways to get a MiTA model, side by side on the same data, budget and
+seed (the MiTA paper's appendix C): dense; drop-in (the dense weights run with MiTA); dense
+fine-tuned with MiTA for ``--finetune-share`` of the budget more; MiTA from scratch; and
+``mixed`` (one set of weights trained with both). Written to ``compare.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .argtypes import POSITIVE_INT, bounded
+from .config import ModelConfig
+from .data import labelled
+from .fit import STATE_FILES, Result, Run, fit, predict
+from .model import EncoderClassifier, load_checkpoint, save_checkpoint, tied_variant
+from .plots import figure, save
+from .task import Task, label_maps
+
+DEFAULTS = {"valid_share": 0.1, "truncate": "tail", "finetune_share": 0.25}
+SHARE = bounded(float, 0.0, 1.0, above_lo=True)
+TIMING_REPEATS = 5  # forwards timed per length (median), after one warm-up
+
+
+def grid(text: str) -> tuple[int, int]:
+    """``--landmark-grid``: ``HxW`` → (H, W), both ≥ 1."""
+    m = re.fullmatch(r"([1-9]\d*)[xX]([1-9]\d*)", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HxW (e.g. 28x28)")
+    return int(m[1]), int(m[2])
+
+
+def add_arguments(g) -> None:
+    g.add_argument("--train", type=Path, metavar="FILE", default=None,
+                   help="your labelled file (.tsv: label<TAB>text; .jsonl: text or ids, label)")
+    g.add_argument("--valid", type=Path, metavar="FILE", default=None,
+                   help="validation file (default: --valid-share of --train)")
+    g.add_argument("--valid-share", type=SHARE, default=None,
+                   help=f"share of --train held out, seeded (default {DEFAULTS['valid_share']})")
+    g.add_argument("--max-len", type=POSITIVE_INT, default=None,
+                   help="cut longer sequences to this many tokens")
+    g.add_argument("--truncate", choices=labelled.TRUNCATE_SIDES, default=None,
+                   help="the end --max-len cuts off: tail (default) keeps the start")
+    g.add_argument("--vocab-size", type=POSITIVE_INT, default=None,
+                   help="ids data: ids 1 … V-1 (default: the largest id + 1)")
+    g.add_argument("--task-name", default=None, help="default: the file's name")
+    g.add_argument("--landmark-grid", type=grid, default=None, metavar="HxW",
+                   help="2-D landmark pooling of H×W sequences (images)")
+    g.add_argument("--compare", action="store_true",
+                   help="dense, drop-in, fine-tuned, MiTA and mixed side by side")
+    g.add_argument("--finetune-share", type=SHARE, default=None,
+                   help=f"fine-tuning steps as a share of --steps "
+                        f"(default {DEFAULTS['finetune_share']})")
+    g.add_argument("--resume", action="store_true",
+                   help="go on from the training state in --out")
+    g.add_argument("--init", type=Path, default=None, metavar="DIR",
+                   help="start from this checkpoint's weights (same model config), e.g. a "
+                        "dense-trained one to fine-tune with MiTA")
+
+
+def main(p, args, argv) -> dict:
+    """``python -m mita.train --train FILE …`` (``p``: the parser, for its errors)."""
+    if args.valid is not None and args.valid_share is not None:
+        p.error("--valid and --valid-share: give one (a validation file, or a share of "
+                "--train)")
+    if args.resume and args.compare:
+        p.error("--resume resumes one training run; --compare runs five")
+    if args.init is not None and args.compare:
+        p.error("--init starts one run from a checkpoint; --compare trains each way from "
+                "--seed")
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    try:
+        data = labelled.load(args.train, args.valid, args.valid_share, args.seed, args.max_len,
+                             args.truncate, args.vocab_size)
+        if args.landmark_grid is not None:
+            _check_grid(data, args.landmark_grid)
+        labels = data.labels
+        cfg = ModelConfig(vocab_size=data.tokenizer.vocab_size, num_classes=len(labels),
+                          pad_id=0, dim=args.dim, depth=args.depth, num_heads=args.num_heads,
+                          ffn_dim=args.ffn_dim, num_landmarks=args.num_landmarks,
+                          topk=args.topk, route_topk=args.route_topk,
+                          shared_scale=args.shared_scale, landmark_grid=args.landmark_grid,
+                          attention="dense" if args.mode == "dense" else "mita")
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+    except ValueError as e:
+        p.error(str(e))
+    for w in data.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    counts = data.card["class_counts"]["train"]
+    print(f"{len(data.train)} training and {len(data.valid)} validation rows, "
+          f"{len(labels)} classes: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train, val = data.encoded("train"), data.encoded("valid")
+    run = Run(args.mode, args.steps, args.batch_size, args.lr, args.time_budget_min,
+              args.eval_every, args.seed)
+    task = Task(args.task_name or args.train.stem, tuple(labels), data.tokenizer,
+                data.tokenizer.vocab, args.max_len, args.truncate if args.max_len else None)
+    if args.compare:
+        ways, served = compare(cfg, run, train, val, data, args.finetune_share, args.out)
+        models, res = served
+    else:
+        ways = None
+        models = fresh(cfg, args.seed, args.mode)
+        if args.init is not None:
+            try:
+                start_from(models, args.init, cfg)
+            except (OSError, ValueError) as e:
+                p.error(str(e))
+        res = fit(models, run, train, val, state_dir=args.out, resume=args.resume,
+                  checkpoint_every=args.eval_every)
+    accuracy = res.history[-1]["val_accuracy"]
+    training = {"mode": args.mode, "valid_accuracy": accuracy, "steps": res.steps,
+                "seed": args.seed}
+    model = models["dense" if args.mode == "dense" else "mita"]
+    save_checkpoint(model, args.out, task=task.spec(), **label_maps(labels), training=training)
+    card = data.card | {"valid_accuracy": accuracy, "warnings": data.warnings,
+                        "training": training}
+    (args.out / "data_card.json").write_text(json.dumps(card, indent=2) + "\n")
+    metrics = {"mode": args.mode, "valid_accuracy": accuracy, "val_history": res.history,
+               "steps": res.steps, "train_wall_seconds": round(res.wall_s, 1),
+               "tokens_per_s": round(res.tokens_per_s, 1), "compare": ways,
+               "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
+               "torch": torch.__version__, "device": "cpu", "threads": torch.get_num_threads(),
+               "python": platform.python_version(), "machine": platform.machine(),
+               "command": "python -m mita.train " + " ".join(
+                   argv if argv is not None else sys.argv[1:])}
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    for f in STATE_FILES:  # finished: nothing left to resume
+        (args.out / f).unlink(missing_ok=True)
+    print(json.dumps({k: metrics[k] for k in ("mode", "valid_accuracy", "steps",
+                                              "train_wall_seconds", "tokens_per_s")}))
+    return metrics
+
+
+def _check_grid(data: labelled.Dataset, hw: tuple[int, int]) -> None:
+    cells = hw[0] * hw[1]
+    for ex in sorted(data.train + data.valid, key=lambda ex: (ex.path, ex.line)):
+        if len(ex.ids) != cells:
+            raise ValueError(f"{ex.path}:{ex.line}: {len(ex.ids)} tokens, but --landmark-grid "
+                             f"{hw[0]}x{hw[1]} needs {cells}")
+
+
+def fresh(cfg: ModelConfig, seed: int, mode: str) -> dict[str, EncoderClassifier]:
+    """New weights from ``seed``, as both attentions over one set of weights (the one
+    ``mode`` trains first: dense for ``dense``, else MiTA)."""
+    torch.manual_seed(seed)
+    first = "dense" if mode == "dense" else "mita"
+    model = EncoderClassifier(cfg.replace(attention=first))
+    other = "mita" if first == "dense" else "dense"
+    return {first: model, other: tied_variant(model, other)}
+
+
+def start_from(models: dict[str, EncoderClassifier], folder: Path, cfg: ModelConfig) -> None:
+    """Load checkpoint ``folder``'s weights into ``models`` (tied: one load sets both).
+    Raises ValueError when its config differs from ``cfg`` in anything but the attention."""
+    loaded = load_checkpoint(folder)
+    theirs, ours = (dataclasses.asdict(c.replace(attention="mita"))
+                    for c in (loaded.config, cfg))
+    if theirs != ours:
+        diff = sorted(k for k in ours if theirs[k] != ours[k])
+        raise ValueError(f"--init {folder}: its model config differs in {', '.join(diff)}")
+    next(iter(models.values())).load_state_dict(loaded.state_dict())
+
+
+@torch.no_grad()
+def forward_ms(model: EncoderClassifier, n: int, seed: int = 0) -> float:
+    """Median wall time (ms) of ``TIMING_REPEATS`` batch-1 forwards of ``n`` random real
+    tokens, after one warm-up; on this process's device (CPU) and threads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, model.config.vocab_size, (1, n), generator=g)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    was = model.training
+    model.eval()
+    model(ids, mask)
+    times = []
+    for _ in range(TIMING_REPEATS):
+        t0 = time.perf_counter()
+        model(ids, mask)
+        times.append(1e3 * (time.perf_counter() - t0))
+    model.train(was)
+    return statistics.median(times)
+
+
+def compare(cfg: ModelConfig, run: Run, train, val, data: labelled.Dataset, share: float,
+            out: Path) -> tuple[list[dict], tuple[dict, Result]]:
+    """The five ways, each trained with ``run``'s budget and seed (fine-tuning: ``share`` ×
+    ``run.steps`` more, from the dense weights), evaluated on ``val``: rows of way, attention,
+    steps, accuracy, retention (accuracy / dense's), agreement (labels equal to dense's) and
+    forward ms at the validation lengths' p50 and p99. Writes ``compare.{json,md,png}`` to
+    ``out``; returns the rows and the (models, result) of ``run.mode``'s own run."""
+    runs: dict[str, tuple[dict, Result]] = {}
+    for mode in ("dense", "mita", "mixed"):
+        models = fresh(cfg, run.seed, mode)
+        evaluated = models if mode == "mixed" else {mode: models[mode]}
+        runs[mode] = models, fit(evaluated, Run(**run.__dict__ | {"mode": mode,
+                                                                 "label": f"train[{mode}]"}),
+                                 train, val)
+    dense = runs["dense"][0]["dense"]
+    tuned = fresh(cfg, run.seed, "mita")
+    tuned["mita"].load_state_dict(dense.state_dict())
+    steps = max(1, round(share * run.steps))
+    tuned_res = fit({"mita": tuned["mita"]}, Run(**run.__dict__ | {"mode": "mita", "steps": steps,
+                                                  "eval_every": steps,
+                                                  "label": "fine-tune[mita]"}), train, val)
+    ways = [("dense", "dense", dense, runs["dense"][1].steps),
+            ("drop-in", "mita", tied_variant(dense, "mita"), runs["dense"][1].steps),
+            ("fine-tuned", "mita", tuned["mita"], runs["dense"][1].steps + tuned_res.steps),
+            ("mita", "mita", runs["mita"][0]["mita"], runs["mita"][1].steps),
+            ("mixed", "mita", runs["mixed"][0]["mita"], runs["mixed"][1].steps),
+            ("mixed", "dense", runs["mixed"][0]["dense"], runs["mixed"][1].steps)]
+    lengths = data.card["length_tokens"]["valid"]
+    n50, n99 = (min(int(round(lengths[q])), data.card.get("truncation", {}).get(
+        "max_len", 1 << 30)) for q in ("p50", "p99"))
+    if cfg.landmark_grid is not None:
+        n50 = n99 = cfg.landmark_grid[0] * cfg.landmark_grid[1]
+    timing = {a: {n: forward_ms(m, n) for n in dict.fromkeys((n50, n99))}
+              for a, m in (("dense", dense), ("mita", tied_variant(dense, "mita")))}
+    ref = predict(dense, val, progress="valid[dense]")
+    rows = []
+    for way, attention, model, steps_run in ways:
+        pred = predict(model, val, progress=f"valid[{way}]")
+        acc = sum(p == y for p, (_, y) in zip(pred, val, strict=True)) / len(val)
+        rows.append({"way": way, "attention": attention, "steps": steps_run, "accuracy": acc,
+                     "agreement": sum(a == b for a, b in zip(pred, ref, strict=True)) / len(val),
+                     "forward_ms_p50": timing[attention][n50],
+                     "forward_ms_p99": timing[attention][n99]})
+    for r in rows:
+        r["retention"] = r["accuracy"] / rows[0]["accuracy"] if rows[0]["accuracy"] else None
+    report = {"rows": rows, "lengths": {"p50": n50, "p99": n99}, "budget": {
+        "steps": run.steps, "time_budget_min": run.time_budget_min,
+        "finetune_steps": steps, "batch_size": run.batch_size, "seed": run.seed},
+        "valid_rows": len(val), "machine": f"{platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, CPU"}
+    write_compare(report, out)
+    return rows, runs[run.mode]
+
+
+def markdown(report: dict) -> str:
+    """The three-ways table (``compare.md``)."""
+    b, n = report["budget"], report["lengths"]
+    lines = [f"Validation rows {report['valid_rows']}; budget {b['steps']} steps of "
+             f"{b['batch_size']} (time limit {b['time_budget_min']:g} min per run), "
+             f"fine-tuning {b['finetune_steps']} steps more; seed {b['seed']}; "
+             f"{report['machine']}.", "",
+             f"| way | attention | steps | accuracy | retention | agreement with dense | "
+             f"forward ms at N = {n['p50']} (p50) | at N = {n['p99']} (p99) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        ret = "-" if r["retention"] is None else f"{100 * r['retention']:.1f} %"
+        lines.append(f"| {r['way']} | {r['attention']} | {r['steps']} | "
+                     f"{100 * r['accuracy']:.1f} % | {ret} | {100 * r['agreement']:.1f} % | "
+                     f"{r['forward_ms_p50']:.1f} | {r['forward_ms_p99']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_compare(report: dict, out: Path) -> None:
+    (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "compare.md").write_text(markdown(report))
+    fig = figure(figsize=(6.4, 3.6))
+    ax = fig.subplots()
+    rows = report["rows"]
+    names = [f"{r['way']}\n({r['attention']})" for r in rows]
+    bars = ax.bar(names, [100 * r["accuracy"] for r in rows],
+                  color=["#555555" if r["attention"] == "dense" else "#1f77b4" for r in rows])
+    for bar, r in zip(bars, rows, strict=True):
+        if r["retention"] is not None:
+            ax.annotate(f"{100 * r['retention']:.0f} %", (bar.get_x() + bar.get_width() / 2,
+                                                          bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("validation accuracy (%)")
+    ax.set_title("MiTA three ways (label: retention against dense)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    save(fig, out / "compare.png")
+
