@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from mita.config import ModelConfig, checkpoint_config, setting_name
-from mita.data.vocab import Vocabulary
+from mita.config import ModelConfig, checkpoint_config, checkpoint_metadata, setting_name
+from mita.task import Task, checkpoint_task
 
 from . import resolve_checkpoint
 from .classifier import Classifier
@@ -17,25 +17,23 @@ from .gateway import Gateway
 from .schemas import DEPLOYMENTS, AppArgs, validated
 
 
-def served_config(args: dict) -> tuple[AppArgs, ModelConfig]:
-    """The parsed application args and the ``ModelConfig`` the MiTA classifier will serve:
-    the checkpoint's, with ``mita_setting`` applied. Used by ``build_app`` and by
-    ``python -m service --check`` (``preflight.verify_checkpoints``), so both refuse the same.
-    Raises ValueError for refused args, a malformed config.json, a ``landmark_grid``
-    checkpoint (2-D pooling fixes N = H·W; the service serves any length) or a setting
-    ``ModelConfig`` refuses; FileNotFoundError for a checkpoint without config.json."""
+def served_config(args: dict) -> tuple[AppArgs, ModelConfig, Task]:
+    """The parsed application args, the ``ModelConfig`` the MiTA classifier will serve (the
+    checkpoint's, with ``mita_setting`` applied) and the checkpoint's ``Task`` (label names,
+    tokenizer; ``mita.task``). Used by ``build_app`` and by ``python -m service --check``
+    (``preflight.verify_checkpoints``), so both refuse the same. Raises ValueError for refused
+    args, a malformed config.json or task, or a setting ``ModelConfig`` refuses;
+    FileNotFoundError for a checkpoint without config.json."""
     a = validated(AppArgs, args, "application args")
-    cfg = checkpoint_config(resolve_checkpoint(a.checkpoint))
-    if cfg.landmark_grid is not None:
-        raise ValueError(f"checkpoint {a.checkpoint}: its landmark_grid "
-                         f"{list(cfg.landmark_grid)} (2-D pooling of one H×W token grid) fixes "
-                         "N; the service classifies sequences of any length and serves 1-D "
-                         "pooling checkpoints only")
+    folder = resolve_checkpoint(a.checkpoint)
+    meta = checkpoint_metadata(folder)
+    cfg = checkpoint_config(folder, meta)
+    task = checkpoint_task(meta, cfg, folder)
     try:
         cfg = cfg.replace(attention="mita", **a.mita_setting.overrides())
     except ValueError as e:
         raise ValueError(f"application args mita_setting: {e}") from None
-    return a, cfg
+    return a, cfg, task
 
 
 def build_app(args: dict) -> Application:
@@ -49,16 +47,17 @@ def build_app(args: dict) -> Application:
     ``mita_setting``: the MiTA classifier's m, k, s and shared scale, replacing the
     checkpoint's (``schemas.MiTASetting``). Parsed strictly by ``schemas.AppArgs``.
 
-    The gateway validates token ids against the checkpoint's vocabulary (its config.json).
+    The gateway validates token ids against the checkpoint's vocabulary and tokenizes text
+    with its tokenizer (its config.json, ``mita.task``).
 
     Raises as ``served_config`` (at deploy time, not in a replica).
     """
-    a, cfg = served_config(args)
+    a, cfg, task = served_config(args)
     setting = a.mita_setting.overrides()
     mita = Classifier.options(name=DEPLOYMENTS["mita"]).bind(
         a.checkpoint, "mita", a.device, a.mita_backend, a.dtype, a.cuda_graphs, setting)
     dense = Classifier.options(name=DEPLOYMENTS["dense"]).bind(
         a.checkpoint, "dense", a.device, "auto", a.dtype, a.cuda_graphs)
     return Gateway.options(name=DEPLOYMENTS["gateway"]).bind(
-        mita, dense, Vocabulary(cfg.vocab_size, cfg.pad_id),
+        mita, dense, task,
         setting_name(cfg.num_landmarks, cfg.topk, cfg.route_topk, cfg.shared_scale))

@@ -34,8 +34,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from mita.data.vocab import Vocabulary
 from mita.hooks import STAGE_COLORS, VARIANT_COLORS
+from mita.task import Task
 
 from . import replica_state
 from .http import (
@@ -86,14 +86,17 @@ REPLICA_LOST_CODES = (StatusCode.UNAVAILABLE, StatusCode.UNKNOWN, StatusCode.INT
                       StatusCode.ABORTED)
 
 
-def response_body(result: dict, shadow: str | None, arrived_at: float | None) -> dict:
+def response_body(result: dict, shadow: str | None, arrived_at: float | None,
+                  labels: tuple[str, ...]) -> dict:
     """A classifier's answer ``result`` as the JSON of ``ClassifyResponse`` with None left
     out (what FastAPI's response-model serialisation makes of it, without validating it
     again): ``shadow`` the variant run in shadow, or None; with ``arrived_at`` (the gateway's
     wall clock at the request's arrival, Unix seconds) the forward's ``profile``, whose
     ``pre_forward_ms`` counts from it (body parsing, validation, the hop to the classifier,
-    batching wait and queueing; both clocks are this machine's)."""
-    out = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
+    batching wait and queueing; both clocks are this machine's). ``labels``: the task's label
+    names by class index (``label_name``)."""
+    out = {"label": result["label"], "label_name": labels[result["label"]]}
+    out |= {k: result[k] for k in ("probabilities", "variant", "n", "model_id")}
     if shadow is not None:
         out["shadow"] = shadow
     if arrived_at is not None:
@@ -143,7 +146,7 @@ class Gateway:
     """Ingress. ``user_config`` is a ``GatewayConfig`` (A/B weights or policy auto, sticky
     header, shadow, limits); it can change without a restart."""
 
-    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, vocab: Vocabulary,
+    def __init__(self, mita: DeploymentHandle, dense: DeploymentHandle, task: Task,
                  mita_setting: str | None = None):
         self.handles = {"mita": mita, "dense": dense}
         # the served MiTA setting as advisor reports name it: policy auto's warm start reads
@@ -151,7 +154,7 @@ class Gateway:
         self.mita_setting = mita_setting
         # handle.classify makes a new handle on every access: made once here.
         self._classify_calls = {v: h.classify for v, h in self.handles.items()}
-        self.vocab = vocab
+        self.task, self.vocab = task, task.vocab
         self.config = GatewayConfig()
         context = serve.get_replica_context()
         self.live = LiveConfig(GatewayConfig, f"deployment {context.deployment!r} user_config",
@@ -327,13 +330,21 @@ class Gateway:
                              time.time() - arrived_at, override=variant is not None))
         if shadow is not None and not self._start_shadow(primary, shadow, ids, result):
             shadow = None
-        return response_body(result, shadow, arrived_at if profile else None)
+        return response_body(result, shadow, arrived_at if profile else None, self.task.labels)
+
+    def _fits(self, ids: np.ndarray) -> np.ndarray:
+        """``ids``, or ApiError(422) when the model cannot take their length (a grid model)."""
+        why = self.task.length_refusal(len(ids))
+        if why is not None:
+            raise ApiError(422, why)
+        return ids
 
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=CLASSIFY_RESPONSES,
               response_model_exclude_none=True)
     async def classify(self, body: ClassifyRequest, request: Request) -> JSONResponse:
-        """Classify one ListOps sequence (``text`` or ``ids``) with MiTA or dense attention."""
-        ids = to_ids(body, self.config.max_n, self.vocab)
+        """Classify one sequence (``text``, tokenized as the checkpoint says, or ``ids``) with MiTA
+        or dense attention."""
+        ids = self._fits(to_ids(body, self.config.max_n, self.vocab, self.task.tokenizer))
         out = await self._classify(ids, body.variant, body.profile, request)
         return classify_response(out, request)
 
@@ -356,7 +367,8 @@ class Gateway:
         """Classify one sequence sent as binary token ids (``application/octet-stream``): the
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
-        ids = binary_ids(await request.body(), dtype, self.config.max_n, self.vocab)
+        ids = self._fits(binary_ids(await request.body(), dtype, self.config.max_n,
+                                    self.vocab))
         mode = {"true": True, "false": False, "staged": "staged"}[profile]
         return classify_response(await self._classify(ids, variant, mode, request), request)
 
@@ -371,7 +383,8 @@ class Gateway:
         ids = []
         for i, item in enumerate(body.items):
             try:
-                ids.append(to_ids(item, self.config.max_n, self.vocab))
+                ids.append(self._fits(to_ids(item, self.config.max_n, self.vocab,
+                                             self.task.tokenizer)))
             except ApiError as e:
                 raise ApiError(e.status, f"items[{i}]: {e.message}") from None
         # One call per item: @serve.batch packs them with whatever else the classifier has
@@ -399,7 +412,8 @@ class Gateway:
 
     @app.get("/v1/models", responses={503: {"model": ErrorResponse}})
     async def models(self) -> dict:
-        """The variants served, their m/k/s and the checkpoint's metadata, the A/B policy in
+        """The task (name, label names, tokenizer, trained length), the variants served, their
+        m/k/s and the checkpoint's metadata, the A/B policy in
         force, and whether the gateway's last live update was applied or refused
         (``config_update``; each variant has its own). 503 + Retry-After when a classifier
         does not answer within 10 s."""
@@ -409,7 +423,7 @@ class Gateway:
             raise ApiError(503, f"a classifier did not answer ({type(e).__name__}); retry "
                                 "later", {"Retry-After": str(self.config.retry_after_s)}
                            ) from None
-        return {"variants": dict(zip(VARIANTS, infos, strict=True)),
+        return {"task": self.task.info(), "variants": dict(zip(VARIANTS, infos, strict=True)),
                 "ab_policy": json.loads(self.config.model_dump_json()),
                 "config_update": self.live.status()}
 

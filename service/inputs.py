@@ -8,7 +8,8 @@ import numpy as np
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from mita.data.listops import check_expression, encode
+from mita.data.listops import check_expression
+from mita.data.tokenizers import LISTOPS, Tokenizer
 from mita.data.vocab import Vocabulary
 
 from .schemas import ClassifyRequest
@@ -129,14 +130,16 @@ def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") ->
     return ids.astype(vocab.dtype, copy=False)
 
 
-def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary) -> np.ndarray:
-    """Validated token ids of a JSON request (``check_ids``). A ``text`` for a ListOps
-    checkpoint must also be one well-formed expression (``check_expression``: after the
-    length check, which bounds its work); ``ids`` stay free-form. Raises ApiError(422) naming
-    the fault and its token position."""
+def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary,
+           tokenizer: Tokenizer = LISTOPS) -> np.ndarray:
+    """Validated token ids of a JSON request (``check_ids``): a ``text`` tokenized by the
+    checkpoint's ``tokenizer`` (``mita.task``; an ids-only one refuses text). A ``text`` for
+    a ListOps checkpoint must also be one well-formed expression (``check_expression``: after
+    the length check, which bounds its work); ``ids`` stay free-form. Raises ApiError(422)
+    naming the fault and its token position."""
     if req.text is not None:  # the body-size limit bounds the tokenising work
         try:
-            ids = encode(req.text)
+            ids = tokenizer.encode(req.text)
         except ValueError as e:
             raise ApiError(422, str(e)) from None
     else:
@@ -147,7 +150,7 @@ def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary) -> np.ndarray:
         bad = next(i for i, x in enumerate(ids) if not -(2**63) <= x < 2**63)
         raise _out_of_range(ids[bad], bad, vocab) from None
     arr = check_ids(arr, max_n, vocab)
-    if req.text is not None and vocab.listops:
+    if req.text is not None and vocab.listops and tokenizer.kind == "listops":
         # A malformed expression has no ListOps value: refuse it rather than answer a label.
         try:
             check_expression(req.text)

@@ -328,7 +328,7 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
     from .routing import check_warm_start
 
     for app in config.applications:
-        a, cfg = served_config(app.args or {})
+        a, cfg, _ = served_config(app.args or {})
         try:
             check_warm_start(gateway_config(app), setting_name(
                 cfg.num_landmarks, cfg.topk, cfg.route_topk, cfg.shared_scale))

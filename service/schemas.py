@@ -102,7 +102,9 @@ class StageProfile(BaseModel):
 
 
 class ClassifyResponse(BaseModel):
-    label: int
+    label: int = Field(description="the class index")
+    label_name: str = Field(description="the class's name in the checkpoint's task "
+                                        "(ListOps: the value, \"0\" … \"9\")")
     probabilities: list[FiniteFloat] = Field(description="softmax of the logits, finite (a "
                                              "forward with non-finite logits is a 500)")
     variant: Variant

@@ -14,7 +14,7 @@ import yaml
 from mita.data.vocab import Vocabulary
 from mita.model import EncoderClassifier, ModelConfig, save_checkpoint
 from profiler import advise, advise_report
-from service.app import build_app
+from service.app import build_app, served_config
 from service.engine import ClassifierEngine
 from service.schemas import AppArgs
 
@@ -204,11 +204,14 @@ def test_serve_config_mita_setting_is_checked_at_deploy(tmp_path):
         build_app({"mita_setting": {"topk": 0}})
     app = build_app({"mita_setting": {"num_landmarks": 32, "topk": 8}})
     assert app is not None
-    # A 2-D landmark grid fixes N = H·W: refused at deploy, not by every request of another N.
+    # A 2-D landmark grid fixes N = H·W: served, and its task says so (a request of another N
+    # gets 422: mita.task.Task.length_refusal)
     grid = ModelConfig(num_landmarks=4, topk=4, landmark_grid=(4, 6))
     save_checkpoint(EncoderClassifier(grid), tmp_path / "grid")
-    with pytest.raises(ValueError, match=r"landmark_grid \[4, 6\] .* fixes N"):
-        build_app({"checkpoint": str(tmp_path / "grid")})
+    _, _, task = served_config({"checkpoint": str(tmp_path / "grid")})
+    assert task.grid == (4, 6) and task.length_refusal(24) is None
+    assert task.length_refusal(25) == ("this model classifies 4×6 grids (2-D landmark pooling): "
+                                       "a sequence must have exactly 24 tokens, got 25")
 
 
 def test_data_outside_the_checkpoints_vocabulary_is_refused(tmp_path):

@@ -31,6 +31,10 @@ def engine():
     return ClassifierEngine(CHECKPOINT, "mita", "cpu", cuda_graphs=False)
 
 
+# label names by class index, as a user's checkpoint holds them (mita.task)
+NAMES = ("zero", "one", "two", "class three", "four", "five", "six", "seven", "eight", "nine")
+
+
 def ids_of(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, 16, n).astype(np.uint8)
 
@@ -40,6 +44,7 @@ def model_json(result: dict, shadow: str | None, arrived_at: float | None) -> by
     response_model_exclude_none=True`` of the answer in full: every field, None included,
     and every field of the forward's stats, with the tables computed from its records."""
     full = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
+    full["label_name"] = NAMES[result["label"]]
     full["shadow"] = shadow
     if arrived_at is not None:
         stats = result["profile"]
@@ -57,11 +62,11 @@ def test_response_body_is_the_response_models_json(engine):
     arrived_at = stats.started_at - 0.0125
     for shadow in (None, "dense"):
         for at in (None, arrived_at):
-            body = response_body(result, shadow, at)
+            body = response_body(result, shadow, at, NAMES)
             assert JSONResponse(body).body == model_json(result, shadow, at)  # keys, order, floats
             assert ("shadow" in body) == (shadow is not None)
             assert ("profile" in body) == (at is not None)
-    profile = response_body(result, None, arrived_at)["profile"]
+    profile = response_body(result, None, arrived_at, NAMES)["profile"]
     # Unix seconds near 1.8e9 are float64 to ~2.4e-7 s: 1e-3 ms covers the two roundings
     assert profile["pre_forward_ms"] == pytest.approx(12.5, abs=1e-3)
     # internal fields stay out; None (no Triton top-k here) is left out, as the model did
@@ -79,7 +84,8 @@ def test_response_body_of_a_profile_with_none_and_a_topk_path():
                          cuda_graph=True, topk_path="select")
     result = {"label": 3, "probabilities": [0.25, 0.75], "variant": "mita", "n": 4000,
               "model_id": "m@1", "profile": stats, "replica": "r"}
-    body = response_body(result, "dense", 99.5)
+    body = response_body(result, "dense", 99.5, NAMES)
+    assert (body["label"], body["label_name"]) == (3, "class three")
     assert JSONResponse(body).body == model_json(result, "dense", 99.5)
     assert body["profile"]["topk_path"] == "select" and body["profile"]["pre_forward_ms"] == 500
     assert "peak_memory_bytes" not in body["profile"]

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
+from mita.config import ModelConfig
+from mita.task import checkpoint_task
 from service.gateway import Gateway
 from service.http import ARRIVED, query_refusal
 from service.routing import RoutingTable, advisor_priors, decide_bucket, wilson_lower
@@ -137,6 +139,7 @@ def gateway(policy: str = "auto", **cfg) -> tuple[Gateway, dict]:
     g.recorder.routing.configure(g.config.auto)
     handles = {v: Scripted(*[answer() | {"variant": v}] * 20) for v in ("mita", "dense")}
     g._classify_calls = handles
+    g.task = checkpoint_task({}, ModelConfig(), ".")  # the ListOps task: label names "0"…"9"
     g.rng = random.Random(0)
     g._primaries = {"mita": 0, "dense": 0}
     g._shadow_tasks = {"mita": set(), "dense": set()}
