@@ -72,10 +72,13 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                                       "unless absolute)")
     s.add_argument("--data", default="generated",
                    help="'generated' (LRA-procedure ListOps, see --min/--max-length) or a "
-                        "file: LRA ListOps TSV (--format lra) or label<TAB>text (--format "
-                        "text, byte-level)")
-    s.add_argument("--format", dest="data_format", choices=["lra", "text"], default="lra",
-                   help="a --data file's format")
+                        "file: LRA ListOps TSV (--format lra), label<TAB>text with integer "
+                        "labels (--format text, byte-level) or your labelled file as "
+                        "python -m mita.train --train reads it (--format own, the default for "
+                        "a checkpoint trained on one)")
+    s.add_argument("--format", dest="data_format", choices=["lra", "text", "own"],
+                   default=None, help="a --data file's format (default: own for a checkpoint "
+                                      "with a task, else lra)")
     s.add_argument("--size", type=POSITIVE_INT, default=1000,
                    help="labelled sequences used (the first SIZE of a file)")
     s.add_argument("--min-length", type=POSITIVE_INT, default=500)
@@ -130,7 +133,8 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         pick_device(a.device, "the advisor", auto=False)
         cfg = advise.AdviseConfig(
             checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
-            data_format=a.data_format, size=a.size, min_length=a.min_length,
+            data_format=a.data_format or ("own" if "task" in meta else "lra"),
+            size=a.size, min_length=a.min_length,
             max_length=a.max_length, seed=a.seed, device=a.device, dtype=a.dtype,
             mita_backend=a.mita_backend, repeats=a.repeats, budget_s=60 * a.budget_min,
             out=a.out)

@@ -41,13 +41,15 @@ import torch
 
 from mita import config
 from mita.cost import fig5_setting
+from mita.data import labelled
 from mita.data.listops import ListOpsConfig, encode, generate
 from mita.data.tsv import read_lra_listops, read_text_tsv
 from mita.data.vocab import Vocabulary
 from mita.hooks import stage_sorted
-from mita.model import checkpoint_metadata
+from mita.model import checkpoint_config, checkpoint_metadata
 from mita.progress import Progress
 from mita.quality import kl_divergence
+from mita.task import checkpoint_task
 
 from .advise_report import NOISY, cpu_sharing_warning, serve_snippet
 from .advise_units import UnitStore, load_dense_probs
@@ -157,7 +159,9 @@ class AdviseConfig:
     grid: list[Setting]
     constraint: Constraint
     data: str = "generated"  # "generated", or a file path
-    data_format: str = "lra"  # for a file: "lra" (LRA ListOps TSV) or "text" (label<TAB>text)
+    # for a file: "lra" (LRA ListOps TSV), "text" (label<TAB>text, integer labels) or "own"
+    # (your labelled file, label names: mita.data.labelled, the checkpoint's task)
+    data_format: str = "lra"
     size: int = 1000
     min_length: int = 500  # generated data: LRA's test distribution, 500 < length < 2000
     max_length: int = 2000
@@ -200,6 +204,8 @@ def load_data(cfg: AdviseConfig, num_classes: int, vocab: Vocabulary | None = No
     if cfg.data == "generated":
         rows = [(encode(t), y) for t, y in generate(
             cfg.size, cfg.seed, ListOpsConfig(cfg.min_length, cfg.max_length))]
+    elif cfg.data_format == "own":
+        rows = own_rows(cfg)
     else:
         try:
             rows = (read_lra_listops(cfg.data) if cfg.data_format == "lra"
@@ -232,6 +238,25 @@ def sequence_of_length(data: list[tuple[list[int], int]], n: int) -> np.ndarray:
     if not ids.size:
         raise ValueError("the data hold no token to build a sequence from")
     return np.resize(ids, n)  # repeats ids as needed, then cuts at n
+
+
+def own_rows(cfg: AdviseConfig) -> list[tuple[list[int], int]]:
+    """The first ``size`` rows of a labelled file as ``mita.train --train`` reads it (TSV or
+    JSON lines, label names), tokenized by the checkpoint's tokenizer and indexed by its
+    label names (``mita.task``). Raises ValueError naming the file and line of a label the
+    checkpoint does not know (or ``read_file``'s errors)."""
+    folder = _resolve(cfg.checkpoint)
+    meta = checkpoint_metadata(folder)
+    task = checkpoint_task(meta, checkpoint_config(folder, meta), folder)
+    index = {name: i for i, name in enumerate(task.labels)}
+    out = []
+    for ex in labelled.read_file(cfg.data, task.tokenizer).examples[:cfg.size]:
+        if ex.label not in index:
+            raise ValueError(f"{ex.path}:{ex.line}: label {ex.label!r} is not one of the "
+                             f"checkpoint's {len(index)} labels ({', '.join(task.labels[:5])}"
+                             f"{', …' if len(index) > 5 else ''})")
+        out.append((list(ex.ids), index[ex.label]))
+    return out
 
 
 def _engine(cfg: AdviseConfig, attention: str, setting: Setting | None):
