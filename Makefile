@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # extra): not for `make serve`, which keeps a GPU host's own Triton.
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test test-fast lint mutate kernels-table
+.PHONY: serve test test-fast lint mutate kernels-table data
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,15 @@ test: lint
 # built (the first run builds them, ~30 s).
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
+
+# The real data sets of README "Your own data" from Debian's packages (apt-get download, ~32 MB):
+# Fashion-MNIST as 14×14 pixel-id rows, Jane Austen's novels as 512-character windows, and
+# the text task's n-gram baseline. Nothing is fetched at training or test time.
+DATA ?= data
+data: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[data]'
+	$(BIN)/python -m mita.datasets fashion-mnist --out $(DATA)/fashion-mnist
+	$(BIN)/python -m mita.datasets austen --window 512 --out $(DATA)/austen-512
 
 # The compiled resources of every Triton kernel specialisation (258 compiles, 8-25 min on 2
 # cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it

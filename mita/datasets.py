@@ -1,0 +1,158 @@
+"""Real labelled data from Debian's packages, offline once fetched: ``python -m mita.datasets
+NAME --out DIR`` (``make data`` fetches both).
+
+- ``fashion-mnist``: Debian's ``dataset-fashion-mnist`` (Zalando's Fashion-MNIST, 70,000
+  28×28 grey-scale images of 10 kinds of clothing; MIT licence). Written as JSON lines of
+  pixel ids (``mita.data.images``), average-pooled 2×2 to 14×14 (196 tokens, the grid of the
+  MiTA paper's ImageNet models): ``train.jsonl`` (60,000) and ``test.jsonl`` (10,000).
+- ``austen``: Debian's ``r-cran-janeaustenr`` (Jane Austen's six novels from Project
+  Gutenberg, public domain; package MIT), read without R by the ``rdata`` package. Each novel's
+  text (lines joined by spaces) is cut into windows of ``--window`` characters labelled with
+  the novel: the first 90 % of each novel's windows are ``train.tsv``, the last 10 %
+  ``valid.tsv`` (no window of the validation text is next to a training one but at one edge
+  per novel). ``baseline.json``: a character 1–4-gram naive Bayes (scikit-learn) on the same
+  split, the reference a model must beat.
+
+``apt-get download`` and ``dpkg-deb -x`` fetch and unpack the package into ``DIR/debs``; run
+as a user who may use apt. Nothing is fetched at training or test time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .argtypes import POSITIVE_INT, Parser
+from .data.images import FASHION_MNIST, pool, read_idx, rows
+
+PACKAGES = {"fashion-mnist": "dataset-fashion-mnist", "austen": "r-cran-janeaustenr"}
+AUSTEN_TITLES = {"emma": "Emma", "mansfieldpark": "Mansfield Park",
+                 "northangerabbey": "Northanger Abbey", "persuasion": "Persuasion",
+                 "prideprejudice": "Pride and Prejudice",
+                 "sensesensibility": "Sense and Sensibility"}
+VALID_SHARE = 0.1
+
+
+def unpack(package: str, out: Path) -> Path:
+    """``apt-get download`` the Debian package into ``out/debs`` and unpack it there; returns
+    the unpacked root. Raises RuntimeError naming the failing command."""
+    debs = out / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    if not list(debs.glob(f"{package}_*.deb")):
+        _run(["apt-get", "download", package], debs)
+    deb = sorted(debs.glob(f"{package}_*.deb"))[-1]
+    root = debs / package
+    _run(["dpkg-deb", "-x", str(deb), str(root)], debs)
+    return root
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): "
+                           f"{(done.stderr or done.stdout).strip()[-300:]}")
+
+
+def fashion_mnist(out: Path, factor: int = 2) -> dict:
+    root = unpack(PACKAGES["fashion-mnist"], out) / "usr/share/datasets/fashion-mnist"
+    counts = {}
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        images = read_idx(root / f"{prefix}-images-idx3-ubyte.gz")
+        labels = read_idx(root / f"{prefix}-labels-idx1-ubyte.gz")
+        images = pool(images, factor) if factor > 1 else images
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows(images, labels, FASHION_MNIST):
+                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        counts[split] = len(images)
+    h, w = images.shape[1:]
+    return {"rows": counts, "grid": f"{h}x{w}", "licence": "MIT (Zalando SE)"}
+
+
+def austen_books(root: Path) -> dict[str, str]:
+    """The six novels' texts (lines joined by spaces) from the package's lazy-load database
+    (``data/Rdata.rdx`` indexes zlib-compressed R objects in ``Rdata.rdb``)."""
+    import rdata
+
+    data = root / "usr/lib/R/site-library/janeaustenr/data"
+    with warnings.catch_warnings():  # rdata: "Unknown file type: assumed RDS"
+        warnings.simplefilter("ignore")
+        index = rdata.conversion.convert(rdata.parser.parse_data(
+            gzip.decompress((data / "Rdata.rdx").read_bytes())))
+        rdb = (data / "Rdata.rdb").read_bytes()
+        books = {}
+        for name, (offset, length) in index["variables"].items():
+            blob = rdb[int(offset):int(offset) + int(length)]
+            lines = rdata.conversion.convert(rdata.parser.parse_data(zlib.decompress(blob[4:])))
+            books[AUSTEN_TITLES[str(name)]] = " ".join(" ".join(str(x) for x in lines).split())
+    return books
+
+
+def austen(out: Path, window: int) -> dict:
+    books = austen_books(unpack(PACKAGES["austen"], out))
+    split: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
+    for title, text in books.items():
+        windows = [text[i:i + window] for i in range(0, len(text) - window + 1, window)]
+        cut = len(windows) - max(1, round(VALID_SHARE * len(windows)))
+        split["train"] += [(title, w) for w in windows[:cut]]
+        split["valid"] += [(title, w) for w in windows[cut:]]
+    for name, part in split.items():
+        (out / f"{name}.tsv").write_text("label\ttext\n" + "".join(
+            f"{title}\t{w.replace(chr(9), ' ')}\n" for title, w in part), encoding="utf-8")
+    baseline = ngram_baseline(split["train"], split["valid"])
+    (out / "baseline.json").write_text(json.dumps(baseline, indent=2) + "\n")
+    return {"rows": {k: len(v) for k, v in split.items()}, "window": window,
+            "baseline": baseline, "licence": "public domain texts; package MIT"}
+
+
+def ngram_baseline(train: list[tuple[str, str]], valid: list[tuple[str, str]]) -> dict:
+    """Validation accuracy of a character 1–4-gram multinomial naive Bayes (scikit-learn's
+    ``CountVectorizer(analyzer="char", ngram_range=(1, 4))`` + ``MultinomialNB``), and of
+    always answering the most common training label."""
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.naive_bayes import MultinomialNB
+
+    vec = CountVectorizer(analyzer="char", ngram_range=(1, 4), max_features=200_000)
+    x = vec.fit_transform([t for _, t in train])
+    nb = MultinomialNB().fit(x, [y for y, _ in train])
+    pred = nb.predict(vec.transform([t for _, t in valid]))
+    labels, counts = np.unique([y for y, _ in train], return_counts=True)
+    top = labels[counts.argmax()]
+    return {"char_1_4_gram_naive_bayes": float(np.mean(pred == [y for y, _ in valid])),
+            "majority_class": float(np.mean([y == top for y, _ in valid])),
+            "model": "sklearn CountVectorizer(char, 1-4) + MultinomialNB"}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = Parser(prog="python -m mita.datasets", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=tuple(PACKAGES))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--window", type=POSITIVE_INT, default=1024,
+                   help="austen: characters per window (default 1024)")
+    p.add_argument("--pool", type=POSITIVE_INT, default=2,
+                   help="fashion-mnist: average F×F pixel blocks (default 2: 14×14)")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    try:
+        info = fashion_mnist(a.out, a.pool) if a.name == "fashion-mnist" else austen(
+            a.out, a.window)
+    except (OSError, RuntimeError, ValueError) as e:
+        p.error(str(e))
+    except ImportError as e:
+        p.error(f"{e.name} is missing: pip install '.[data]' (make data does)")
+    info |= {"package": PACKAGES[a.name]}
+    (a.out / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(json.dumps(info), file=sys.stdout)
+    return info
+
+
+if __name__ == "__main__":
+    main()
