@@ -137,6 +137,26 @@ README_COMMANDS = {
     "docker build -f deploy/kuberay/Dockerfile -t mita-serve:0.1.0-gpu .": (
         "no", "needs Docker and a CUDA base image download"),
     "kubectl apply -f deploy/kuberay/rayservice.yaml": ("no", "needs a Kubernetes cluster"),
+    ".venv/bin/python -m mita.train --train examples/austen-512.tsv --valid "
+    "examples/austen-512-valid.tsv --out runs/own-data --steps 300 --threads 1": (
+        "run", "shrink: --steps 2 --eval-every 1 --dim 16 --ffn-dim 32 --out RUNS/own-data"),
+    ".venv/bin/python -m service --config deploy/serve_config.own-data.yaml": (
+        "test", "tests/test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
+                "names_beside_listops (the config's second application, deployed beside the "
+                "session's, on a checkpoint trained on the same file)"),
+    "curl -s -X POST http://127.0.0.1:8000/own/v1/classify -H 'content-type: application/json' "
+    "-d '{\"text\": \"Emma Woodhouse, handsome, clever, and rich, with a comfortable home\"}'": (
+        "test", "tests/test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
+                "names_beside_listops (a validation window of Emma at /own/v1/classify)"),
+    "python -m profiler advise DIR --data FILE": (
+        "test", "tests/test_train_data.py::test_the_advisor_reads_your_file_with_the_"
+                "checkpoints_task (the file read; the advisor's run is the README's other "
+                "advise command)"),
+    "python -m mita.images IMAGES LABELS --out FILE.jsonl": (
+        "test", "tests/test_labelled_data.py::test_images_become_pixel_id_rows_with_their_grid"),
+    "make data": ("no", "fetches two Debian packages (≈ 32 MB; samples of both are in "
+                        "examples/); tests/test_labelled_data.py converts an IDX file"),
+    "python -m mita.datasets fashion-mnist|austen --out DIR": ("no", "what make data runs"),
 }
 
 
@@ -431,6 +451,12 @@ def test_readme_offline_commands(tmp_path):
     assert (tmp_path / "runs" / "sweep-torch" / "sweep.md").is_file()
     out = run(next(c for c in cmds if "-m profiler advise" in c), 300).stdout
     assert "Recommendation" in out and (tmp_path / "runs" / "advise" / "frontier.png").is_file()
+    own = next(c for c in cmds if "-m mita.train --train" in c)
+    run(own)  # your own data, on the shipped real sample: a checkpoint with its task and card
+    meta = json.loads((tmp_path / "runs" / "own-data" / "config.json").read_text())
+    assert meta["task"]["labels"][0] == "Emma" and meta["task"]["tokenizer"] == {"kind": "bytes"}
+    assert json.loads((tmp_path / "runs" / "own-data" / "data_card.json").read_text())[
+        "rows"] == {"train": 72, "valid": 18}
     table = run("python -m mita.kernels.aot_table --markdown").stdout.splitlines()
     assert table[0].startswith("triton ") and table[2].startswith("| case | sm | tiles |")
     assert len(table) == 4 + 258, table[:5]  # versions, blank, header, rule, 258 rows
