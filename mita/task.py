@@ -92,8 +92,8 @@ def checkpoint_task(meta: dict, cfg: ModelConfig, folder=".") -> Task:
         raise ValueError(f"{where}: task 'labels' must be {cfg.num_classes} distinct names "
                          f"(num_classes), each 1-{MAX_LABEL_CHARS} characters")
     try:
-        tok = from_spec(spec["tokenizer"])
-    except ValueError as e:
+        tok = from_spec(spec["tokenizer"], folder)
+    except (OSError, ValueError) as e:
         raise ValueError(f"{where}: task {e}") from None
     if tok.vocab_size != cfg.vocab_size or cfg.pad_id != 0:
         raise ValueError(f"{where}: the task's tokenizer has {tok.vocab_size} ids (0 padding); "

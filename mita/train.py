@@ -39,7 +39,8 @@ def encoded(examples: list[tuple[str, int]]) -> list[tuple[list[int], int]]:
 LISTOPS_ONLY = {"train_size": 20000, "val_size": 500, "test_size": 2000, "min_length": 100,
                 "max_length": 500}
 OWN_DATA_ONLY = ("valid", "valid_share", "max_len", "truncate", "vocab_size", "task_name",
-                 "landmark_grid", "compare", "finetune_share", "resume", "init")
+                 "landmark_grid", "compare", "finetune_share", "resume", "init",
+                 "subword_vocab")
 
 
 def parser() -> Parser:

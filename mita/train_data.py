@@ -36,6 +36,7 @@ import torch
 from .argtypes import POSITIVE_INT, bounded
 from .config import ModelConfig
 from .data import labelled
+from .data.tokenizers import SUBWORD_FILE
 from .fit import STATE_FILES, Result, Run, fit, predict
 from .model import EncoderClassifier, load_checkpoint, save_checkpoint, tied_variant
 from .plots import figure, save
@@ -65,6 +66,9 @@ def add_arguments(g) -> None:
                    help="cut longer sequences to this many tokens")
     g.add_argument("--truncate", choices=labelled.TRUNCATE_SIDES, default=None,
                    help="the end --max-len cuts off: tail (default) keeps the start")
+    g.add_argument("--subword-vocab", type=POSITIVE_INT, default=None, metavar="V",
+                   help="text: a sentencepiece tokenizer of V pieces learned from the "
+                        "training split (default: byte-level)")
     g.add_argument("--vocab-size", type=POSITIVE_INT, default=None,
                    help="ids data: ids 1 … V-1 (default: the largest id + 1)")
     g.add_argument("--task-name", default=None, help="default: the file's name")
@@ -97,7 +101,7 @@ def main(p, args, argv) -> dict:
             setattr(args, name, default)
     try:
         data = labelled.load(args.train, args.valid, args.valid_share, args.seed, args.max_len,
-                             args.truncate, args.vocab_size)
+                             args.truncate, args.vocab_size, args.subword_vocab)
         if args.landmark_grid is not None:
             _check_grid(data, args.landmark_grid)
         labels = data.labels
@@ -142,6 +146,11 @@ def main(p, args, argv) -> dict:
                 "seed": args.seed}
     model = models["dense" if args.mode == "dense" else "mita"]
     save_checkpoint(model, args.out, task=task.spec(), **label_maps(labels), training=training)
+    subword = args.out / SUBWORD_FILE
+    if data.tokenizer.kind == "sentencepiece":
+        subword.write_bytes(data.tokenizer.model)
+    else:  # never leave an earlier run's tokenizer beside these weights
+        subword.unlink(missing_ok=True)
     card = data.card | {"valid_accuracy": accuracy, "warnings": data.warnings,
                         "training": training}
     (args.out / "data_card.json").write_text(json.dumps(card, indent=2) + "\n")

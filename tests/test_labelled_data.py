@@ -15,8 +15,11 @@ from mita.config import ModelConfig
 from mita.data import labelled
 from mita.data.images import pool, read_idx
 from mita.data.tokenizers import BYTES, LISTOPS, from_spec, ids_tokenizer
+from mita.data.vocab import Vocabulary
 from mita.images import main as images_main
 from mita.task import checkpoint_task, label_maps
+from service.inputs import ApiError, to_ids
+from service.schemas import ClassifyRequest
 
 
 def write(tmp_path, name: str, data: bytes | str):
@@ -166,6 +169,11 @@ def test_seeded_split_and_the_dominant_class_warning(tmp_path):
 
 
 def test_tokenizers_and_their_specs():
+    # the gateway's tokenizing of a text for a byte-level checkpoint (mita.task)
+    assert to_ids(ClassifyRequest(text="hé"), 10, BYTES.vocab, BYTES).tolist() == [
+        ord("h") + 1, 0xC3 + 1, 0xA9 + 1]
+    with pytest.raises(ApiError, match="^this model takes token ids"):
+        to_ids(ClassifyRequest(text="x"), 10, Vocabulary(50), ids_tokenizer(50))
     assert BYTES.encode("aé") == [98, 0xC3 + 1, 0xA9 + 1] and BYTES.vocab_size == 257
     assert LISTOPS.encode("[MAX 2 3 ]") == [12, 3, 4, 15]
     with pytest.raises(ValueError, match="^this model takes token ids"):
@@ -177,7 +185,10 @@ def test_tokenizers_and_their_specs():
     with pytest.raises(ValueError, match=r"^tokenizer 'bytes' takes only \['kind'\]"):
         from_spec({"kind": "bytes", "vocab_size": 257})
     with pytest.raises(ValueError, match=r"^tokenizer must be an object with 'kind' one of"):
-        from_spec({"kind": "sentencepiece"})
+        from_spec({"kind": "wordpiece"})
+    with pytest.raises(ValueError, match=r"^tokenizer 'sentencepiece' needs file "
+                                         r"'tokenizer.model' beside config.json$"):
+        from_spec({"kind": "sentencepiece", "file": "other.model", "vocab_size": 9}, ".")
 
 
 def test_checkpoint_task_reads_back_and_refuses_what_does_not_fit():

@@ -23,7 +23,7 @@ STDLIB = set(sys.stdlib_module_names)
 
 # The third-party libraries each ground-floor module may use (beyond the standard library).
 GROUND = {"mita.config": set(), "mita.hooks": set(), "mita.argtypes": set(),
-          "mita.data": {"numpy"}}
+          "mita.data": {"numpy", "sentencepiece"}}
 STAGE_MODULES = {"mita.stages", "mita.topk"}
 # loadtest is a client of the service over HTTP: data, the stage names, CLI pieces (types,
 # the parser, progress) and plots.
@@ -111,7 +111,8 @@ def forbidden(importer: str, imported: str) -> str | None:
             return None
         if top in STDLIB or top in allowed:
             return None
-        return "mita/config.py, mita/hooks.py and mita/data/ import the stdlib and numpy only"
+        return ("mita/config.py, mita/hooks.py and mita/data/ import the stdlib and numpy only "
+                "(and mita/data/ sentencepiece, its subword tokenizer)")
     if top in PACKAGES:
         return _project_rule(importer, imported)
     return None
@@ -252,7 +253,8 @@ def tree(tmp_path_factory) -> Path:
     ("mita.config", "from . import attention",
      ["import circle: mita.attention ↔ mita.config",
       "mita.config imports mita.attention: mita/config.py, mita/hooks.py and mita/data/ "
-      "import the stdlib and numpy only"]),
+      "import the stdlib and numpy only (and mita/data/ sentencepiece, its subword "
+      "tokenizer)"]),
     # the circle issue 30 found: a launcher importing the dispatcher
     ("mita.kernels.cpu", "from .. import attention",
      ["import circle: mita.attention ↔ mita.kernels.cpu",

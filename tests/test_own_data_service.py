@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from mita.data.tokenizers import BYTES
+from mita.config import checkpoint_config, checkpoint_metadata
+from mita.task import checkpoint_task
 from mita.train import main as train_main
 from service.config_file import read_yaml
 from service.engine import ClassifierEngine
@@ -50,15 +51,16 @@ def with_documented_apps(session: ServeDeploySchema, checkpoints: dict[str, str]
 
 @pytest.fixture(scope="module")
 def own_apps(service, tmp_path_factory):
-    """At /own a byte-level checkpoint trained here on the shipped Austen sample (real text,
-    six novels), at /images the shipped Fashion-MNIST checkpoint (2-D landmark pooling), both
-    beside ListOps in one redeploy; the session's config again afterwards."""
+    """At /own a checkpoint trained here on the shipped Austen sample (real text, six novels)
+    with a subword tokenizer learned from it (the byte-level default: test_labelled_data), at
+    /images the shipped Fashion-MNIST checkpoint (2-D landmark pooling), both beside ListOps
+    in one redeploy; the session's config again afterwards."""
     from service import launch
 
     ck = tmp_path_factory.mktemp("own") / "austen"
     train_main(["--train", str(ROOT / "examples/austen-512.tsv"), "--valid",
                 str(ROOT / "examples/austen-512-valid.tsv"), "--out", str(ck), "--steps", "4",
-                "--eval-every", "4", "--max-len", "400", *TINY])
+                "--eval-every", "4", "--max-len", "400", "--subword-vocab", "400", *TINY])
     session = launch.load_config(launch.CPU_CONFIG, service.overrides)
     launch.deploy(with_documented_apps(session, {"/own": ck, "/images": IMAGES}))
     try:
@@ -73,23 +75,26 @@ def test_a_users_checkpoint_answers_with_label_names_beside_listops(service, own
     title, text = line.split("\t")
     assert title == "Emma"
     engine = ClassifierEngine(own_apps, "mita", "cpu", "torch", "auto")
-    local = engine.run([np.array(BYTES.encode(text), dtype=np.int32)])[0]
+    meta = checkpoint_metadata(own_apps)
+    tok = checkpoint_task(meta, checkpoint_config(own_apps), own_apps).tokenizer
+    ids = tok.encode(text)
+    local = engine.run([np.array(ids, dtype=np.int32)])[0]
     labels = NOVELS
-    for body in ({"text": text, "variant": "mita"},
-                 {"ids": BYTES.encode(text), "variant": "mita"}):
+    for body in ({"text": text, "variant": "mita"}, {"ids": ids, "variant": "mita"}):
         r = c.post("/own/v1/classify", json=body)
         assert r.status_code == 200, r.text
         got = r.json()
-        assert got["n"] == len(text.encode()) and got["variant"] == "mita"
+        assert got["n"] == len(ids) < len(text.encode()) and got["variant"] == "mita"
         assert got["label"] == local["label"] and got["label_name"] == labels[got["label"]]
         assert got["probabilities"] == pytest.approx(local["probabilities"], abs=1e-6)
     # the ListOps grammar is the ListOps checkpoint's only: here "[MAX 2" is just bytes
     assert c.post("/own/v1/classify", json={"text": "[MAX 2"}).status_code == 200
-    r = c.post("/own/v1/classify", json={"ids": [1, 257]})
-    assert r.status_code == 422 and "[1, 256]" in r.json()["error"]
+    r = c.post("/own/v1/classify", json={"ids": [1, 400]})
+    assert r.status_code == 422 and "[1, 399]" in r.json()["error"]
     task = c.get("/own/v1/models").json()["task"]
     assert task == {"name": "austen-512", "labels": labels,
-                    "tokenizer": {"kind": "bytes", "vocab_size": 257}, "takes_text": True,
+                    "tokenizer": {"kind": "sentencepiece", "file": "tokenizer.model",
+                                  "vocab_size": 400}, "takes_text": True,
                     "max_length": 400, "truncate": "tail", "grid": None}
     # the ListOps application at / is unchanged, and names its labels by their values
     r = c.post("/v1/classify", json={"text": "[MAX 2 9 ]"})

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tokenizers import BYTES, Tokenizer, ids_tokenizer
+from .tokenizers import BYTES, Tokenizer, ids_tokenizer, train_subword
 
 TSV_SUFFIXES = (".tsv", ".txt")
 JSONL_SUFFIXES = (".jsonl",)
@@ -262,17 +262,22 @@ def _lengths(examples: list[Example]) -> dict:
 
 def load(train_path: str | Path, valid_path: str | Path | None = None,
          valid_share: float = 0.1, seed: int = 0, max_len: int | None = None,
-         truncate_side: str = "tail", vocab_size: int | None = None) -> Dataset:
+         truncate_side: str = "tail", vocab_size: int | None = None,
+         subword_vocab: int | None = None) -> Dataset:
     """Read, check, truncate and split a user's data (the training command's ``--train``,
     ``--valid`` or ``--valid-share``, ``--seed``, ``--max-len``, ``--truncate``,
-    ``--vocab-size``). Raises ValueError (``read_file``'s, and: a validation file of the
-    other kind, a label seen only in the validation data, one class only, ``--vocab-size`` for
-    text data)."""
+    ``--vocab-size``, ``--subword-vocab``: a sentencepiece tokenizer of that many pieces
+    learned from the training split's texts instead of bytes). Raises ValueError
+    (``read_file``'s, and: a validation file of the other kind, a label seen only in the
+    validation data, one class only, ``--vocab-size`` for text data, ``--subword-vocab`` for
+    ids data or more pieces than the texts give)."""
     if truncate_side not in TRUNCATE_SIDES:
         raise ValueError(f"--truncate must be one of {TRUNCATE_SIDES}, got {truncate_side!r}")
     first = read_file(train_path)
     if first.kind == "text" and vocab_size is not None:
         raise ValueError(f"{train_path}: --vocab-size is for ids data; text is byte-level")
+    if first.kind == "ids" and subword_vocab is not None:
+        raise ValueError(f"{train_path}: --subword-vocab is for text data; these rows are ids")
     tok = BYTES
     if first.kind == "ids":
         tok = ids_tokenizer(vocab_size if vocab_size is not None
@@ -295,6 +300,10 @@ def load(train_path: str | Path, valid_path: str | Path | None = None,
             raise ValueError(f"{_where(Path(ex.path), ex.line)}: label {ex.label!r} is not in "
                              f"the training data ({train_path})")
     labels = label_order(counts)
+    if subword_vocab is not None:  # learned from the training split only, then both encoded
+        tok = train_subword([ex.text for ex in train], subword_vocab)
+        train, valid = ([Example(tuple(tok.encode(ex.text)), ex.label, ex.path, ex.line,
+                                 ex.text) for ex in part] for part in (train, valid))
     warnings = []
     seen = {(ex.text, ex.ids): ex for ex in train}
     twins = [(ex, seen[ex.text, ex.ids]) for ex in valid if (ex.text, ex.ids) in seen]

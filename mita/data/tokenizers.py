@@ -5,29 +5,49 @@
   id b + 1, 0 padding (257 ids). A grey-scale image is the same: pixel value p as id p + 1.
 - ``ids``: the user's own token ids, sent as ``ids`` (no text): ids 1 … ``vocab_size`` − 1,
   0 padding.
+- ``sentencepiece``: a subword tokenizer learned from the training split (``train_subword``,
+  SentencePiece's unigram model, set to round-trip every text exactly: no normalisation, no
+  added or removed spaces, bytes for what its pieces do not cover); id 0 padding. Its model
+  file lies beside the checkpoint's config.json (``SUBWORD_FILE``).
 
 A spec is a small JSON object, ``{"kind": "bytes"}``, ``{"kind": "ids", "vocab_size": V}``,
-``{"kind": "listops"}``; ``from_spec`` checks it. No torch: the service's gateway reads it.
+``{"kind": "listops"}``, ``{"kind": "sentencepiece", "file": "tokenizer.model", "vocab_size":
+V}``; ``from_spec`` checks it. No torch: the service's gateway reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import io
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 
 from . import listops
 from .vocab import Vocabulary
 
-KINDS = ("bytes", "ids", "listops")
+KINDS = ("bytes", "ids", "listops", "sentencepiece")
+SUBWORD_FILE = "tokenizer.model"
 BYTES_VOCAB_SIZE = 257  # 256 byte values + padding (id 0)
 MAX_IDS_VOCAB_SIZE = 1 << 20  # mita.config.LIMITS["vocab_size"]
 
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """``kind`` in ``KINDS``; ``vocab_size``: ids 0 … vocab_size − 1, 0 padding."""
+    """``kind`` in ``KINDS``; ``vocab_size``: ids 0 … vocab_size − 1, 0 padding; ``model``:
+    a sentencepiece tokenizer's model file (bytes)."""
 
     kind: str
     vocab_size: int
+    model: bytes | None = field(default=None, repr=False)
+
+    @cached_property
+    def _subword(self):
+        import sentencepiece
+
+        return sentencepiece.SentencePieceProcessor(model_proto=self.model)
+
+    def __getstate__(self):  # pickled to the gateway's replica without the processor
+        return {k: v for k, v in self.__dict__.items() if k != "_subword"}
 
     @property
     def vocab(self) -> Vocabulary:
@@ -46,13 +66,25 @@ class Tokenizer:
             return [b + 1 for b in text.encode("utf-8")]
         if self.kind == "listops":
             return listops.encode(text)
+        if self.kind == "sentencepiece":
+            return list(self._subword.encode(text))
         raise ValueError("this model takes token ids ('ids'), not text: it was trained on "
                          "ids, so it has no tokenizer for text")
 
     def spec(self) -> dict:
         """The JSON object ``from_spec`` reads back."""
+        if self.kind == "sentencepiece":
+            return {"kind": self.kind, "file": SUBWORD_FILE, "vocab_size": self.vocab_size}
         return {"kind": self.kind} | ({"vocab_size": self.vocab_size}
                                       if self.kind == "ids" else {})
+
+    def decode(self, ids) -> str:
+        """The text of ``ids`` (bytes and sentencepiece tokenizers: exact round trips)."""
+        if self.kind == "bytes":
+            return bytes(i - 1 for i in ids).decode("utf-8")
+        if self.kind == "sentencepiece":
+            return self._subword.decode([int(i) for i in ids])
+        raise ValueError(f"a {self.kind} tokenizer does not decode here")
 
 
 BYTES = Tokenizer("bytes", BYTES_VOCAB_SIZE)
@@ -69,16 +101,48 @@ def ids_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer("ids", vocab_size)
 
 
-def from_spec(spec) -> Tokenizer:
-    """The tokenizer of a checkpoint's ``task.tokenizer`` object. Raises ValueError naming
-    what is wrong."""
+def train_subword(texts, vocab_size: int) -> Tokenizer:
+    """A sentencepiece tokenizer of ``vocab_size`` pieces learned from ``texts`` (unigram
+    model; id 0 padding, 1 unknown, no sentence markers; byte fallback, identity
+    normalisation, spaces kept as written: ``decode(encode(t)) == t`` for every text).
+    Raises ValueError when sentencepiece cannot reach ``vocab_size`` on these texts."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
+            model_type="unigram", pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, byte_fallback=True,
+            normalization_rule_name="identity", add_dummy_prefix=False,
+            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+            split_digits=True, character_coverage=1.0, max_sentence_length=1 << 20,
+            num_threads=1, minloglevel=2)  # one thread: the same pieces every run
+    except RuntimeError as e:
+        raise ValueError(f"--subword-vocab {vocab_size}: {e}") from None
+    return Tokenizer("sentencepiece", vocab_size, model.getvalue())
+
+
+def from_spec(spec, folder: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint's ``task.tokenizer`` object (``folder``: the checkpoint,
+    where a sentencepiece model file lies). Raises ValueError naming what is wrong."""
     if not isinstance(spec, dict) or spec.get("kind") not in KINDS:
         raise ValueError(f"tokenizer must be an object with 'kind' one of {KINDS}, got "
                          f"{spec!r:.80}")
-    allowed = {"kind", "vocab_size"} if spec["kind"] == "ids" else {"kind"}
+    allowed = {"ids": {"kind", "vocab_size"}, "sentencepiece": {"kind", "file", "vocab_size"}
+               }.get(spec["kind"], {"kind"})
     if set(spec) - allowed:
         raise ValueError(f"tokenizer {spec['kind']!r} takes only {sorted(allowed)}, got "
                          f"{sorted(spec)}")
     if spec["kind"] == "ids":
         return ids_tokenizer(spec.get("vocab_size"))
+    if spec["kind"] == "sentencepiece":
+        if spec.get("file") != SUBWORD_FILE or folder is None:
+            raise ValueError(f"tokenizer 'sentencepiece' needs file {SUBWORD_FILE!r} beside "
+                             "config.json")
+        model = (Path(folder) / SUBWORD_FILE).read_bytes()
+        tok = Tokenizer("sentencepiece", spec.get("vocab_size"), model)
+        if tok._subword.get_piece_size() != tok.vocab_size:
+            raise ValueError(f"{Path(folder) / SUBWORD_FILE} has {tok._subword.get_piece_size()} "
+                             f"pieces, the spec says {tok.vocab_size}")
+        return tok
     return BYTES if spec["kind"] == "bytes" else LISTOPS
