@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .argtypes import POSITIVE_INT, Parser
-from .data.images import FASHION_MNIST, pool, read_idx, rows
+from .data.images import FASHION_MNIST, pool, read_idx, write_jsonl
 
 PACKAGES = {"fashion-mnist": "dataset-fashion-mnist", "austen": "r-cran-janeaustenr"}
 AUSTEN_TITLES = {"emma": "Emma", "mansfieldpark": "Mansfield Park",
@@ -68,10 +68,7 @@ def fashion_mnist(out: Path, factor: int = 2) -> dict:
         images = read_idx(root / f"{prefix}-images-idx3-ubyte.gz")
         labels = read_idx(root / f"{prefix}-labels-idx1-ubyte.gz")
         images = pool(images, factor) if factor > 1 else images
-        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
-            for row in rows(images, labels, FASHION_MNIST):
-                f.write(json.dumps(row, separators=(",", ":")) + "\n")
-        counts[split] = len(images)
+        counts[split] = write_jsonl(out / f"{split}.jsonl", images, labels, FASHION_MNIST)
     h, w = images.shape[1:]
     return {"rows": counts, "grid": f"{h}x{w}", "licence": "MIT (Zalando SE)"}
 

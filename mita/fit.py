@@ -65,11 +65,15 @@ def predict(model: EncoderClassifier, data: list[tuple[list[int], int]], batch_s
     return out
 
 
+def accuracy(pred: list[int], data: list[tuple[list[int], int]]) -> float:
+    """Share of ``pred`` equal to ``data``'s labels (same order)."""
+    return sum(p == label for p, (_, label) in zip(pred, data, strict=True)) / len(data)
+
+
 def evaluate(model: EncoderClassifier, data: list[tuple[list[int], int]],
              batch_size: int = 32, progress: str | None = None) -> float:
     """Accuracy of ``model`` on ``(ids, label)`` pairs (``predict``)."""
-    pred = predict(model, data, batch_size, progress)
-    return sum(p == label for p, (_, label) in zip(pred, data, strict=True)) / len(data)
+    return accuracy(predict(model, data, batch_size, progress), data)
 
 
 @dataclass

@@ -5,12 +5,11 @@ Fashion-MNIST) as JSON lines of pixel ids, for ``python -m mita.train --train FI
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from .argtypes import POSITIVE_INT, Parser
-from .data.images import FASHION_MNIST, pool, read_idx, rows
+from .data.images import FASHION_MNIST, pool, read_idx, write_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"and {labels.shape}")
         images, labels = images[:a.limit], labels[:a.limit]
         images = pool(images, a.pool) if a.pool > 1 else images
-        names = FASHION_MNIST if a.names == "fashion-mnist" else None
-        if names is not None and int(labels.max()) >= len(names):
-            raise ValueError(f"label {int(labels.max())} has no Fashion-MNIST name")
-        with open(a.out, "w", encoding="utf-8") as f:
-            for row in rows(images, labels, names):
-                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        write_jsonl(a.out, images, labels, FASHION_MNIST if a.names == "fashion-mnist" else None)
     except (OSError, ValueError) as e:
         p.error(str(e))
     h, w = images.shape[1:]

@@ -38,9 +38,6 @@ def encoded(examples: list[tuple[str, int]]) -> list[tuple[list[int], int]]:
 
 LISTOPS_ONLY = {"train_size": 20000, "val_size": 500, "test_size": 2000, "min_length": 100,
                 "max_length": 500}
-OWN_DATA_ONLY = ("valid", "valid_share", "max_len", "truncate", "vocab_size", "task_name",
-                 "landmark_grid", "compare", "finetune_share", "resume", "init",
-                 "subword_vocab")
 
 
 def parser() -> Parser:
@@ -67,8 +64,8 @@ def parser() -> Parser:
     for name in LISTOPS_ONLY:
         g.add_argument(f"--{name.replace('_', '-')}", type=POSITIVE_INT, default=None,
                        help=f"default {LISTOPS_ONLY[name]}")
-    train_data.add_arguments(p.add_argument_group(
-        "your own data (--train FILE; docs: python -m mita.train --help)"))
+    p.set_defaults(own_data_only=train_data.add_arguments(p.add_argument_group(
+        "your own data (--train FILE; docs: python -m mita.train --help)")))
     return p
 
 
@@ -81,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--{given[0].replace('_', '-')} is for generated ListOps; with --train "
                     "the data is your file")
         return train_data.main(p, args, argv)
-    given = [n for n in OWN_DATA_ONLY if getattr(args, n) not in (None, False)]
+    given = [n for n in args.own_data_only if getattr(args, n) not in (None, False)]
     if given:
         p.error(f"--{given[0].replace('_', '-')} needs --train FILE")
     for name, default in LISTOPS_ONLY.items():

@@ -37,7 +37,7 @@ from .argtypes import POSITIVE_INT, bounded
 from .config import ModelConfig
 from .data import labelled
 from .data.tokenizers import SUBWORD_FILE
-from .fit import STATE_FILES, Result, Run, fit, predict
+from .fit import STATE_FILES, Result, Run, accuracy, fit, predict
 from .model import EncoderClassifier, load_checkpoint, save_checkpoint, tied_variant
 from .plots import figure, save
 from .task import Task, label_maps
@@ -55,35 +55,43 @@ def grid(text: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def add_arguments(g) -> None:
-    g.add_argument("--train", type=Path, metavar="FILE", default=None,
-                   help="your labelled file (.tsv: label<TAB>text; .jsonl: text or ids, label)")
-    g.add_argument("--valid", type=Path, metavar="FILE", default=None,
-                   help="validation file (default: --valid-share of --train)")
-    g.add_argument("--valid-share", type=SHARE, default=None,
-                   help=f"share of --train held out, seeded (default {DEFAULTS['valid_share']})")
-    g.add_argument("--max-len", type=POSITIVE_INT, default=None,
-                   help="cut longer sequences to this many tokens")
-    g.add_argument("--truncate", choices=labelled.TRUNCATE_SIDES, default=None,
-                   help="the end --max-len cuts off: tail (default) keeps the start")
-    g.add_argument("--subword-vocab", type=POSITIVE_INT, default=None, metavar="V",
-                   help="text: a sentencepiece tokenizer of V pieces learned from the "
-                        "training split (default: byte-level)")
-    g.add_argument("--vocab-size", type=POSITIVE_INT, default=None,
-                   help="ids data: ids 1 … V-1 (default: the largest id + 1)")
-    g.add_argument("--task-name", default=None, help="default: the file's name")
-    g.add_argument("--landmark-grid", type=grid, default=None, metavar="HxW",
-                   help="2-D landmark pooling of H×W sequences (images)")
-    g.add_argument("--compare", action="store_true",
-                   help="dense, drop-in, fine-tuned, MiTA and mixed side by side")
-    g.add_argument("--finetune-share", type=SHARE, default=None,
-                   help=f"fine-tuning steps as a share of --steps "
-                        f"(default {DEFAULTS['finetune_share']})")
-    g.add_argument("--resume", action="store_true",
-                   help="go on from the training state in --out")
-    g.add_argument("--init", type=Path, default=None, metavar="DIR",
-                   help="start from this checkpoint's weights (same model config), e.g. a "
-                        "dense-trained one to fine-tune with MiTA")
+def add_arguments(g) -> tuple[str, ...]:
+    """The options of training on your file, added to argparse group ``g``; returns the
+    dests of those that mean nothing without ``--train``."""
+    actions = []
+
+    def add(*flags, **kwargs):
+        actions.append(g.add_argument(*flags, **kwargs))
+
+    add("--train", type=Path, metavar="FILE", default=None,
+        help="your labelled file (.tsv: label<TAB>text; .jsonl: text or ids, label)")
+    add("--valid", type=Path, metavar="FILE", default=None,
+        help="validation file (default: --valid-share of --train)")
+    add("--valid-share", type=SHARE, default=None,
+        help=f"share of --train held out, seeded (default {DEFAULTS['valid_share']})")
+    add("--max-len", type=POSITIVE_INT, default=None,
+        help="cut longer sequences to this many tokens")
+    add("--truncate", choices=labelled.TRUNCATE_SIDES, default=None,
+        help="the end --max-len cuts off: tail (default) keeps the start")
+    add("--subword-vocab", type=POSITIVE_INT, default=None, metavar="V",
+        help="text: a sentencepiece tokenizer of V pieces learned from the "
+             "training split (default: byte-level)")
+    add("--vocab-size", type=POSITIVE_INT, default=None,
+        help="ids data: ids 1 … V-1 (default: the largest id + 1)")
+    add("--task-name", default=None, help="default: the file's name")
+    add("--landmark-grid", type=grid, default=None, metavar="HxW",
+        help="2-D landmark pooling of H×W sequences (images)")
+    add("--compare", action="store_true",
+        help="dense, drop-in, fine-tuned, MiTA and mixed side by side")
+    add("--finetune-share", type=SHARE, default=None,
+        help=f"fine-tuning steps as a share of --steps "
+             f"(default {DEFAULTS['finetune_share']})")
+    add("--resume", action="store_true",
+        help="go on from the training state in --out")
+    add("--init", type=Path, default=None, metavar="DIR",
+        help="start from this checkpoint's weights (same model config), e.g. a "
+             "dense-trained one to fine-tune with MiTA")
+    return tuple(a.dest for a in actions if a.dest != "train")
 
 
 def main(p, args, argv) -> dict:
@@ -144,7 +152,7 @@ def main(p, args, argv) -> dict:
     accuracy = res.history[-1]["val_accuracy"]
     training = {"mode": args.mode, "valid_accuracy": accuracy, "steps": res.steps,
                 "seed": args.seed}
-    model = models["dense" if args.mode == "dense" else "mita"]
+    model = models[cfg.attention]  # the attention the --mode run trained first
     save_checkpoint(model, args.out, task=task.spec(), **label_maps(labels), training=training)
     subword = args.out / SUBWORD_FILE
     if data.tokenizer.kind == "sentencepiece":
@@ -257,8 +265,8 @@ def compare(cfg: ModelConfig, run: Run, train, val, data: labelled.Dataset, shar
     rows = []
     for way, attention, model, steps_run in ways:
         pred = predict(model, val, progress=f"valid[{way}]")
-        acc = sum(p == y for p, (_, y) in zip(pred, val, strict=True)) / len(val)
-        rows.append({"way": way, "attention": attention, "steps": steps_run, "accuracy": acc,
+        rows.append({"way": way, "attention": attention, "steps": steps_run,
+                     "accuracy": accuracy(pred, val),
                      "agreement": sum(a == b for a, b in zip(pred, ref, strict=True)) / len(val),
                      "forward_ms_p50": timing[attention][n50],
                      "forward_ms_p99": timing[attention][n99]})

@@ -13,7 +13,7 @@ import pytest
 
 from mita.config import ModelConfig
 from mita.data import labelled
-from mita.data.images import pool, read_idx
+from mita.data.images import pool, read_idx, write_jsonl
 from mita.data.tokenizers import BYTES, LISTOPS, from_spec, ids_tokenizer
 from mita.data.vocab import Vocabulary
 from mita.images import main as images_main
@@ -246,6 +246,8 @@ def test_images_become_pixel_id_rows_with_their_grid(tmp_path, capsys):
     assert "2 images of 2×3" in capsys.readouterr().err
     d = labelled.load(out, valid_path=out)
     assert d.tokenizer == ids_tokenizer(max(max(r["ids"]) for r in got) + 1)
+    with pytest.raises(ValueError, match=r"^label 9 has no name \(names of 0…1\)$"):
+        write_jsonl(tmp_path / "x.jsonl", images, np.array([9, 0, 3], np.uint8), ("a", "b"))
     (tmp_path / "bad.idx").write_bytes(b"\0\0\x0d\x01" + b"\0" * 8)
     with pytest.raises(ValueError, match=r"bad.idx: not an unsigned-byte IDX file \(header "
                                          r"00000d01\)$"):

@@ -16,6 +16,7 @@ on images (§3.2, Fig. 2).
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +55,25 @@ def pool(images: np.ndarray, factor: int) -> np.ndarray:
 
 
 def rows(images: np.ndarray, labels: np.ndarray, names: tuple[str, ...] | None):
-    """JSON-lines rows of ``(n, H, W)`` images and their ``(n,)`` labels."""
+    """JSON-lines rows of ``(n, H, W)`` images and their ``(n,)`` labels (``names``: the
+    class names by label value, else the values). Raises ValueError when the counts differ
+    or a label has no name."""
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    if names is not None and len(labels) and int(labels.max()) >= len(names):
+        raise ValueError(f"label {int(labels.max())} has no name (names of 0…{len(names) - 1})")
     for img, lab in zip(images, labels, strict=True):
         name = names[int(lab)] if names is not None else int(lab)
         yield {"ids": (img.reshape(-1).astype(np.int64) + 1).tolist(), "label": name}
+
+
+def write_jsonl(path: str | Path, images: np.ndarray, labels: np.ndarray,
+                names: tuple[str, ...] | None) -> int:
+    """``rows`` written to ``path`` as compact JSON lines; returns how many. Raises as
+    ``rows``."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows(images, labels, names):
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            n += 1
+    return n

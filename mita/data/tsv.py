@@ -9,10 +9,9 @@ import csv
 from pathlib import Path
 
 from .listops import NUM_CLASSES, encode
+from .tokenizers import BYTES
 
 LRA_HEADER = ["Source", "Target"]
-BYTE_PAD_ID = 0  # byte b has id b + 1, so 0 stays free for padding
-BYTE_VOCAB_SIZE = 257
 
 
 def read_lra_listops(path: str | Path) -> list[tuple[list[int], int]]:
@@ -49,8 +48,9 @@ def read_lra_listops(path: str | Path) -> list[tuple[list[int], int]]:
 
 
 def encode_bytes(text: str) -> list[int]:
-    """UTF-8 bytes of ``text`` as ids ``byte + 1`` (0 is padding)."""
-    return [b + 1 for b in text.encode("utf-8")]
+    """UTF-8 bytes of ``text`` as ids ``byte + 1`` (0 is padding): the byte-level
+    tokenizer's (``tokenizers.BYTES``)."""
+    return BYTES.encode(text)
 
 
 def read_text_tsv(path: str | Path, num_classes: int) -> list[tuple[list[int], int]]:
