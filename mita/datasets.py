@@ -62,6 +62,10 @@ def _run(cmd: list[str], cwd: Path) -> None:
 
 
 def fashion_mnist(out: Path, factor: int = 2) -> dict:
+    """``out/train.jsonl`` (60,000 rows) and ``out/test.jsonl`` (10,000) of Fashion-MNIST's
+    images average-pooled ``factor``×``factor`` (28×28 → 14×14 at 2) as pixel ids, labelled
+    with the class names; returns the row counts, grid and licence. Raises RuntimeError
+    (apt-get, dpkg-deb) or ValueError (``read_idx``, ``pool``)."""
     root = unpack(PACKAGES["fashion-mnist"], out) / "usr/share/datasets/fashion-mnist"
     counts = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
@@ -93,6 +97,11 @@ def austen_books(root: Path) -> dict[str, str]:
 
 
 def austen(out: Path, window: int) -> dict:
+    """``out/train.tsv`` and ``out/valid.tsv`` of ``window``-character windows of the six
+    novels labelled with their titles (the last ``VALID_SHARE`` of each novel's windows for
+    validation) and ``out/baseline.json`` (``ngram_baseline``); returns the row counts,
+    window and baseline. Raises RuntimeError (apt-get, dpkg-deb) or ImportError (rdata,
+    scikit-learn: the ``data`` extra)."""
     books = austen_books(unpack(PACKAGES["austen"], out))
     split: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
     for title, text in books.items():

@@ -51,6 +51,7 @@ class Tokenizer:
 
     @property
     def vocab(self) -> Vocabulary:
+        """The ids this tokenizer gives: 0 … ``vocab_size`` − 1, 0 padding."""
         return Vocabulary(self.vocab_size, 0)
 
     @property
