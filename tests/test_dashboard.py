@@ -106,6 +106,17 @@ def browser():
             b.quit()
 
 
+def texts(browser, *selectors: str) -> list[str | None]:
+    """The rendered text of each selector's element, read in one script call: the page
+    redraws its panels every refresh, and an element found by one WebDriver call could be
+    replaced before the next call reads it (CI failed once on a StaleElementReferenceException
+    between ``find_element`` and ``.text``)."""
+    return browser.execute_script(
+        "return arguments[0].map(s => { const e = document.querySelector(s); "
+        "return e === null ? null : e.innerText.replaceAll('\\u00a0', ' '); })",
+        list(selectors))
+
+
 def test_dashboard_page_in_chromium(service, browser, serve_reset):
     """After requests of both variants in two N buckets with shadow on, the page draws every
     stage of both variants with non-zero p50, the latency/throughput lines, the ratio bars,
@@ -129,9 +140,7 @@ def test_dashboard_page_in_chromium(service, browser, serve_reset):
         return bars if {b[0] for b in bars} == {"mita", "dense"} else None
     bars = wait_for(drawn, 30)
     assert bars, browser.find_element("tag name", "body").text[:2000]
-    page_text = browser.find_element("tag name", "body").text
-    ab_text = browser.find_element("id", "ab").text
-    shadow_text = browser.find_element("id", "shadow").text
+    page_text, ab_text, shadow_text = texts(browser, "body", "#ab", "#shadow")
     models_rows = browser.execute_script(
         "return [...document.querySelectorAll('#models tr[data-variant]')].map(r => "
         "[...r.cells].map(c => c.textContent))")
@@ -172,7 +181,7 @@ def test_dashboard_page_in_chromium(service, browser, serve_reset):
     # 1 h offered, 300 s kept: the page said only "last 300 s"
     browser.get(f"{service.url}/dashboard?window_s=3600")
     capped = wait_for(lambda: (lambda t: t if "asked" in t else None)(
-        browser.find_element("id", "updated").text), 30)
+        texts(browser, "#updated")[0]), 30)
     logs = browser.get_log("browser")
 
     for bucket in ("le_1024", "le_4096"):
@@ -241,10 +250,8 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
         notes = browser.execute_script(
             "return [...document.querySelectorAll('#stages svg')].map(c => "
             "[c.dataset.bucket, [...c.querySelectorAll('text.sub')].map(t => t.textContent)])")
-        observed = browser.find_element("id", "ab-observed").text
-        overrides = browser.find_element("id", "ab-overrides").text
-        kl = browser.find_element("id", "shadow-kl").text
-        dropped = browser.find_element("id", "shadow-dropped").text
+        observed, overrides, kl, dropped = texts(
+            browser, "#ab-observed", "#ab-overrides", "#shadow-kl", "#shadow-dropped")
         # Prometheus mode: the split of all answered requests, said so; no overrides line.
         prom = browser.execute_script(
             "renderAB({...arguments[0], observed_basis: 'all_answered', overrides: null});"
@@ -257,7 +264,7 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
             "return [...document.querySelectorAll('#routing tr[data-bucket]')].map(r => "
             "[r.dataset.bucket, r.dataset.variant, r.dataset.reason, "
             "[...r.querySelectorAll('td')].map(td => td.textContent)])") or None, 30)
-        policy = browser.find_element("id", "routing-policy").text
+        policy, = texts(browser, "#routing-policy")
         logs = browser.get_log("browser")
     assert routing == [
         ["le_1024", "dense", "slower", ["N ≤ 1,024", "dense", "MiTA not faster by the margin",
