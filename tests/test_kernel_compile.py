@@ -26,6 +26,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from mita.kernels import aot, aot_table
 
@@ -288,17 +289,11 @@ def test_compile_check_catches_a_plain_global(tmp_path):
     assert "REFUSED RuntimeError False" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
-def test_filter_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
-    """The filter appends with relaxed per-key atomics: its sm_90 SASS (cuobjdump of the cubin
-    compiled from the plan that runs at long N, 16 tiles per chunk) has atomics but no
-    GPU-scope fence (``MEMBAR.*.GPU``) and no L1 invalidation (``CCTL.IVALL``) — the default
-    ``acq_rel`` atomic put both around every atomic of the old per-tile append. The plan keeps
-    its tile loop (``TILES_PER_CHUNK`` a runtime value, not the 1 Triton folds away)."""
+def sm90_sass(case) -> str:
+    """cuobjdump's SASS of ``case`` compiled for sm_90 from its example plan (in a process
+    without the interpreter)."""
     from triton import knobs
 
-    case = next(c for c in aot.cases() if c.kernel == "filter" and c.dtype == "bfloat16")
-    fn, args, meta = aot.example_plan(case)
-    assert meta["PHASE"] == 1 and args[-4] == 16  # TILES_PER_CHUNK
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from mita.kernels import aot
@@ -308,13 +303,44 @@ def test_filter_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
         """)], cwd=ROOT, capture_output=True, env={k: v for k, v in os.environ.items()
                                                     if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    cubin = ROOT / ".pytest-filter.cubin"
+    cubin = ROOT / f".pytest-{case}.cubin"
     try:
         cubin.write_bytes(done.stdout)
-        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-sass", str(cubin)],
-                              capture_output=True, text=True).stdout
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
     finally:
         cubin.unlink(missing_ok=True)
+
+
+def test_tile_table_spreads_over_n_with_relaxed_atomics():
+    """The tile table is a counting sort split across N (issue: one program per (b, h) ran
+    serially over N·s with fenced atomics): at N = 64K, s = 1, B·H = 2 the count and scatter
+    grids have 512 programs (≥ 132, the SMs of an H100 / H200), the scan one per (b, h) over
+    the m experts only; the count's sm_90 SASS has its atomic and no GPU-scope fence or L1
+    invalidation around it."""
+    from mita.kernels.mita_attention import TILE_KERNELS, tile_table_plan
+
+    experts = torch.zeros(1, 2, 65536, 1, dtype=torch.int64)
+    launches, _ = tile_table_plan(experts, None, 128)
+    assert [launch[0] for launch in launches] == list(TILE_KERNELS)
+    grids = [launch[1] for launch in launches]
+    assert grids == [(256, 2), (2,), (256, 2)]
+    assert grids[0][0] * grids[0][1] >= 132
+    sass = sm90_sass(next(c for c in aot.cases() if str(c) == "tile_count-s1-mask"))
+    assert sass.count("ATOMG.E.ADD") >= 1
+    assert "MEMBAR" not in sass and "CCTL.IVALL" not in sass
+
+
+def test_filter_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
+    """The filter appends with relaxed per-key atomics: its sm_90 SASS (cuobjdump of the cubin
+    compiled from the plan that runs at long N, 16 tiles per chunk) has atomics but no
+    GPU-scope fence (``MEMBAR.*.GPU``) and no L1 invalidation (``CCTL.IVALL``) — the default
+    ``acq_rel`` atomic put both around every atomic of the old per-tile append. The plan keeps
+    its tile loop (``TILES_PER_CHUNK`` a runtime value, not the 1 Triton folds away)."""
+    case = next(c for c in aot.cases() if c.kernel == "filter" and c.dtype == "bfloat16")
+    fn, args, meta = aot.example_plan(case)
+    assert meta["PHASE"] == 1 and args[-4] == 16  # TILES_PER_CHUNK
+    sass = sm90_sass(case)
     assert sass.count("ATOMG.E.ADD") >= 32  # one per key a thread holds of the 64 × 64 tile
     assert "MEMBAR.ALL.GPU" not in sass and "MEMBAR.SC.GPU" not in sass
     assert "CCTL.IVALL" not in sass

@@ -335,7 +335,7 @@ def test_triton_refuses_autograd_and_auto_trains_on_torch(kernel, monkeypatch):
         assert A._use_triton("auto", q, v, k)
 
 
-# --- pool and tile table (mita/kernels/pooling.py, mita_attention._tile_table_kernel) -------
+# --- pool and tile table (mita/kernels/pooling.py, mita_attention.tile_table_plan) ----------
 
 
 @pytest.fixture(scope="module")
@@ -404,9 +404,9 @@ def test_tile_table_groups_entries_by_expert(kernel, s, masked):
     experts[0, 1, :100] = 5  # one expert over BLOCK_M = 64 entries: two tiles
     mask = random_mask(B, N, seed=3, suffix=False) if masked else None
     key_valid = None if mask is None else (~mask).to(torch.int8)
-    grid, args, meta, (order, tile_e, tile_lo, tile_hi) = kernel.tile_table_plan(
+    launches, (order, tile_e, tile_lo, tile_hi) = kernel.tile_table_plan(
         experts, key_valid, m, BLOCK_M)
-    kernel._tile_table_kernel[grid](*args, **meta)
+    kernel.run_tile_table(launches)
     T = -(-N * s // BLOCK_M) + m  # cdiv(N·s, BLOCK_M) + m
     assert tuple(tile_e.shape) == (B * H, T)
     for bh in range(B * H):

@@ -42,8 +42,9 @@ SM_WARPS = 64
 SM_BLOCKS = 32
 
 
-KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_table", "groupmax",
-           "theta", "filter", "select", "bisect")
+KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_count", "tile_scan",
+           "tile_scatter", "groupmax", "theta", "filter", "select", "bisect")
+TILE_LAUNCH = {"tile_count": 0, "tile_scan": 1, "tile_scatter": 2}  # tile_table_plan's order
 # threshold_topk's launches by case name
 SELECT_LAUNCH = {"groupmax": 0, "theta": 1, "filter": 2, "select": 3, "bisect": 4}
 # keys of the threshold select's example plans: 16 tiles per chunk, the tile loop as it runs at
@@ -56,8 +57,9 @@ class Case:
     """One launcher choice of one kernel. ``attention`` (``_mita_fused_kernel``): dtype,
     s = 1 or not, mask or not, BLOCK_D from the head dim. ``landmark_topk``: dtype, BLOCK_D,
     K_PAD from ``topk``. ``route_shared``: dtype, BLOCK_D. ``pool`` (``pooling._pool_kernel``):
-    dtype, BLOCK_D, mask or not. ``tile_table`` (``_tile_table_kernel``, no float inputs: its
-    dtype is the attention case's it is planned with): s = 1 or not, mask or not."""
+    dtype, BLOCK_D, mask or not. The tile table (``mita_attention.tile_table_plan``, no float
+    inputs): ``tile_count`` and ``tile_scatter``, s = 1 or not, mask or not; ``tile_scan``,
+    the attention tile (BLOCK_M) of the dtype it is planned with."""
 
     kernel: str
     dtype: str  # "float16" | "bfloat16" | "float32"
@@ -74,8 +76,10 @@ class Case:
             return f"landmark_topk-{self.dtype}-d{self.d}-k{self.topk}"
         if self.kernel == "pool":
             return f"pool-{self.dtype}-{'mask' if self.masked else 'nomask'}-d{self.d}"
-        if self.kernel == "tile_table":
-            return f"tile_table-s{self.s}-{'mask' if self.masked else 'nomask'}-{self.dtype}"
+        if self.kernel == "tile_scan":
+            return f"tile_scan-{self.dtype}"
+        if self.kernel in TILE_LAUNCH:
+            return f"{self.kernel}-s{self.s}-{'mask' if self.masked else 'nomask'}"
         if self.kernel == "select":
             return f"select-k{self.topk}"
         if self.kernel == "theta":
@@ -94,8 +98,8 @@ def cases() -> list[Case]:
     reach each one) = 48. ``landmark_topk``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
     K_PAD ∈ {64, 128, 256, 512} (k 40, 100, 200, 512) = 24. ``route_shared``: 3 dtypes ×
     BLOCK_D ∈ {16, 32, 64, 128} = 12. ``pool``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
-    (mask, none) = 12. ``tile_table``: (16-bit, float32: their attention tiles) × (s = 1,
-    s > 1) × (mask, none) = 8. The threshold select (``topk.threshold_topk``): ``groupmax``,
+    (mask, none) = 12. The tile table: ``tile_count`` and ``tile_scatter`` (s = 1, s > 1) ×
+    (mask, none) = 4 each, ``tile_scan`` (16-bit, float32: their attention tiles) = 2. The threshold select (``topk.threshold_topk``): ``groupmax``,
     ``filter`` and ``bisect`` 3 dtypes × BLOCK_D ∈ {64, 128} = 6 each; ``theta``
     (no float inputs) 1; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100, 200,
     512, 600, 2048) = 6. The select's scoring passes are planned at N = ``SELECT_EXAMPLE_N``
@@ -111,8 +115,9 @@ def cases() -> list[Case]:
         DTYPE_NAMES, (8, 32, 48, 128))]
     out += [Case("pool", dt, d, masked=masked) for dt, d, masked in itertools.product(
         DTYPE_NAMES, (48, 128), (False, True))]
-    out += [Case("tile_table", dt, 32, s, masked) for dt, s, masked in itertools.product(
-        ("bfloat16", "float32"), (1, 3), (False, True))]
+    out += [Case(kernel, "bfloat16", 32, s, masked) for kernel, s, masked in itertools.product(
+        ("tile_count", "tile_scatter"), (1, 3), (False, True))]
+    out += [Case("tile_scan", dt, 32) for dt in ("bfloat16", "float32")]
     out += [Case(kernel, dt, d, topk=8) for kernel, dt, d in itertools.product(
         ("groupmax", "filter", "bisect"), DTYPE_NAMES, (48, 128))]
     out += [Case("theta", "float32", 32, topk=8)]
@@ -127,7 +132,7 @@ def example_plan(case: Case) -> tuple:
     passes. Returns ``(kernel, args, meta)``."""
     from . import pooling, routing
     from . import topk as select
-    from .mita_attention import _mita_fused_kernel, _tile_table_kernel, launch_plan
+    from .mita_attention import _mita_fused_kernel, launch_plan
 
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
@@ -165,8 +170,9 @@ def example_plan(case: Case) -> tuple:
                    torch.randn(B, H, N, case.d, generator=g))
     plan = launch_plan(q, k, v, landmarks, shared_values, landmark_valid, index, experts, mask,
                        interpreter=False, shared_partial=partial)
-    if case.kernel == "tile_table":
-        return _tile_table_kernel, plan.tiles[1], plan.tiles[2]
+    if case.kernel in TILE_LAUNCH:
+        kernel, _, args, meta = plan.tiles[TILE_LAUNCH[case.kernel]]
+        return kernel, args, meta
     return _mita_fused_kernel, plan.args, plan.meta
 
 

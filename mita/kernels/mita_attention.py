@@ -5,8 +5,8 @@ log-sum-exp. Here one kernel reads each (query, expert) entry's query once and s
 key sets through one online (flash-style) softmax in fp32:
 
 1. Dispatch, as in MoE: the N·s (query, expert) entries of each (batch, head) are grouped by
-   expert id (``_tile_table_kernel``, one program per (batch, head): a counting sort with an
-   atomic cursor per expert). Each expert's run of entries is cut into tiles of ``BLOCK_M``
+   expert id (``tile_table_plan``: a counting sort split across N — count with a relaxed
+   atomic cursor per expert, scan over the m experts, scatter). Each expert's run of entries is cut into tiles of ``BLOCK_M``
    entries; the tile table (expert, first entry, end) is built on the device, so nothing
    synchronises with the host and the grid size is the bound cdiv(N·s, BLOCK_M) + m.
    Padded queries get no entry and no tile.
@@ -177,49 +177,50 @@ def _mita_fused_kernel(
         tl.store(PART_L + part, l_i, mask=in_tile)
 
 
-TILE_BLOCK = 1024  # entries per step of the tile-table kernel
-TILE_BLOCK_E = 128  # experts per step
+TILE_BLOCK = 256  # entries per program of the count and scatter kernels (≥ 132 programs
+# from N·s = 16K on with B·H = 2: the 132 SMs of an H100 / H200 all take part)
+TILE_BLOCK_E = 128  # experts per step of the scan
 
 
 @triton.jit
-def _tile_table_kernel(
-    EXPERTS, KEY_VALID, COUNT, SLOT, START, ORDER, TILE_E, TILE_LO, TILE_HI,
-    H, N, S, M, T,
-    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+def _tile_count_kernel(
+    EXPERTS, KEY_VALID, COUNT, SLOT, H, N, S, M,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # One program per (batch, head), in four phases a CTA barrier apart.
-    bh = tl.program_id(0).to(tl.int64)
+    # Grid (cdiv(N·s, BLOCK), B·H). Each entry's slot within its expert from a relaxed atomic
+    # cursor per expert (COUNT starts at zero). Which entry of an expert gets which slot is not
+    # deterministic on a GPU, and need not be: an output row depends only on its own query,
+    # its expert and the shared partial (rows of a tile never mix), so the outputs are
+    # bit-identical whatever the order within an expert. The kernel boundary orders these
+    # atomics before the scan reads COUNT: no fence is needed.
+    bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     NS = N * S
-    ent = tl.arange(0, BLOCK)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < NS
+    if HAS_MASK:  # padded queries get no slot, so no tile
+        ok = ok & (tl.load(KEY_VALID + b * N + r // S, mask=ok, other=0) != 0)
+    e = tl.load(EXPERTS + bh * NS + r, mask=ok, other=0)
+    slot = tl.atomic_add(COUNT + bh * M + e, 1, mask=ok, sem="relaxed")
+    tl.store(SLOT + bh * NS + r, slot, mask=ok)
+
+
+@triton.jit
+def _tile_scan_kernel(
+    COUNT, START, TILE_E, TILE_LO, TILE_HI, M, T,
+    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # One program per (batch, head), over the m experts only (never over N): experts in
+    # order, each one's run of entries starts after the previous ones' and is cut into tiles
+    # of BLOCK_M entries.
+    bh = tl.program_id(0).to(tl.int64)
     exps = tl.arange(0, BLOCK_E)
-    for e0 in range(0, M, BLOCK_E):
-        ee = e0 + exps
-        tl.store(COUNT + bh * M + ee, tl.zeros([BLOCK_E], tl.int32), mask=ee < M)
-    tl.debug_barrier()
-    # Each entry's slot within its expert from an atomic cursor per expert. Which entry of an
-    # expert gets which slot is not deterministic on a GPU, and need not be: an output row
-    # depends only on its own query, its expert and the shared partial (rows of a tile never
-    # mix), so the outputs are bit-identical whatever the order within an expert.
-    for r0 in range(0, NS, BLOCK):
-        r = r0 + ent
-        ok = r < NS
-        if HAS_MASK:  # padded queries get no slot, so no tile
-            ok = ok & (tl.load(KEY_VALID + b * N + r // S, mask=ok, other=0) != 0)
-        e = tl.load(EXPERTS + bh * NS + r, mask=ok, other=0)
-        slot = tl.atomic_add(COUNT + bh * M + e, 1, mask=ok)
-        tl.store(SLOT + bh * NS + r, slot, mask=ok)
-    tl.debug_barrier()
-    # Experts in order: each one's run of entries starts after the previous ones' and is cut
-    # into tiles of BLOCK_M entries.
     seg_base = 0
     tile_base = 0
     for e0 in range(0, M, BLOCK_E):
         ee = e0 + exps
         em = ee < M
-        # volatile: the counts were written by atomics (in L2), not by this SM's L1
-        c = tl.load(COUNT + bh * M + ee, mask=em, other=0, volatile=True)
+        c = tl.load(COUNT + bh * M + ee, mask=em, other=0)
         tiles = (c + BLOCK_M - 1) // BLOCK_M
         start = seg_base + tl.cumsum(c, 0) - c
         first = tile_base + tl.cumsum(tiles, 0) - tiles
@@ -233,29 +234,46 @@ def _tile_table_kernel(
             tl.store(TILE_HI + t, tl.minimum(lo + BLOCK_M, start + c), mask=has)
         seg_base += tl.sum(c, 0)
         tile_base += tl.sum(tiles, 0)
+    ent = tl.arange(0, BLOCK)
     for t0 in range(tile_base, T, BLOCK):  # the grid's spare tiles
         t = t0 + ent
         tl.store(TILE_E + bh * T + t, tl.full([BLOCK], -1, tl.int32), mask=t < T)
-    tl.debug_barrier()
-    for r0 in range(0, NS, BLOCK):
-        r = r0 + ent
-        ok = r < NS
-        if HAS_MASK:
-            ok = ok & (tl.load(KEY_VALID + b * N + r // S, mask=ok, other=0) != 0)
-        e = tl.load(EXPERTS + bh * NS + r, mask=ok, other=0)
-        slot = tl.load(SLOT + bh * NS + r, mask=ok, other=0)
-        first = tl.load(START + bh * M + e, mask=ok, other=0)
-        tl.store(ORDER + bh * NS + first + slot, r, mask=ok)
+
+
+@triton.jit
+def _tile_scatter_kernel(
+    EXPERTS, KEY_VALID, SLOT, START, ORDER, H, N, S, M,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Grid as the count's: each entry to its expert's run at its slot.
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    NS = N * S
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < NS
+    if HAS_MASK:
+        ok = ok & (tl.load(KEY_VALID + b * N + r // S, mask=ok, other=0) != 0)
+    e = tl.load(EXPERTS + bh * NS + r, mask=ok, other=0)
+    slot = tl.load(SLOT + bh * NS + r, mask=ok, other=0)
+    first = tl.load(START + bh * M + e, mask=ok, other=0)
+    tl.store(ORDER + bh * NS + first + slot, r, mask=ok)
+
+
+TILE_KERNELS = (_tile_count_kernel, _tile_scan_kernel, _tile_scatter_kernel)
 
 
 def tile_table_plan(experts: Tensor, key_valid: Tensor | None, m: int, block_m: int = 64):
-    """The launch of ``_tile_table_kernel``: group each (b, h)'s N·s (query, expert) entries by
-    expert and cut each expert's run into tiles of ``block_m`` entries, on the device (no host
-    synchronisation), as ``(grid, args, meta, (order, tile_e, tile_lo, tile_hi))``.
+    """The tile table's three launches — a counting sort split across N: count (a relaxed
+    atomic cursor per expert gives each entry its slot), scan (per (b, h), over the m
+    experts: each expert's start and its tiles), scatter — grouping each (b, h)'s N·s
+    (query, expert) entries by expert and cutting each expert's run into tiles of
+    ``block_m`` entries, on the device (no host synchronisation). Returns
+    ``([(kernel, grid, args, meta)] × 3, (order, tile_e, tile_lo, tile_hi))``; the count and
+    scatter grids are (cdiv(N·s, ``TILE_BLOCK``), B·H), the scan's (B·H,).
 
     Args: ``experts`` ``(B, H, N, s)`` int64 expert ids in [0, m); ``key_valid`` ``(B, N)``
     int8 (1 = a real query) or None without padding; ``m`` experts; ``block_m`` entries per tile.
-    Outputs (written by the launch): ``order`` ``(B·H, N·s)`` int32, the entry ids
+    Outputs (written by the launches): ``order`` ``(B·H, N·s)`` int32, the entry ids
     r = n·s + j grouped by expert (expert 0's first; any order within an expert), padded
     queries' entries left out (the slots past the real entries are not written);
     ``tile_e``, ``tile_lo``, ``tile_hi`` ``(B·H, T)`` int32 with T = cdiv(N·s, block_m) + m
@@ -266,21 +284,34 @@ def tile_table_plan(experts: Tensor, key_valid: Tensor | None, m: int, block_m: 
     T = triton.cdiv(N * s, block_m) + m
     i32 = dict(dtype=torch.int32, device=experts.device)
     order, slot = torch.empty(B * H, N * s, **i32), torch.empty(B * H, N * s, **i32)
-    count, start = torch.empty(B * H, m, **i32), torch.empty(B * H, m, **i32)
+    count, start = torch.zeros(B * H, m, **i32), torch.empty(B * H, m, **i32)
     tile_e, tile_lo, tile_hi = (torch.empty(B * H, T, **i32) for _ in range(3))
-    args = (experts.contiguous(), order if key_valid is None else key_valid, count, slot, start,
-            order, tile_e, tile_lo, tile_hi, H, N, s, m, T)
-    meta = dict(HAS_MASK=key_valid is not None, BLOCK_M=block_m, BLOCK=TILE_BLOCK,
-                BLOCK_E=TILE_BLOCK_E)
-    return (B * H,), args, meta, (order, tile_e, tile_lo, tile_hi)
+    experts = experts.contiguous()
+    valid = order if key_valid is None else key_valid  # unread without a mask
+    per_entry = (triton.cdiv(N * s, TILE_BLOCK), B * H)
+    masked = dict(HAS_MASK=key_valid is not None, BLOCK=TILE_BLOCK)
+    launches = [
+        (_tile_count_kernel, per_entry, (experts, valid, count, slot, H, N, s, m), masked),
+        (_tile_scan_kernel, (B * H,), (count, start, tile_e, tile_lo, tile_hi, m, T),
+         dict(BLOCK_M=block_m, BLOCK=TILE_BLOCK, BLOCK_E=TILE_BLOCK_E)),
+        (_tile_scatter_kernel, per_entry, (experts, valid, slot, start, order, H, N, s, m),
+         masked),
+    ]
+    return launches, (order, tile_e, tile_lo, tile_hi)
+
+
+def run_tile_table(launches) -> None:
+    """Run ``tile_table_plan``'s launches in order."""
+    for kernel, grid, args, meta in launches:
+        kernel[grid](*args, **meta)
 
 
 @dataclass
 class LaunchPlan:
     """Everything one ``_mita_fused_kernel`` launch needs: ``grid``, the positional ``args``
     and ``meta`` (the constexprs and ``num_stages``), plus the buffers the epilogue reads.
-    ``tiles`` is the ``tile_table_plan`` launch ``(grid, args, meta, outputs)`` that must run
-    first (it writes the tile table ``args`` reads). ``fused_attention`` launches both;
+    ``tiles`` are the ``tile_table_plan`` launches ``[(kernel, grid, args, meta)]`` that must
+    run first (they write the tile table ``args`` reads). ``fused_attention`` launches both;
     ``mita.kernels.aot`` (run by ``tests/test_kernel_compile.py``) compiles the same (args,
     meta) ahead of time for sm_80 / sm_90 through Triton's own launch-time specialisation."""
 
@@ -291,7 +322,7 @@ class LaunchPlan:
     target: Tensor
     part_m: Tensor
     part_l: Tensor
-    tiles: tuple
+    tiles: list
 
 
 def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
@@ -346,8 +377,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         key_valid = key_valid_vector(key_padding_mask, B, N, q.device)
     block_d = block_d_for(d, dv)
     block_m, block_n, num_warps, num_stages = _blocks(q.dtype, block_d)
-    tiles = tile_table_plan(experts, key_valid, m, block_m)
-    order, tile_e, tile_lo, tile_hi = tiles[3]
+    tiles, (order, tile_e, tile_lo, tile_hi) = tile_table_plan(experts, key_valid, m, block_m)
     T = tile_e.shape[1]
     if out is None:
         out = q.new_empty(B, H, N, dv)
@@ -389,7 +419,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
                     shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
                     key_valid: Tensor | None = None) -> Tensor:
     """Fused stages ``gather`` + ``attention`` (eqs. 10-12): the tile table
-    (``_tile_table_kernel``) and one attention kernel (plus, with a mask, zeroing the padded
+    (``tile_table_plan``: count, scan, scatter) and one attention kernel (plus, with a mask, zeroing the padded
     rows; for s > 1 the merge of the slots).
 
     Args:
@@ -427,8 +457,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
     plan = launch_plan(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
                        experts, key_padding_mask, out, shared_partial=shared_partial,
                        key_valid=key_valid)
-    tile_grid, tile_args, tile_meta, _ = plan.tiles
-    _tile_table_kernel[tile_grid](*tile_args, **tile_meta)
+    run_tile_table(plan.tiles)
     _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
     out = plan.out
     if not plan.meta["SINGLE_SLOT"]:
