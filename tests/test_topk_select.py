@@ -117,9 +117,9 @@ def test_select_equals_reference_with_ties(kernels, B, H, N, m, topk, masked, ti
     """Every case has one 64-key tile per chunk (the 264-program target asks for more chunks
     than there are tiles), so each group holds one key and θ is the k-th score itself. Ties
     at θ — a padded row with fewer than k real keys (its k-th score is -inf), mass ties of
-    small integers — go to their own half of the buffer or, past it, to the fallback launch's
-    one pass from θ (flag 2), exactly where more ties than the half's 128 slots reached θ and
-    fewer than k keys lie above it: exact, and no landmark is sent to the bisection (flag 1)."""
+    small integers — go to their own half of the buffer or, where more ties than the half's
+    128 slots reached θ and fewer than k keys lie above it, come from the tie window (here
+    G ≥ N: every key): exact, and no landmark is flagged for the fallback."""
     _, topk_module = kernels
     assert topk_module.num_chunks(N, m, topk, B * H)[1] == 1
     landmarks, k = integer_qk(B, H, N, m, 16, seed=N + topk, tied_keys=tied)
@@ -131,11 +131,11 @@ def test_select_equals_reference_with_ties(kernels, B, H, N, m, topk, masked, ti
             assert ((scores == kth).sum(-1) > 1).any()  # there really are ties at the k-th
         one_pass = (((scores > kth).sum(-1) < topk)
                     & ((scores == kth).sum(-1) > topk_module.candidate_capacity(topk)))
-        if tied:  # the tie half (128 slots) overflows: every landmark takes the pass from θ
+        if tied:  # the tie half (128 slots) overflows on every landmark: the window's ties
             assert bool(one_pass.all())
         got, flag = run_plans(topk_module, landmarks, k.to(dtype), topk, mask)
         assert got.dtype == torch.int64 and torch.equal(got, want), dtype
-        assert torch.equal(flag, one_pass.to(torch.int8) * 2), dtype
+        assert not flag.any(), dtype
 
 
 def repeated_keys(block, copies, m, d, seed, noise=0.0):
@@ -171,13 +171,15 @@ def test_repeated_content_is_exact_without_the_fallback(kernels, monkeypatch, bl
     assert not flag.any()
 
 
-def test_all_equal_keys_and_short_padded_rows_take_one_pass_from_theta(kernels, monkeypatch):
+def test_all_equal_keys_and_short_padded_rows_take_ties_from_the_window(kernels, monkeypatch):
     """All-equal keys (every score ties) and a padded row with 10 real keys of 3,000 (k = 50):
-    θ is the tied score (−inf for the padded row), thousands of keys tie at it, and the
-    fallback launch takes one pass from θ (flag 2): the keys above it and the lowest-index
-    ties, left to right; exact, no landmark sent to the bisection."""
+    θ is the tied score (−inf for the padded row) and thousands of keys tie at it, far more
+    than the tie half's 128 slots. The select takes the keys above θ and the lowest-index
+    ties from the tie window (keys 0 … G − 1 = 255, 4 chunks of 12 tiles): exact, and no
+    landmark flagged for the fallback (before the window, all went to its pass from θ)."""
     _, topk_module = kernels
     monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
+    assert topk_module.num_chunks(3000, 3, 50, 2) == (4, 12)
     g = torch.Generator().manual_seed(4)
     landmarks = torch.randn(2, 1, 3, 16, generator=g)
     k = torch.randn(2, 1, 3000, 16, generator=g)
@@ -187,6 +189,23 @@ def test_all_equal_keys_and_short_padded_rows_take_one_pass_from_theta(kernels, 
     got, flag = run_plans(topk_module, landmarks, k, 50, mask)
     assert torch.equal(got, reference(landmarks, k, 50, torch.float32, mask)[0])
     assert torch.equal(got[0], torch.arange(50).expand(1, 3, 50))
+    assert not flag.any()
+
+
+def test_ties_past_the_window_take_one_pass_from_theta(kernels, monkeypatch):
+    """Where the window (keys 0 … 255) holds fewer ties than needed — its keys are distinct
+    and low-scoring, and the 2,744 keys after it one tied high-scoring vector — the landmark
+    is flagged 2 and the fallback launch takes one pass from θ: the lowest-index ties, exact
+    (keys 256 … 305), never the 32-pass bisection."""
+    _, topk_module = kernels
+    monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
+    g = torch.Generator().manual_seed(6)
+    landmarks = torch.rand(1, 1, 3, 16, generator=g) + 0.5  # positive: the tied vector wins
+    k = torch.randn(1, 1, 3000, 16, generator=g) * 0.1
+    k[:, :, 256:] = 1.0
+    got, flag = run_plans(topk_module, landmarks, k, 50)
+    assert torch.equal(got, reference(landmarks, k, 50, torch.float32)[0])
+    assert torch.equal(got[0, 0], torch.arange(256, 306).expand(3, 50))
     assert (flag == 2).all()
 
 

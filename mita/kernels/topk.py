@@ -67,6 +67,7 @@ SELECT_BLOCK_L = 64  # landmarks per group-max / filter program (a tensor-core-s
 SELECT_BLOCK_N = 64  # keys per score tile = groups per chunk
 SELECT_ELEMENTS = 2048  # candidates one select program sorts: 8 landmarks of 2 × 128 … 1
 THETA_BLOCK = 1024  # group maxima per step of the θ bisection
+WINDOW_BLOCK = 256  # tie-window keys per step of the select (only where ties overflowed)
 SELECT = 3  # the select's place in threshold_topk_plans' launches (its FLAG is args[3])
 MAX_SELECT_TOPK = 2048  # candidate buffers up to 4,096 int64 sorted by one program
 TARGET_PROGRAMS = 264  # ≥ 2 programs per SM on a 132-SM H100 / H200
@@ -107,7 +108,7 @@ def num_chunks(n: int, m: int, topk: int, bh: int, block_l: int = SELECT_BLOCK_L
 
 @triton.jit
 def _select_pass_kernel(
-    LM, K, KEY_VALID, GMAX, GCNT, THETA, COUNT, CAND,
+    LM, K, KEY_VALID, GMAX, GCNT, THETA, COUNT, CAND, WINDOW,
     stride_lb, stride_lh, stride_lm, stride_ld,
     stride_kb, stride_kh, stride_kn, stride_kd,
     H, N, M, D, C, TILES_PER_CHUNK, TOPK, CAP, scale,
@@ -148,6 +149,8 @@ def _select_pass_kernel(
         at = row[:, None] * G + chunk * BLOCK_N + cols[None, :]
         tl.store(GMAX + at, best, mask=lmask[:, None])
         tl.store(GCNT + at, same, mask=lmask[:, None])
+        # the tie window (keys 0 … G - 1, chunk c's first tile) laid out as the group maxima
+        tl.store(WINDOW + at, tl.zeros([BLOCK_L, BLOCK_N], tl.int8), mask=lmask[:, None])
         if chunk == 0:
             tl.store(COUNT + 2 * row, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
             tl.store(COUNT + 2 * row + 1, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
@@ -167,6 +170,9 @@ def _select_pass_kernel(
             hit = (key > theta[:, None]) & live | tie
             half = tie.to(tl.int64)
             pos = tl.atomic_add(COUNT + 2 * row[:, None] + half, 1, mask=hit, sem="relaxed")
+            if t == 0:  # the first tile of every chunk: the window of keys 0 … G - 1
+                tl.store(WINDOW + row[:, None] * (C * BLOCK_N) + c[None, :],
+                         tl.full([BLOCK_L, BLOCK_N], 1, tl.int8), mask=tie)
             # (score descending, index ascending) as one signed int64: the score key in the
             # high half, 2^32 - 1 - index in the low half
             packed = key.to(tl.int64) * 4294967296 + (4294967295 - c[None, :].to(tl.int64))
@@ -198,17 +204,39 @@ def _theta_kernel(GMAX, GCNT, THETA, G, TOPK, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(COUNT, CAND, IDX, FLAG, R, TOPK, CAP: tl.constexpr, ROWS: tl.constexpr):
+def _select_kernel(COUNT, CAND, IDX, FLAG, THETA, WINDOW, R, TOPK, G, CAP: tl.constexpr,
+                   ROWS: tl.constexpr, WIN_BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < R
     n_gt = tl.load(COUNT + 2 * rows, mask=live, other=0)
     n_eq = tl.load(COUNT + 2 * rows + 1, mask=live, other=0)
     # flag 1, the bisection: more keys above θ than their half holds, or (only if the passes'
-    # scores differed, which one scoring routine rules out) fewer than k keys at or above θ;
-    # flag 2, one pass from θ: θ is the k-th score but its ties overflowed their half, so the
-    # half holds some ties, not the lowest-index ones
+    # scores differed, which one scoring routine rules out) fewer than k keys at or above θ
     bisect = (n_gt > CAP) | (n_gt + n_eq < TOPK)
+    # θ is the k-th score and its ties overflowed their half (repeated content, all-equal
+    # keys, a row with fewer than k real keys): the half holds some ties, not the lowest-index
+    # ones. The k - n_gt lowest-index ties come from the tie window (every tie among keys
+    # 0 … G - 1, G ≥ 4k) when it holds that many — then they are the lowest of all, since
+    # every other tie has a higher index; else flag 2, one pass from θ in the fallback launch.
     ties = (n_gt < TOPK) & (n_eq > CAP) & ~bisect
+    need = TOPK - n_gt
+    if tl.max(ties.to(tl.int32), 0) > 0:
+        theta = tl.load(THETA + rows, mask=live, other=0).to(tl.int64)
+        seen = tl.zeros([ROWS], tl.int32)
+        w = tl.arange(0, WIN_BLOCK)
+        for start in range(0, G, WIN_BLOCK):
+            cols = start + w
+            tie = tl.load(WINDOW + rows[:, None] * G + cols[None, :],
+                          mask=ties[:, None] & (cols < G)[None, :], other=0).to(tl.int32)
+            rank = seen[:, None] + tl.cumsum(tie, 1)  # 1 for the lowest-index tie
+            take = (tie != 0) & (rank <= need[:, None])
+            packed = theta[:, None] * 4294967296 + (4294967295 - cols[None, :].to(tl.int64))
+            tl.store(CAND + (2 * rows[:, None] + 1) * CAP + rank - 1, packed, mask=take)
+            seen += tl.sum(tie, 1)
+        windowed = ties & (seen >= need)
+        n_eq = tl.where(windowed, need, n_eq)
+        ties = ties & ~windowed
+        tl.debug_barrier()  # the tie half just written is read back below by other threads
     slot = tl.arange(0, 2 * CAP)
     above = slot < CAP
     valid = tl.where(above[None, :], slot[None, :] < n_gt[:, None],
@@ -261,10 +289,11 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     out = torch.empty(B, H, m, topk, dtype=torch.int64, device=dev)
     flag = torch.empty(B, H, m, dtype=torch.int8, device=dev)
     theta = torch.empty(B, H, m, dtype=torch.int32, device=dev)
+    window = torch.empty(B, H, m, G, dtype=torch.int8, device=dev)  # ties among keys < G
     common = dict(IEEE=k.dtype == torch.float32, UPCAST=interpreter_upcast(k, interpreter),
                   BLOCK_N=block_n, BLOCK_D=max(64, block_d_for(d)))
     strides = (*lm.stride(), *k.stride())
-    scored = (lm, k, key_valid, gmax, gcnt, theta, count, cand, *strides, H, N, m, d)
+    scored = (lm, k, key_valid, gmax, gcnt, theta, count, cand, window, *strides, H, N, m, d)
     grid = (triton.cdiv(m, block_l) * C, B * H)
     tail = (topk, cap, float(scale))
     launches = [
@@ -273,9 +302,9 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
         (_theta_kernel, (B * H * m,), (gmax, gcnt, theta, G, topk), dict(BLOCK_G=THETA_BLOCK)),
         (_select_pass_kernel, grid, (*scored, C, per_chunk, *tail),
          dict(common, BLOCK_L=block_l, PHASE=1)),
-        (_select_kernel, (triton.cdiv(B * H * m, rows),), (count, cand, out, flag, B * H * m,
-                                                           topk),
-         dict(CAP=cap, ROWS=rows, num_warps=select_warps(cap))),
+        (_select_kernel, (triton.cdiv(B * H * m, rows),),
+         (count, cand, out, flag, theta, window, B * H * m, topk, G),
+         dict(CAP=cap, ROWS=rows, WIN_BLOCK=WINDOW_BLOCK, num_warps=select_warps(cap))),
         bisect_plan(lm, k, key_valid, flag, out, topk, scale, common["UPCAST"], kth=theta,
                     count=count),
     ]
