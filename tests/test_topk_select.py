@@ -148,7 +148,7 @@ def repeated_keys(block, copies, m, d, seed, noise=0.0):
 
 
 @pytest.mark.parametrize("block,copies,topk,target", [
-    (256, 8, 64, 2),    # 2,048 keys in 32 tiles, 4 chunks (G = 256): 8 copies of a key a group
+    (256, 8, 64, 2),    # 2,048 keys in 64 tiles, 8 chunks (G = 256): 8 copies of a key a group
     (128, 32, 64, 2),   # 4,096 keys, G = 256: each key in 2 groups of 16 copies
     (128, 32, 30, 2),   # G = 128, k below the 32 copies of the best key: θ is its score
 ])
@@ -165,7 +165,8 @@ def test_repeated_content_is_exact_without_the_fallback(kernels, monkeypatch, bl
     landmarks, k = repeated_keys(block, copies, 4, 16, seed=block + copies)
     n = block * copies
     C, per_chunk = topk_module.num_chunks(n, 4, topk, 2)
-    assert per_chunk > 1 and (C * 64) % block == 0  # groups hold several copies of one key
+    G = C * topk_module.SELECT_BLOCK_N
+    assert per_chunk > 1 and G % block == 0  # groups hold several copies of one key
     got, flag = run_plans(topk_module, landmarks, k, topk)
     assert torch.equal(got, reference(landmarks, k, topk, torch.float32)[0])
     assert not flag.any()
@@ -175,11 +176,12 @@ def test_all_equal_keys_and_short_padded_rows_take_ties_from_the_window(kernels,
     """All-equal keys (every score ties) and a padded row with 10 real keys of 3,000 (k = 50):
     θ is the tied score (−inf for the padded row) and thousands of keys tie at it, far more
     than the tie half's 128 slots. The select takes the keys above θ and the lowest-index
-    ties from the tie window (keys 0 … G − 1 = 255, 4 chunks of 12 tiles): exact, and no
-    landmark flagged for the fallback (before the window, all went to its pass from θ)."""
+    ties from the tie window (keys 0 … G − 1 = 223: 94 tiles of 32 keys, 7 chunks of 14
+    tiles): exact, and no landmark flagged for the fallback (before the window, all went to
+    its pass from θ)."""
     _, topk_module = kernels
     monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
-    assert topk_module.num_chunks(3000, 3, 50, 2) == (4, 12)
+    assert topk_module.num_chunks(3000, 3, 50, 2) == (7, 14)
     g = torch.Generator().manual_seed(4)
     landmarks = torch.randn(2, 1, 3, 16, generator=g)
     k = torch.randn(2, 1, 3000, 16, generator=g)
@@ -193,8 +195,8 @@ def test_all_equal_keys_and_short_padded_rows_take_ties_from_the_window(kernels,
 
 
 def test_ties_past_the_window_take_one_pass_from_theta(kernels, monkeypatch):
-    """Where the window (keys 0 … 255) holds fewer ties than needed — its keys are distinct
-    and low-scoring, and the 2,744 keys after it one tied high-scoring vector — the landmark
+    """Where the window (keys 0 … 223) holds fewer ties than needed — its keys are distinct
+    and low-scoring, and the 2,744 keys from 256 on one tied high-scoring vector — the landmark
     is flagged 2 and the fallback launch takes one pass from θ: the lowest-index ties, exact
     (keys 256 … 305), never the 32-pass bisection."""
     _, topk_module = kernels
@@ -232,12 +234,13 @@ def test_threshold_topk_is_its_launches(kernels):
 
 
 def test_chunks_of_several_tiles(kernels, monkeypatch):
-    """With a 4-program target, N = 2,000 (32 tiles) and k = 12 split into 2 chunks of 16
-    tiles: chunk c holds tiles c, c + 2, …, so each group max spans 16 keys 128 apart; the
-    select is still exact, and the padded row (real keys first) reaches both chunks."""
+    """With a 4-program target, N = 2,000 (63 tiles of 32 keys) and k = 12 split into 2 chunks
+    of 32 tiles: chunk c holds tiles c, c + 2, …, so each group max spans 32 (31) keys 64
+    apart; the select is still exact, and the padded row (real keys first) reaches both
+    chunks."""
     _, topk_module = kernels
     monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
-    assert topk_module.num_chunks(2000, 3, 12, 2) == (2, 16)
+    assert topk_module.num_chunks(2000, 3, 12, 2) == (2, 32)
     landmarks, k = integer_qk(2, 1, 2000, 3, 16, seed=12)
     mask = random_mask(2, 2000, seed=12)
     for dtype in (torch.float32, torch.bfloat16):
@@ -247,16 +250,18 @@ def test_chunks_of_several_tiles(kernels, monkeypatch):
 
 
 def test_chunks_and_candidate_sizes(kernels):
-    """The launch geometry worked out by hand: N = 2,000 keys are 32 tiles of 64; with m = 3
+    """The launch geometry worked out by hand: N = 2,000 keys are 63 tiles of 32; with m = 3
     (one landmark block) and B·H = 2 the 264-program target asks for 132 chunks, more than
-    the 32 tiles, so one tile per chunk (G = 2,048 ≥ 4k); at N = 1M, m = k = 512, B·H = 2:
-    8 landmark blocks × 2 → 17 chunks for the programs, 32 for 4k = 2,048 groups, so 32
-    chunks of 512 tiles. Buffers: 2 × k rounded up to a power of two, at least 128."""
+    the 63 tiles, so one tile per chunk (G = 2,016 ≥ 4k); with 264 programs already, the
+    4k = 48 groups ask for 2 chunks (of 32 tiles); at N = 1M, m = k = 512, B·H = 2: 8
+    landmark blocks × 2 → 17 chunks for the programs, 64 for 4k = 2,048 groups, so 64 chunks
+    of 512 tiles; at 16K, m = k = 64: 132 chunks wanted of 512 tiles, 4 tiles each, 128
+    chunks. Buffers: 2 × k rounded up to a power of two, at least 128."""
     _, topk_module = kernels
-    assert topk_module.num_chunks(2000, 3, 12, 2) == (32, 1)
-    assert topk_module.num_chunks(2000, 3, 12, 264) == (1, 32)  # 264 programs already
-    assert topk_module.num_chunks(1 << 20, 512, 512, 2) == (32, 512)
-    assert topk_module.num_chunks(1 << 14, 64, 64, 2) == (128, 2)  # 132 wanted, 256 tiles
+    assert topk_module.num_chunks(2000, 3, 12, 2) == (63, 1)
+    assert topk_module.num_chunks(2000, 3, 12, 264) == (2, 32)  # 264 programs already
+    assert topk_module.num_chunks(1 << 20, 512, 512, 2) == (64, 512)
+    assert topk_module.num_chunks(1 << 14, 64, 64, 2) == (128, 4)  # 132 wanted, 512 tiles
     assert [topk_module.candidate_capacity(k) for k in (1, 64, 65, 512, 600, 2048)] == [
         128, 128, 256, 1024, 2048, 4096]
 

@@ -12,8 +12,10 @@ needs no histogram:
    and keeps, per column of the score tile, the running max and how many keys equal it.
    Chunk c holds the tiles c, c + C, c + 2C, … and key j of chunk c falls in group
    (c, j mod BLOCK_N), so neighbouring keys (pooled landmarks score a neighbourhood alike)
-   land in different groups, and a row padded at its end still reaches every group. The
-   chunk-0 programs also zero the two counters per landmark the filter appends with.
+   land in different groups, and a row padded at its end still reaches every group. Each
+   chunk's first tile is the **tie window**: its scores (keys 0 … G − 1 over all chunks) are
+   kept for the select. The chunk-0 programs also zero the two counters per landmark the
+   filter appends with.
 2. **Threshold** (``_theta_kernel``, one program per landmark): θ = the largest t such that
    the groups whose max is ≥ t hold ≥ k keys equal to their max — a 32-step bisection over
    the int32 keys. The groups are disjoint, so at least k keys score ≥ θ: θ ≤ the k-th largest
@@ -25,12 +27,14 @@ needs no histogram:
    counter, packed into one int64 whose order is (score descending, index ascending).
 4. **Select** (``_select_kernel``, one program per 2,048 candidate slots: 8 landmarks of
    2 × 128 down to one of 2 × 4,096): sort both halves descending, keep k, sort their indices
-   ascending — deterministic whatever order the atomics appended in. Two kinds of landmark are
-   left to the last launch: flag 2, fewer than k keys above θ but more ties at θ than their
-   half holds (repeated content, all-equal keys, a row with fewer than k real keys): θ is
-   then the k-th score, and the half holds some ties but not the lowest-index ones; flag 1,
-   more keys above θ than their half holds (strongly clustered scores, noisy repeated
-   content).
+   ascending — deterministic whatever order the atomics appended in. Where fewer than k keys
+   lie above θ but more ties at θ reached it than their half holds (all-equal keys, a row
+   with fewer than k real keys, mass ties), θ is the k-th score and the half holds some ties
+   but not the lowest-index ones: the select takes the k − (keys above θ) lowest-index ties
+   from the tie window instead, when it holds that many (then they are the lowest of all:
+   every other key has a higher index; G ≥ 4k). Two kinds of landmark are left to the last
+   launch: flag 2, ties past the window (the window holds too few of them); flag 1, more keys
+   above θ than their half holds (strongly clustered scores, noisy repeated content).
 5. **The exact fallback** (``bisect._bisect_topk_kernel``): programs with no flagged landmark
    return at once. Flag 2 takes one left-to-right pass from the known k-th score θ: every key
    above it and the first k − (keys above θ) keys equal to it (``triton_common.emit_topk``,
@@ -40,8 +44,8 @@ needs no histogram:
 
 Cost: the score product twice (2·2·m·N·d FLOPs, tensor cores), one max per score, 32 passes
 over m·G group maxima for θ, and a sort of ≤ 2·``CAP`` pairs per landmark; plus one more
-product over N for the blocks holding a flag-2 landmark, 33 for a flag-1 one. Memory: 2·m·G
-int32 group maxima and counts and 2·m·CAP int64 candidates per (batch, head).
+product over N for the blocks holding a flag-2 landmark, 33 for a flag-1 one. Memory: 3·m·G
+int32 group maxima, counts and window scores and 2·m·CAP int64 candidates per (batch, head).
 """
 
 from __future__ import annotations
@@ -64,10 +68,11 @@ from .triton_common import (
 )
 
 SELECT_BLOCK_L = 64  # landmarks per group-max / filter program (a tensor-core-sized tile)
-SELECT_BLOCK_N = 64  # keys per score tile = groups per chunk
+SELECT_BLOCK_N = 32  # keys per 16-bit score tile = groups per chunk
 SELECT_ELEMENTS = 2048  # candidates one select program sorts: 8 landmarks of 2 × 128 … 1
 THETA_BLOCK = 1024  # group maxima per step of the θ bisection
-WINDOW_BLOCK = 256  # tie-window keys per step of the select (only where ties overflowed)
+WINDOW_ELEMENTS = 1024  # tie-window scores per step of a select program (only where ties
+# overflowed their half): 128 keys × 8 landmarks … 1,024 keys × 1
 SELECT = 3  # the select's place in threshold_topk_plans' launches (its FLAG is args[3])
 MAX_SELECT_TOPK = 2048  # candidate buffers up to 4,096 int64 sorted by one program
 TARGET_PROGRAMS = 264  # ≥ 2 programs per SM on a 132-SM H100 / H200
@@ -88,7 +93,9 @@ def select_warps(cap: int) -> int:
 
 def select_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """``(BLOCK_L, BLOCK_N)`` of the group-max and filter kernels: landmarks × keys per score
-    tile. 16-bit: 64 × 64 (tensor-core tiles). float32: 16 × 16 — its IEEE products are FMA
+    tile. 16-bit: 64 × 32 (tensor-core tiles; 64 × 64 held the filter at 218-222 registers,
+    2 blocks per SM, where 64 × 32 compiles to 148 on sm_90 and 168 on sm_80: 3 blocks, and
+    the group max to 94-96, 5 blocks on sm_90). float32: 16 × 16 — its IEEE products are FMA
     loops over registers, and 64 × 64 tiles spilled 7-27 KB per thread at BLOCK_D 128
     (``python -m mita.kernels.aot --table``)."""
     return (16, 16) if dtype == torch.float32 else (SELECT_BLOCK_L, SELECT_BLOCK_N)
@@ -135,11 +142,16 @@ def _select_pass_kernel(
         # group equal it (so θ can count ties: repeated content puts copies in one group)
         lm = load_rows(LM, b, h, lrows, lmask, dd, dmask, stride_lb, stride_lh, stride_lm,
                         stride_ld)
-        best = tl.full([BLOCK_L, BLOCK_N], NO_KEY, tl.int32)
-        same = tl.zeros([BLOCK_L, BLOCK_N], tl.int32)
         # chunk c holds tiles c, c + C, c + 2C, …: a row's real keys (padding at its end, as
-        # the service pads) reach every chunk, so every group, not only the first chunks'
-        for t in range(TILES_PER_CHUNK):
+        # the service pads) reach every chunk, so every group, not only the first chunks'.
+        # The first tile (every chunk has one) is peeled: its scores are also the tie window,
+        # keys 0 … G - 1, the select's source of lowest-index ties at θ
+        best = score_keys(lm, K, KEY_VALID, b, h, chunk * BLOCK_N + cols, dd, dmask, N,
+                          stride_kb, stride_kh, stride_kn, stride_kd, scale, IEEE, UPCAST)
+        same = tl.full([BLOCK_L, BLOCK_N], 1, tl.int32)
+        tl.store(WINDOW + row[:, None] * (C * BLOCK_N) + chunk * BLOCK_N + cols[None, :], best,
+                 mask=lmask[:, None])
+        for t in range(1, TILES_PER_CHUNK):
             key = score_keys(lm, K, KEY_VALID, b, h, (chunk + t * C) * BLOCK_N + cols, dd,
                               dmask, N, stride_kb, stride_kh, stride_kn, stride_kd, scale,
                               IEEE, UPCAST)
@@ -149,8 +161,6 @@ def _select_pass_kernel(
         at = row[:, None] * G + chunk * BLOCK_N + cols[None, :]
         tl.store(GMAX + at, best, mask=lmask[:, None])
         tl.store(GCNT + at, same, mask=lmask[:, None])
-        # the tie window (keys 0 … G - 1, chunk c's first tile) laid out as the group maxima
-        tl.store(WINDOW + at, tl.zeros([BLOCK_L, BLOCK_N], tl.int8), mask=lmask[:, None])
         if chunk == 0:
             tl.store(COUNT + 2 * row, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
             tl.store(COUNT + 2 * row + 1, tl.zeros([BLOCK_L], tl.int32), mask=lmask)
@@ -170,9 +180,6 @@ def _select_pass_kernel(
             hit = (key > theta[:, None]) & live | tie
             half = tie.to(tl.int64)
             pos = tl.atomic_add(COUNT + 2 * row[:, None] + half, 1, mask=hit, sem="relaxed")
-            if t == 0:  # the first tile of every chunk: the window of keys 0 … G - 1
-                tl.store(WINDOW + row[:, None] * (C * BLOCK_N) + c[None, :],
-                         tl.full([BLOCK_L, BLOCK_N], 1, tl.int8), mask=tie)
             # (score descending, index ascending) as one signed int64: the score key in the
             # high half, 2^32 - 1 - index in the low half
             packed = key.to(tl.int64) * 4294967296 + (4294967295 - c[None, :].to(tl.int64))
@@ -215,8 +222,8 @@ def _select_kernel(COUNT, CAND, IDX, FLAG, THETA, WINDOW, R, TOPK, G, CAP: tl.co
     bisect = (n_gt > CAP) | (n_gt + n_eq < TOPK)
     # θ is the k-th score and its ties overflowed their half (repeated content, all-equal
     # keys, a row with fewer than k real keys): the half holds some ties, not the lowest-index
-    # ones. The k - n_gt lowest-index ties come from the tie window (every tie among keys
-    # 0 … G - 1, G ≥ 4k) when it holds that many — then they are the lowest of all, since
+    # ones. The k - n_gt lowest-index ties come from the tie window (the group max's scores
+    # of keys 0 … G - 1, G ≥ 4k) when it holds that many — then they are the lowest of all, since
     # every other tie has a higher index; else flag 2, one pass from θ in the fallback launch.
     ties = (n_gt < TOPK) & (n_eq > CAP) & ~bisect
     need = TOPK - n_gt
@@ -226,8 +233,10 @@ def _select_kernel(COUNT, CAND, IDX, FLAG, THETA, WINDOW, R, TOPK, G, CAP: tl.co
         w = tl.arange(0, WIN_BLOCK)
         for start in range(0, G, WIN_BLOCK):
             cols = start + w
-            tie = tl.load(WINDOW + rows[:, None] * G + cols[None, :],
-                          mask=ties[:, None] & (cols < G)[None, :], other=0).to(tl.int32)
+            key = tl.load(WINDOW + rows[:, None] * G + cols[None, :],
+                          mask=ties[:, None] & (cols < G)[None, :], other=NO_KEY)
+            # keys past N score NO_KEY, below any θ (θ ≥ the padded keys' score)
+            tie = (key == theta[:, None].to(tl.int32)).to(tl.int32)
             rank = seen[:, None] + tl.cumsum(tie, 1)  # 1 for the lowest-index tie
             take = (tie != 0) & (rank <= need[:, None])
             packed = theta[:, None] * 4294967296 + (4294967295 - cols[None, :].to(tl.int64))
@@ -289,7 +298,7 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     out = torch.empty(B, H, m, topk, dtype=torch.int64, device=dev)
     flag = torch.empty(B, H, m, dtype=torch.int8, device=dev)
     theta = torch.empty(B, H, m, dtype=torch.int32, device=dev)
-    window = torch.empty(B, H, m, G, dtype=torch.int8, device=dev)  # ties among keys < G
+    window = torch.empty(B, H, m, G, dtype=torch.int32, device=dev)  # scores of keys < G
     common = dict(IEEE=k.dtype == torch.float32, UPCAST=interpreter_upcast(k, interpreter),
                   BLOCK_N=block_n, BLOCK_D=max(64, block_d_for(d)))
     strides = (*lm.stride(), *k.stride())
@@ -304,7 +313,8 @@ def threshold_topk_plans(landmarks: Tensor, k: Tensor, topk: int, scale: float,
          dict(common, BLOCK_L=block_l, PHASE=1)),
         (_select_kernel, (triton.cdiv(B * H * m, rows),),
          (count, cand, out, flag, theta, window, B * H * m, topk, G),
-         dict(CAP=cap, ROWS=rows, WIN_BLOCK=WINDOW_BLOCK, num_warps=select_warps(cap))),
+         dict(CAP=cap, ROWS=rows, WIN_BLOCK=WINDOW_ELEMENTS // rows,
+              num_warps=select_warps(cap))),
         bisect_plan(lm, k, key_valid, flag, out, topk, scale, common["UPCAST"], kth=theta,
                     count=count),
     ]
