@@ -130,8 +130,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
         if r["kernel"] == "pool":
             seen["pool"].add((dtype, meta["BLOCK_D"], meta["HAS_MASK"]))
             continue
-        if r["kernel"] == "tile_table":  # the case name's second field: s1 or s3
-            seen["tile_table"].add((meta["BLOCK_M"], dtype == "s1", meta["HAS_MASK"]))
+        if r["kernel"] in ("tile_count", "tile_scatter"):  # the name's second field: s1, s3
+            seen[r["kernel"]].add((dtype == "s1", meta["HAS_MASK"], meta["BLOCK"]))
+            continue
+        if r["kernel"] == "tile_scan":  # BLOCK_M: the attention tile it is planned with
+            seen["tile_scan"].add(meta["BLOCK_M"])
             continue
         if r["kernel"] == "select":  # no float inputs: the second field is k
             seen["select"].add((meta["CAP"], meta["ROWS"], meta["num_warps"]))
@@ -156,7 +159,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
         elif r["kernel"] == "attention":
             seen["attention"].add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"],
                                    meta["BLOCK_D"]))
-            want = (16, 32 if meta["BLOCK_D"] <= 64 else 16, 4, 2) if f32 else (64, 64, 8, 3)
+            want = ((16, 32 if meta["BLOCK_D"] <= 64 else 16, 4, 2) if f32
+                    else (128 if meta["SINGLE_SLOT"] else 64, 64, 8, 3))
             assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"],
                     meta["num_stages"]) == want, r["case"]
         elif r["kernel"] == "landmark_topk":
@@ -168,18 +172,20 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
                 (16, 32, 2) if f32 else (64, 64, 3)), r["case"]
     assert {k: len(v) for k, v in seen.items()} == {"attention": 48, "landmark_topk": 24,
                                                      "route_shared": 12, "pool": 12,
-                                                     "tile_table": 8, "groupmax": 6,
+                                                     "tile_count": 4, "tile_scan": 3,
+                                                     "tile_scatter": 4, "groupmax": 6,
                                                      "theta": 1, "filter": 6,
                                                      "select": 6, "bisect": 6}
     assert seen["select"] == {(128, 8, 4), (256, 4, 4), (512, 2, 4), (1024, 1, 4),
                               (2048, 1, 4), (4096, 1, 8)}
     assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
+    assert seen["tile_scan"] == {16, 64, 128}
     assert {k[2] for k in seen["landmark_topk"]} == {64, 128, 256, 512}
 
 
 def _inputs(r) -> str:
     """A record's input dtype; ``"int"`` for the kernels with integer inputs only."""
-    return ("int" if r["kernel"] in ("tile_table", "select", "theta")
+    return ("int" if r["kernel"] in ("tile_count", "tile_scan", "tile_scatter", "select", "theta")
             else r["case"].split("-")[1])
 
 

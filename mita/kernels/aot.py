@@ -59,7 +59,7 @@ class Case:
     K_PAD from ``topk``. ``route_shared``: dtype, BLOCK_D. ``pool`` (``pooling._pool_kernel``):
     dtype, BLOCK_D, mask or not. The tile table (``mita_attention.tile_table_plan``, no float
     inputs): ``tile_count`` and ``tile_scatter``, s = 1 or not, mask or not; ``tile_scan``,
-    the attention tile (BLOCK_M) of the dtype it is planned with."""
+    the attention tile (BLOCK_M) of the dtype and s it is planned with."""
 
     kernel: str
     dtype: str  # "float16" | "bfloat16" | "float32"
@@ -77,7 +77,7 @@ class Case:
         if self.kernel == "pool":
             return f"pool-{self.dtype}-{'mask' if self.masked else 'nomask'}-d{self.d}"
         if self.kernel == "tile_scan":
-            return f"tile_scan-{self.dtype}"
+            return f"tile_scan-{self.dtype}-s{self.s}"
         if self.kernel in TILE_LAUNCH:
             return f"{self.kernel}-s{self.s}-{'mask' if self.masked else 'nomask'}"
         if self.kernel == "select":
@@ -99,7 +99,8 @@ def cases() -> list[Case]:
     K_PAD ∈ {64, 128, 256, 512} (k 40, 100, 200, 512) = 24. ``route_shared``: 3 dtypes ×
     BLOCK_D ∈ {16, 32, 64, 128} = 12. ``pool``: 3 dtypes × BLOCK_D ∈ {64, 128} (d 48, 128) ×
     (mask, none) = 12. The tile table: ``tile_count`` and ``tile_scatter`` (s = 1, s > 1) ×
-    (mask, none) = 4 each, ``tile_scan`` (16-bit, float32: their attention tiles) = 2. The threshold select (``topk.threshold_topk``): ``groupmax``,
+    (mask, none) = 4 each, ``tile_scan`` per attention tile (BLOCK_M: 16-bit s = 1 and s > 1,
+    float32) = 3. The threshold select (``topk.threshold_topk``): ``groupmax``,
     ``filter`` and ``bisect`` 3 dtypes × BLOCK_D ∈ {64, 128} = 6 each; ``theta``
     (no float inputs) 1; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100, 200,
     512, 600, 2048) = 6. The select's scoring passes are planned at N = ``SELECT_EXAMPLE_N``
@@ -117,7 +118,8 @@ def cases() -> list[Case]:
         DTYPE_NAMES, (48, 128), (False, True))]
     out += [Case(kernel, "bfloat16", 32, s, masked) for kernel, s, masked in itertools.product(
         ("tile_count", "tile_scatter"), (1, 3), (False, True))]
-    out += [Case("tile_scan", dt, 32) for dt in ("bfloat16", "float32")]
+    out += [Case("tile_scan", dt, 32, s) for dt, s in (("bfloat16", 1), ("bfloat16", 3),
+                                                       ("float32", 1))]
     out += [Case(kernel, dt, d, topk=8) for kernel, dt, d in itertools.product(
         ("groupmax", "filter", "bisect"), DTYPE_NAMES, (48, 128))]
     out += [Case("theta", "float32", 32, topk=8)]

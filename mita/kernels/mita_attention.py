@@ -44,11 +44,13 @@ from . import MAX_HEAD_DIM  # BLOCK_D ≤ 128: the tiles fit sm_80's registers a
 from .triton_common import DTYPES, NEG_INIT, as_int8, block_d_for, dot, key_valid_vector
 
 
-def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
+def _blocks(dtype: torch.dtype, block_d: int, single_slot: bool = True
+            ) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``_mita_fused_kernel``: BLOCK_M entries
     (queries) per tile — also the tile size of the dispatch table — and BLOCK_N keys per inner
-    step, for q's dtype and ``BLOCK_D``. Chosen so that no specialisation spills registers on
-    sm_80 or sm_90 (``python -m mita.kernels.aot --table``, benchmarks/RESULTS.md):
+    step, for q's dtype, ``BLOCK_D`` and s = 1 (``single_slot``) or not. Chosen so that no
+    specialisation spills registers on sm_80 or sm_90 (``python -m mita.kernels.aot --table``,
+    benchmarks/RESULTS.md):
 
     - float32: IEEE products (``input_precision="ieee"``; TF32 would miss the 1e-5 the float32
       path keeps) lower to FMA loops over operands held in registers. 64 × 64 tiles spilled
@@ -56,13 +58,16 @@ def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
       32 registers, and 52-384 bytes at 255 registers at BLOCK_D 16-32. 16 × 32 tiles (16 × 16
       at BLOCK_D 128, where 16 × 32 still spilled 0.3-0.7 KB for s > 1 on sm_90) spill nothing.
       2 stages.
-    - float16 / bfloat16 (tensor cores): 64 × 64 with 8 warps. With 4 warps, BLOCK_D 128 used
-      255 registers and spilled up to 64 bytes, and at BLOCK_D 16-64 ptxas held registers to 128
-      or 168 (for occupancy) and spilled 4-44 bytes. 3 stages.
+    - float16 / bfloat16 (tensor cores), 8 warps, 3 stages: s = 1, 128 × 64 — two warpgroups
+      of Hopper's 64-row wgmma on disjoint rows; at 64 rows both warpgroups computed the same
+      scores and softmax (about 40 % of the issue slots). s > 1 keeps 64 × 64: at 128 rows it
+      spilled 16-132 bytes on sm_80 (BLOCK_D 16 and 128). With 4 warps at 64 rows, BLOCK_D 128
+      used 255 registers and spilled up to 64 bytes, and at BLOCK_D 16-64 ptxas held registers
+      to 128 or 168 (for occupancy) and spilled 4-44 bytes.
     """
     if dtype == torch.float32:
         return 16, (32 if block_d <= 64 else 16), 4, 2
-    return 64, 64, 8, 3
+    return (128 if single_slot else 64), 64, 8, 3
 
 
 @triton.jit
@@ -376,7 +381,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
     elif key_valid is None:
         key_valid = key_valid_vector(key_padding_mask, B, N, q.device)
     block_d = block_d_for(d, dv)
-    block_m, block_n, num_warps, num_stages = _blocks(q.dtype, block_d)
+    block_m, block_n, num_warps, num_stages = _blocks(q.dtype, block_d, s == 1)
     tiles, (order, tile_e, tile_lo, tile_hi) = tile_table_plan(experts, key_valid, m, block_m)
     T = tile_e.shape[1]
     if out is None:
