@@ -16,6 +16,18 @@ from mita.reference import reference_mita
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 
 
+# The checks' shapes (``benchmarks/gpu_compiles.py`` lists the kernels they compile).
+CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REFERENCE_CASES = [  # B, H, N, d, m, k, s, masked
+    (2, 2, 96, 64, 6, 12, 1, True), (1, 2, 120, 32, 8, 20, 2, True),
+    (2, 1, 70, 128, 9, 33, 3, False), (1, 1, 5, 64, 8, 4, 1, False),
+    (1, 2, 700, 64, 20, 300, 1, True)]
+ROUTING_DTYPES = (torch.float32, torch.bfloat16)
+ROUTING_CASES = [(1, 2, 150, 64, 9, 7), (2, 2, 3000, 16, 40, 100),  # B, H, N, d, m, k
+                 (1, 2, 20000, 64, 64, 512), (1, 1, 5000, 16, 17, 256)]
+TORCH_PATH_SHAPE = (8192, 64, 64)  # N, m, k; B = H = 2, d = 64, s = 1 and 2, masked, float32
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.to(out.device, torch.float64)
     return float((out.double() - ref).abs().max() / ref.abs().max())
@@ -72,12 +84,8 @@ def check_reference(device, gen, smoke: bool) -> list[dict]:
     fused path's own routing decisions; ``decisions_equal_loop_reference`` says whether those
     decisions were also the float64 loop reference's (then the loop reference is within the
     tolerance too)."""
-    cases = [  # B, H, N, d, m, k, s, masked
-        (2, 2, 96, 64, 6, 12, 1, True), (1, 2, 120, 32, 8, 20, 2, True),
-        (2, 1, 70, 128, 9, 33, 3, False), (1, 1, 5, 64, 8, 4, 1, False),
-        (1, 2, 700, 64, 20, 300, 1, True)]
-    runs = [(case, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
-            for case in cases]
+    cases = REFERENCE_CASES
+    runs = [(case, dtype) for dtype in CHECK_DTYPES for case in cases]
     if smoke:  # the interpreter sorts slowly: one s = 1 and one s = 2 case
         runs = [(cases[0], torch.float32), (cases[1], torch.bfloat16)]
     rows = []
@@ -106,12 +114,9 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
     from mita.kernels import topk as topk_kernels
 
     # d a power of 4: 1/√d is a power of two, so scaling before or after the sum is exact
-    cases = [(1, 2, 150, 64, 9, 7)]  # B, H, N, d, m, k
-    if not smoke:
-        cases += [(2, 2, 3000, 16, 40, 100), (1, 2, 20000, 64, 64, 512),
-                  (1, 1, 5000, 16, 17, 256)]
+    cases = ROUTING_CASES[:1] if smoke else ROUTING_CASES
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in ROUTING_DTYPES:
         for B, H, N, d, m, topk in cases:
             q, k, v = rand_inputs((B, H, N, d), gen, device, dtype, integer=True)
             mask = rand_mask(B, N, gen, device)
@@ -143,7 +148,7 @@ def check_routing(device, gen, smoke: bool) -> list[dict]:
 
 
 def check_torch_path(device, gen, smoke: bool) -> list[dict]:
-    n, m, topk = (128, 8, 8) if smoke else (8192, 64, 64)
+    n, m, topk = (128, 8, 8) if smoke else TORCH_PATH_SHAPE
     rows = []
     for s in (1, 2):
         q, k, v = (torch.randn(2, 2, n, 64, generator=gen).to(device) for _ in range(3))

@@ -50,6 +50,9 @@ from service.engine import ClassifierEngine  # noqa: E402
 from service.schemas import VARIANTS  # noqa: E402
 
 CHECKPOINT = "checkpoints/listops-default"
+NS = [1024, 4096, 16384, 65536, 262144, 1 << 20]  # request cells on a GPU
+BATCHES = [1, 8]
+OVERHEAD_NS = [1024, 16384, 262144]
 
 
 def probs(results) -> np.ndarray:
@@ -286,8 +289,7 @@ def main() -> int:
             print("no CUDA device: run with --smoke for the CPU dry run", file=sys.stderr)
             return 2
         device = "cuda"
-        ns = [1024, 4096, 16384, 65536, 262144, 1 << 20]
-        over_ns = [1024, 16384, 262144]
+        ns, over_ns = NS, OVERHEAD_NS
     import triton
     header = (f"torch {torch.__version__}, triton {triton.__version__}, device "
               f"{device_name(torch.device(device))}, checkpoint {CHECKPOINT}")
@@ -298,7 +300,7 @@ def main() -> int:
         print(f"{'ok ' if c['ok'] else 'BAD'} {c['check']}: {c['max_abs_err']:.1e} "
               f"(tol {c['tol']:.0e})", flush=True)
     over_rows = profiler_overhead(device, over_ns, a.smoke)
-    req_rows = requests(device, ns, [1, 8], a.budget_s, start, a.smoke)
+    req_rows = requests(device, ns, BATCHES, a.budget_s, start, a.smoke)
     table = markdown(header, check_rows, req_rows, over_rows)
     print("\n" + table)
     print(f"\nwall time {time.perf_counter() - start:.0f} s")

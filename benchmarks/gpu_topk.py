@@ -43,6 +43,13 @@ from mita.argtypes import Parser  # noqa: E402
 from mita.kernels import routing, topk  # noqa: E402
 
 PATHS = ("select", "bitonic", "torch")
+NS = [1 << 14, 1 << 16, 1 << 18, 1 << 20]  # on a GPU
+EXACT_MAX_N = 1 << 16  # the integer-input exactness check runs at min(N, this)
+
+
+def m_topk_at(n: int) -> int:
+    """m = k = √(N/4) (Fig. 5), at least 4."""
+    return max(4, int(round((n / 4) ** 0.5)))
 
 
 def run_path(name: str, landmarks, k, m_topk: int):
@@ -122,12 +129,11 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --smoke for the CPU dry run", file=sys.stderr)
             return 2
-        device, dtype, ns, repeats = torch.device("cuda"), torch.bfloat16, [
-            1 << 14, 1 << 16, 1 << 18, 1 << 20], 10
+        device, dtype, ns, repeats = torch.device("cuda"), torch.bfloat16, NS, 10
     rows, ok = [], True
     for n in ns:
-        m_topk = max(4, int(round((n / 4) ** 0.5)))
-        exact = check_exact(device, dtype, min(n, 1 << 16), m_topk)
+        m_topk = m_topk_at(n)
+        exact = check_exact(device, dtype, min(n, EXACT_MAX_N), m_topk)
         ok &= all(v is True or str(v).startswith("n/a") for v in exact.values())
         g = torch.Generator().manual_seed(n + 1)
         k = torch.randn(1, 2, n, 64, generator=g).to(device, dtype)

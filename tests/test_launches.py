@@ -20,7 +20,8 @@ launch (``test_interpreter_copies_are_not_counted`` checks there were some).
 The top-k stage (inside ``landmark_scores``: the path ``mita.kernels.choose`` picks) is counted
 apart from the others: the budget is ≤ 15 launches per call, ≤ 10 of them outside the top-k
 stage (the tile table is a counting sort split across N: zeroed counters, count, scan,
-scatter — four launches where one serial program per (batch, head) was one). Both Triton top-k paths are counted (``MITA_TOPK_PATH``).
+scatter — four launches where one serial program per (batch, head) was one). Both Triton
+top-k paths are counted (``MITA_TOPK_PATH``).
 """
 
 from __future__ import annotations

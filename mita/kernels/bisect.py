@@ -26,7 +26,9 @@ BISECT_TILES = {(False, 64): (64, 8), (False, 128): (32, 4), (True, 64): (32, 4)
                 (True, 128): (64, 8)}
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M", "TOPK"])
 def _bisect_topk_kernel(
     LM, K, KEY_VALID, FLAG, IDX, KTH, COUNT,
     stride_lb, stride_lh, stride_lm, stride_ld,

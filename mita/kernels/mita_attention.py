@@ -6,9 +6,10 @@ key sets through one online (flash-style) softmax in fp32:
 
 1. Dispatch, as in MoE: the N·s (query, expert) entries of each (batch, head) are grouped by
    expert id (``tile_table_plan``: a counting sort split across N — count with a relaxed
-   atomic cursor per expert, scan over the m experts, scatter). Each expert's run of entries is cut into tiles of ``BLOCK_M``
-   entries; the tile table (expert, first entry, end) is built on the device, so nothing
-   synchronises with the host and the grid size is the bound cdiv(N·s, BLOCK_M) + m.
+   atomic cursor per expert, scan over the m experts, scatter). Each expert's run of entries
+   is cut into tiles of ``BLOCK_M`` entries; the tile table (expert, first entry, end) is
+   built on the device, so nothing synchronises with the host and the grid size is the bound
+   cdiv(N·s, BLOCK_M) + m.
    Padded queries get no entry and no tile.
 2. Kernel, one program per tile: load the tile's queries (gathered by query index), then
    - s = 1: start from the shared half of the joint softmax that ``routing.route_shared``
@@ -83,7 +84,9 @@ def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: t
     return m_new, l_i, acc
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M", "TOPK", "T"])
 def _mita_fused_kernel(
     Q, K, V, SK, SV, IDX, KEY_VALID, LANDMARK_VALID, ORDER, TILE_E, TILE_LO, TILE_HI,
     OUT, PART_M, PART_L, SHARED_ACC,
@@ -187,7 +190,9 @@ TILE_BLOCK = 256  # entries per program of the count and scatter kernels (≥ 13
 TILE_BLOCK_E = 128  # experts per step of the scan
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M"])
 def _tile_count_kernel(
     EXPERTS, KEY_VALID, COUNT, SLOT, H, N, S, M,
     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
@@ -210,7 +215,9 @@ def _tile_count_kernel(
     tl.store(SLOT + bh * NS + r, slot, mask=ok)
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["M", "T"])
 def _tile_scan_kernel(
     COUNT, START, TILE_E, TILE_LO, TILE_HI, M, T,
     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -245,7 +252,9 @@ def _tile_scan_kernel(
         tl.store(TILE_E + bh * T + t, tl.full([BLOCK], -1, tl.int32), mask=t < T)
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M"])
 def _tile_scatter_kernel(
     EXPERTS, KEY_VALID, SLOT, START, ORDER, H, N, S, M,
     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
@@ -424,8 +433,8 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
                     shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
                     key_valid: Tensor | None = None) -> Tensor:
     """Fused stages ``gather`` + ``attention`` (eqs. 10-12): the tile table
-    (``tile_table_plan``: count, scan, scatter) and one attention kernel (plus, with a mask, zeroing the padded
-    rows; for s > 1 the merge of the slots).
+    (``tile_table_plan``: count, scan, scatter) and one attention kernel (plus, with a mask,
+    zeroing the padded rows; for s > 1 the merge of the slots).
 
     Args:
         q, k: ``(B, H, N, d)``; v: ``(B, H, N, dv)``; float16, bfloat16 or float32 (one dtype);

@@ -43,7 +43,9 @@ def _rank_position(PAD_CUM, N, r):
     return lo
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M"])
 def _pool_kernel(
     Q, KEY_PAD, PAD_CUM, LM, LM_IN, LM_VALID, KEY_VALID, KEY_BIAS,
     stride_qb, stride_qh, stride_qn, stride_qd,

@@ -86,7 +86,9 @@ def _route_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
     return (16, 32, 2) if dtype == torch.float32 else (64, 64, 3)
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M", "TOPK"])
 def _landmark_topk_kernel(
     LM, K, KEY_VALID, IDX, FLAG,
     stride_lb, stride_lh, stride_lm, stride_ld,
@@ -140,7 +142,9 @@ def _landmark_topk_kernel(
     tl.store(FLAG + bh * M + lrows, (taken != TOPK).to(tl.int8), mask=lmask)
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M"])
 def _route_shared_kernel(
     Q, LM, SV, LANDMARK_VALID, EXPERT, PART_M, PART_L, PART_ACC,
     stride_qb, stride_qh, stride_qn, stride_qd,

@@ -113,7 +113,9 @@ def num_chunks(n: int, m: int, topk: int, bh: int, block_l: int = SELECT_BLOCK_L
     return triton.cdiv(tiles, per_chunk), per_chunk
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["H", "N", "M", "C", "TILES_PER_CHUNK", "TOPK", "CAP"])
 def _select_pass_kernel(
     LM, K, KEY_VALID, GMAX, GCNT, THETA, COUNT, CAND, WINDOW,
     stride_lb, stride_lh, stride_lm, stride_ld,
@@ -187,7 +189,9 @@ def _select_pass_kernel(
                      mask=hit & (pos < CAP))
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["G", "TOPK"])
 def _theta_kernel(GMAX, GCNT, THETA, G, TOPK, BLOCK_G: tl.constexpr):
     # θ = the largest t with Σ over groups of max ≥ t of (keys equal to that max) ≥ k: at
     # least k keys score ≥ θ, so θ ≤ the k-th score (a lower bound), and θ is the k-th score
@@ -210,7 +214,9 @@ def _theta_kernel(GMAX, GCNT, THETA, G, TOPK, BLOCK_G: tl.constexpr):
     tl.store(THETA + row + tl.arange(0, 1), lo.to(tl.int32))
 
 
-@triton.jit
+# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
+# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+@triton.jit(do_not_specialize=["R", "TOPK", "G"])
 def _select_kernel(COUNT, CAND, IDX, FLAG, THETA, WINDOW, R, TOPK, G, CAP: tl.constexpr,
                    ROWS: tl.constexpr, WIN_BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
