@@ -52,7 +52,7 @@ data: $(STAMP)
 	$(BIN)/python -m mita.datasets fashion-mnist --out $(DATA)/fashion-mnist
 	$(BIN)/python -m mita.datasets austen --window 512 --out $(DATA)/austen-512
 
-# The compiled resources of every Triton kernel specialisation (258 compiles, 8-25 min on 2
+# The compiled resources of every Triton kernel specialisation (264 compiles, 8-25 min on 2
 # cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it
 # and commit the file with any change of a kernel, a launcher, mita/kernels/aot.py or Triton.
 kernels-table: $(DEV_STAMP)

@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# The one GPU command: everything that needs a GPU, within its steps' limits (200 + 240 + 60
-# + 100 s; not yet timed on a GPU), into Markdown files written as each table is ready. Run
-# it first on any CUDA host:
+# The one GPU command: everything that needs a GPU, within its steps' limits (60 + 180 + 45
+# + 60 s, under 6 min with the preflight; not yet timed on a GPU), into Markdown files
+# written as each table is ready. Run it first on any CUDA host:
 #
 #     bash benchmarks/gpu_check.sh [OUT_DIR]        # default runs/gpu-check
+#     bash benchmarks/gpu_check.sh --dry            # on any machine: what it would compile
 #
 # Steps (each with its own time limit, so one slow step cannot eat the others):
 #   0. preflight: versions, one tiny Triton launch, the packages each step imports — one line
 #      and exit 1 if the driver, Triton or a package does not fit;
-#   1. warm: every Triton specialisation the run uses, compiled in parallel processes (one per
-#      N of the speed rows, one for the correctness matrix) into Triton's cache; the number of
-#      fresh compiles is printed;
-#   2. mita: whole model vs flash at 16K-1M, per-stage CUDA-event profile, one layer, then the
-#      correctness checks (benchmarks/gpu_mita.py; gpu_mita.md rewritten after each part);
+#   1. warm: every Triton specialisation the run uses (benchmarks/gpu_compiles.py lists them,
+#      per step, against a budget), compiled in one process per core into Triton's cache; each
+#      later step prints how many fresh compiles it still made;
+#   2. mita: the correctness checks, then whole model vs flash at 16K-1M with the per-stage
+#      CUDA-event profile, then one layer (benchmarks/gpu_mita.py; gpu_mita.md rewritten
+#      after each part);
 #   3. topk: the top-k paths side by side per layer, checked first (benchmarks/gpu_topk.py);
 #   4. serving: the serving code path without Ray (benchmarks/gpu_serving.py; needs pydantic).
 # The report is OUT_DIR/gpu_check.md; each step's full log is OUT_DIR/<step>.log.
 set -u
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ "${1:-}" = "--dry" ]; then  # no GPU needed: the specialisations per step, and the budget
+  exec env PYTHONPATH=. "$PY" benchmarks/gpu_compiles.py --list
+fi
 OUT_DIR=${1:-runs/gpu-check}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/$OUT_DIR/triton-cache}
-PY=${PYTHON:-python3}
 REPORT=$OUT_DIR/gpu_check.md
 status=0
 
@@ -89,14 +94,12 @@ step() {  # step NAME LIMIT_S TABLE_FILE COMMAND...
   echo "$name: exit $rc, $((SECONDS - t0)) s"
 }
 
-# the timed run's compiles, in parallel processes sharing TRITON_CACHE_DIR
-step warm 200 "" bash -c 'rc=0; for w in checks 1048576 262144 65536 16384; do
-  timeout 190 "$1" benchmarks/gpu_mita.py --warm $w > "$0/warm-$w.log" 2>&1 & done
-  for j in $(jobs -p); do wait $j || rc=1; done; tail -n 3 "$0"/warm-*.log; exit $rc' "$OUT_DIR" "$PY"
-step mita 240 "$OUT_DIR/gpu_mita.md" $PY benchmarks/gpu_mita.py --out "$OUT_DIR" --budget-s 200
-step topk 60 "$OUT_DIR/gpu_topk.md" $PY benchmarks/gpu_topk.py --out "$OUT_DIR"
+# the run's compiles, listed by benchmarks/gpu_compiles.py, one process per core
+step warm 60 "" $PY benchmarks/gpu_compiles.py --warm
+step mita 180 "$OUT_DIR/gpu_mita.md" $PY benchmarks/gpu_mita.py --out "$OUT_DIR" --budget-s 150
+step topk 45 "$OUT_DIR/gpu_topk.md" $PY benchmarks/gpu_topk.py --out "$OUT_DIR"
 if $PY -c "import pydantic" 2>/dev/null; then
-  step serving 100 "$OUT_DIR/gpu_serving.md" $PY benchmarks/gpu_serving.py --out "$OUT_DIR" --budget-s 70
+  step serving 60 "$OUT_DIR/gpu_serving.md" $PY benchmarks/gpu_serving.py --out "$OUT_DIR" --budget-s 45
 fi
 cat "$REPORT"
 exit $status

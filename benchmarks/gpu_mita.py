@@ -311,33 +311,12 @@ def markdown(checks, rows, stages, header: str, attention_rows=()) -> str:
     return "\n".join(out)
 
 
-def warm(what: str, device, dtype, gen) -> int:
-    """Run once what the timed run will run (``checks``, or the whole model and the one-layer
-    rows at one N), so its kernels compile here, in a process beside the others."""
-    with torch.no_grad():
-        if what == "checks":
-            check_reference(device, gen, False)
-            check_routing(device, gen, False)
-            check_torch_path(device, gen, False)
-            check_model(device, dtype, gen, False)
-            return 0
-        n = int(what)
-        mita = build(n, "mita", device, dtype)
-        set_mita_backend(mita, "triton")
-        ids = torch.randint(1, 16, (1, n), generator=gen).to(device)
-        mita(ids)
-        attention_rows_at(n, device, dtype, 1, False)
-    return 0
-
-
 def main() -> int:
     p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny N (interpreter)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and table")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="stop starting dense runs when this much wall time is used")
-    p.add_argument("--warm", help="compile only, for a parallel warm-up into Triton's cache: "
-                   "'checks', or one N of the speed rows")
     a = p.parse_args()
     start = time.perf_counter()
     if a.smoke:
@@ -355,8 +334,6 @@ def main() -> int:
               f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}"
               f", random seed {seed}")
     print(header, flush=True)
-    if a.warm:
-        return warm(a.warm, device, dtype, gen)
     checks, rows, stages, attention_rows = [], [], [], []
 
     def save(done: str) -> None:  # each table the moment it exists: a killed run keeps them
@@ -369,16 +346,8 @@ def main() -> int:
                 {"header": header, "checks": checks, "speed": rows, "stages": stages,
                  "attention_only": attention_rows}, indent=1))
 
-    # whole model first (the headline), then one layer, then the correctness matrix, whose
-    # ~100 compiles a parallel warm-up (--warm checks) has put in Triton's cache by then
-    for n in ns:
-        r, st = speed(device, dtype, [n], repeats, a.budget_s, start, unfused_at=ns[0])
-        rows += r
-        stages += st
-        save(f"whole model at N = {n}")
-    with torch.no_grad():
-        attention_rows += attention_only(device, dtype, ns, repeats, a.smoke)
-    save("attention only")
+    # correctness first (its compiles are in Triton's cache from gpu_compiles.py --warm), then
+    # the whole model (the headline), then one layer; each table saved the moment it exists
     with torch.no_grad():
         checks += (check_reference(device, gen, a.smoke) + check_routing(device, gen, a.smoke)
                    + check_torch_path(device, gen, a.smoke))
@@ -387,6 +356,14 @@ def main() -> int:
         print(f"{'ok ' if c['ok'] else 'BAD'} {c['check']} {c['dtype']} {c['shape']}: "
               f"{c['rel_err']:.2e} (tol {c['tol']:.1e})", flush=True)
     save("checks")
+    for n in ns:
+        r, st = speed(device, dtype, [n], repeats, a.budget_s, start, unfused_at=ns[0])
+        rows += r
+        stages += st
+        save(f"whole model at N = {n}")
+    with torch.no_grad():
+        attention_rows += attention_only(device, dtype, ns, repeats, a.smoke)
+    save("attention only")
     print(f"\nwall time {time.perf_counter() - start:.0f} s")
     return 0 if all(c["ok"] for c in checks) else 1
 

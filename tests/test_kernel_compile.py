@@ -8,7 +8,7 @@ specialisation the launcher can choose, to a cubin, and checks its shared memory
 target; ptxas (``-v``) and cuobjdump give its registers, spills, stack and blocks per SM, and
 no specialisation may spill.
 
-All 258 compiles take 8-25 min on 2 cores, so their records are committed
+All 264 compiles take 8-25 min on 2 cores, so their records are committed
 (``mita/kernels/compiled.json``, ``make kernels-table``) under a key of what they are compiled
 from (``mita.kernels.aot_table``). Here: the key must be today's (else one line: run ``make
 kernels-table``), a seeded sample of 16 rows is compiled again and must equal its committed
@@ -83,7 +83,7 @@ def test_sample_is_drawn_by_its_seed():
     assert [(str(c), cap) for c, cap in first] == [(str(c), cap) for c, cap in again]
     assert len({(str(c), cap) for c, cap in first}) == 16
     seen = {(str(c), cap) for seed in range(200) for c, cap in aot_table.sample(seed)}
-    assert len(seen) == 258  # every row is drawn over 200 seeds
+    assert len(seen) == 264  # every row is drawn over 200 seeds
 
 
 def test_the_key_follows_the_code_not_its_comments(tmp_path):
@@ -104,20 +104,21 @@ def test_the_key_follows_the_code_not_its_comments(tmp_path):
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(results):
-    """All 129 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
+    """All 132 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
-    32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 64 × 64, 8 warps,
-    3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128}, K_PAD ∈ {64 … 512}),
+    32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 128 × 64 (s = 1) or
+    64 × 64 (s > 1), 8 warps, 3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128}, K_PAD ∈ {64 … 512}),
     3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32 16 × 32 with 2 stages,
     16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK),
-    3 × 2 × 2; for the tile table each (s = 1 or not, HAS_MASK), 2 × 2; for the threshold
+    3 × 2 × 2; for the tile table's count and scatter each (s = 1 or not, HAS_MASK), 2 × 2,
+    and its scan per attention tile (BLOCK_M 16, 64, 128); for the threshold
     select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64, 128}),
     3 × 2 each (the fallback's tiles and warps by dtype and BLOCK_D), its θ kernel, and for
     its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096. (The
     committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles a
     sample again.)"""
-    assert len(results) == 258
+    assert len(results) == 264
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
@@ -190,13 +191,13 @@ def _inputs(r) -> str:
 
 
 @pytest.mark.parametrize("dtypes,records", [(("float16", "bfloat16"), 152), (("float32",), 76),
-                                            (("int",), 30)])
+                                            (("int",), 36)])
 def test_no_specialisation_spills_registers(results, dtypes, records):
     """No case of ``aot.cases()`` — every specialisation the service can pick — spills
     registers to local memory on sm_80 or sm_90 (ptxas's spill store and spill load bytes
     are 0): 38 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, and the
-    threshold select's group max, filter and fallback 2 each) and 15 with integer inputs only
-    (tile table 8, select 6, θ 1), × 2 targets. float32 too: its IEEE products are FMA loops
+    threshold select's group max, filter and fallback 2 each) and 18 with integer inputs only
+    (tile table 11, select 6, θ 1), × 2 targets. float32 too: its IEEE products are FMA loops
     over registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
     mine = [r for r in results if _inputs(r) in dtypes]
     assert len(mine) == records
@@ -253,7 +254,7 @@ def test_resident_blocks_by_the_occupancy_rules(registers, shared, warps, sm, wa
 
 def test_table_has_one_row_per_result(results):
     lines = aot.table(results).splitlines()
-    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 258
+    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 264
     assert all(line.count("|") == len(aot.COLUMNS) + 1 and "FAILED" not in line
                for line in lines[2:])
 

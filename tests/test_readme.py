@@ -104,7 +104,7 @@ README_COMMANDS = {
     ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
     "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
     "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
-    "make kernels-table": ("no", "all 258 compiles (≈ 10 min on 2 cores); tests/"
+    "make kernels-table": ("no", "all 264 compiles (≈ 10 min on 2 cores); tests/"
                                  "test_kernel_compile.py checks the table it writes"),
     "python -m mita.kernels.aot_table --markdown": ("run", ""),
     "chromium --headless --no-sandbox --hide-scrollbars --window-size=1400,1750 "
@@ -115,6 +115,8 @@ README_COMMANDS = {
         "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
     "bash benchmarks/gpu_check.sh [OUT_DIR]": (
         "no", "needs a CUDA GPU (its steps' --smoke forms run in CI)"),
+    "bash benchmarks/gpu_check.sh --dry": (
+        "test", "tests/test_gpu_compiles.py::test_dry_form_lists_each_step_within_its_budget"),
     "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
         "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
     "python benchmarks/stalled_connections.py": (
@@ -459,5 +461,5 @@ def test_readme_offline_commands(tmp_path):
         "rows"] == {"train": 72, "valid": 18}
     table = run("python -m mita.kernels.aot_table --markdown").stdout.splitlines()
     assert table[0].startswith("triton ") and table[2].startswith("| case | sm | tiles |")
-    assert len(table) == 4 + 258, table[:5]  # versions, blank, header, rule, 258 rows
+    assert len(table) == 4 + 264, table[:5]  # versions, blank, header, rule, 264 rows
     assert ran >= set(cmds), set(cmds) - ran

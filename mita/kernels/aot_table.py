@@ -1,6 +1,6 @@
 """The committed table of compiled kernel resources (``compiled.json`` beside this file).
 
-``mita.kernels.aot`` compiles all 129 specialisations × sm_80 / sm_90 (258 compiles: ~8-25 min
+``mita.kernels.aot`` compiles all 132 specialisations × sm_80 / sm_90 (264 compiles: ~8-25 min
 on 2 cores). Their records — registers, spills, stack, shared memory, resident blocks — change
 only when what they are compiled from changes, so they are committed once, under
 ``compile_key()``, a hash of everything a record depends on. ``tests/test_kernel_compile.py``
@@ -12,7 +12,7 @@ then checks, in ``make test``:
   over time), recompiled and compared with its committed row field by field;
 - every row of the table: compiled, no spill, shared memory and occupancy within the SM.
 
-    python -m mita.kernels.aot_table             # all 258 compiles, then write compiled.json
+    python -m mita.kernels.aot_table             # all 264 compiles, then write compiled.json
     python -m mita.kernels.aot_table --markdown  # the committed records as a Markdown table
 """
 
