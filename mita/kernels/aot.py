@@ -47,8 +47,8 @@ KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_count", "
 TILE_LAUNCH = {"tile_count": 0, "tile_scan": 1, "tile_scatter": 2}  # tile_table_plan's order
 # threshold_topk's launches by case name
 SELECT_LAUNCH = {"groupmax": 0, "theta": 1, "filter": 2, "select": 3, "bisect": 4}
-# keys of the threshold select's example plans: 16 tiles per chunk, the tile loop as it runs at
-# long N (an N giving one tile per chunk lets Triton drop the loop: not the kernel that runs)
+# keys of the threshold select's example plans: 32 tiles of 32 keys per chunk, the tile loop
+# as it runs at long N (its trip count is a runtime value since N, m, k are unspecialised)
 SELECT_EXAMPLE_N = 66 * 16 * 64
 
 
@@ -104,7 +104,7 @@ def cases() -> list[Case]:
     ``filter`` and ``bisect`` 3 dtypes × BLOCK_D ∈ {64, 128} = 6 each; ``theta``
     (no float inputs) 1; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100, 200,
     512, 600, 2048) = 6. The select's scoring passes are planned at N = ``SELECT_EXAMPLE_N``
-    (16 tiles per chunk, as at long N). Tiles, warps and stages
+    (32 tiles of 32 keys per chunk, as at long N). Tiles, warps and stages
     follow from (dtype, BLOCK_D) or (dtype, K_PAD) (``mita_attention._blocks``,
     ``routing._route_blocks``, ``routing._topk_blocks``: float32 takes smaller tiles than
     16-bit), so they add no other cases."""

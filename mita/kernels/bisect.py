@@ -19,11 +19,13 @@ from .triton_common import block_d_for, emit_topk, load_rows, score_keys
 
 BISECT_BLOCK_L = 16  # landmarks per fallback program (tl.dot needs ≥ 16 rows)
 # (float32, BLOCK_D) → (keys per score tile, warps): the shapes that compile without spills
-# on sm_80 and sm_90 at an N that is a multiple of 16 (``make kernels-table``). ptxas caps
-# these kernels near 128 registers and spilled 4-36 bytes in the others tried: 64-key tiles in
-# 4 warps (16-bit at BLOCK_D 128, both dtypes at 64), 32-key tiles in 8 warps.
+# on sm_80 and sm_90 with N, m and k unspecialised (``make kernels-table``). ptxas caps these
+# kernels near 128 registers and spilled 4-68 bytes in the others tried: 64-key tiles in
+# 4 warps (16-bit at BLOCK_D 128, both dtypes at 64), 32-key tiles in 8 warps (float32 at
+# BLOCK_D 128: 40 bytes on sm_80), 64-key tiles in 8 warps for float32 at BLOCK_D 128
+# (68 bytes on sm_80 once N was unspecialised).
 BISECT_TILES = {(False, 64): (64, 8), (False, 128): (32, 4), (True, 64): (32, 4),
-                (True, 128): (64, 8)}
+                (True, 128): (32, 4)}
 
 
 # shape integers unspecialised: one compile serves every N, m, k (Triton would compile
