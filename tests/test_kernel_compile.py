@@ -107,17 +107,17 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
     """All 132 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
-    32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 128 × 64 (s = 1) or
-    64 × 64 (s > 1), 8 warps, 3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
-    K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32 16 × 32 with 2 stages,
-    16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK),
-    3 × 2 × 2; for the tile table's count and scatter each (s = 1 or not, HAS_MASK), 2 × 2,
-    and its scan per attention tile (BLOCK_M 16, 64, 128); for the threshold
-    select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64, 128}),
-    3 × 2 each (the fallback's tiles and warps by dtype and BLOCK_D), its θ kernel, and for
-    its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096. (The
-    committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles a
-    sample again.)"""
+    32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 128 × 64 (s = 1)
+    or 64 × 64 (s > 1), 8 warps, 3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
+    K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32
+    16 × 32 with 2 stages, 16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64,
+    128}, HAS_MASK), 3 × 2 × 2; for the tile table's count and scatter each (s = 1 or not,
+    HAS_MASK), 2 × 2, and its scan per attention tile (BLOCK_M 16, 64, 128); for the
+    threshold select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64,
+    128}), 3 × 2 each (the fallback's tiles and warps by dtype and BLOCK_D), its θ kernel, and
+    for its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096.
+    (The committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles
+    a sample again.)"""
     assert len(results) == 264
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
