@@ -43,6 +43,9 @@ try:
 except ImportError as e:
     sys.exit(f"- preflight failed: {e}")
 print(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Triton {triton.__version__}")
+from mita.kernels import triton_supported
+if triton_supported() is not None:
+    sys.exit(f"- preflight failed: {triton_supported()}")
 if not torch.cuda.is_available():
     sys.exit("- preflight failed: no CUDA device")
 p = torch.cuda.get_device_properties(0)
