@@ -33,7 +33,7 @@ status=0
 
 fresh() { find "$TRITON_CACHE_DIR" -name '*.cubin' 2>/dev/null | wc -l; }
 
-{
+(  # a subshell: its exit 1 reaches the cat below, which prints why
   echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
   if ! $PY - <<'PYEOF'
@@ -77,7 +77,7 @@ PYEOF
     exit 1
   fi
   echo "- driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null || echo unknown)"
-} > "$REPORT" 2>&1 || { cat "$REPORT"; exit 1; }
+) > "$REPORT" 2>&1 || { cat "$REPORT"; exit 1; }
 cat "$REPORT"
 
 step() {  # step NAME LIMIT_S TABLE_FILE COMMAND...

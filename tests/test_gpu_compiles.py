@@ -90,3 +90,37 @@ def test_gpu_scripts_import_only_the_gpu_images_packages(script):
                "print(gpu_compiles.steps())")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "['mita', 'topk']"
+
+
+def preflight(tmp_path, fake_triton: str | None = None) -> subprocess.CompletedProcess:
+    """``gpu_check.sh`` on this CPU machine, its Python wrapped so that Triton may claim
+    ``fake_triton`` as its version (a ``sitecustomize`` on the wrapper's path)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    if fake_triton:
+        (site / "sitecustomize.py").write_text(f"import triton\ntriton.__version__ = "
+                                               f"{fake_triton!r}\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={site}:$PYTHONPATH exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+                          | {"PYTHON": str(wrapper), "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_preflight_fails_fast_in_one_line(tmp_path):
+    """Without a GPU, or with a Triton below the kernels' floor (3.5: the filter's per-key
+    atomic results), the GPU command stops at its preflight: exit 1, one line saying why,
+    in the report too, and no step run (no step log). (The preflight's exit inside a brace
+    group ended the script before it printed the report: nothing was said.)"""
+    done = preflight(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "- preflight failed: no CUDA device" in done.stdout
+    assert "- preflight failed: no CUDA device" in (tmp_path / "out" / "gpu_check.md").read_text()
+    assert not list((tmp_path / "out").glob("*.log"))
+    (tmp_path / "old").mkdir()
+    old = preflight(tmp_path / "old", fake_triton="3.4.0")
+    assert old.returncode == 1, old.stdout + old.stderr
+    assert ("- preflight failed: Triton 3.4.0 is installed; the Triton MiTA kernels need "
+            "triton>=3.5") in old.stdout
