@@ -70,6 +70,7 @@ def random_mask(B, N, seed, suffix=True):
 # every module after it (they hold references to its functions).
 KERNEL_MODULES = (("mita.kernels.triton_common", "dot"),
                   ("mita.kernels.bisect", "_bisect_topk_kernel"),
+                  ("mita.kernels.tile_table", "_tile_count_kernel"),
                   ("mita.kernels.mita_attention", "_mita_fused_kernel"),
                   ("mita.kernels.routing", "_landmark_topk_kernel"),
                   ("mita.kernels.topk", "_select_kernel"),

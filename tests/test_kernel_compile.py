@@ -325,7 +325,7 @@ def test_tile_table_spreads_over_n_with_relaxed_atomics():
     grids have 512 programs (≥ 132, the SMs of an H100 / H200), the scan one per (b, h) over
     the m experts only; the count's sm_90 SASS has its atomic and no GPU-scope fence or L1
     invalidation around it."""
-    from mita.kernels.mita_attention import TILE_KERNELS, tile_table_plan
+    from mita.kernels.tile_table import TILE_KERNELS, tile_table_plan
 
     experts = torch.zeros(1, 2, 65536, 1, dtype=torch.int64)
     launches, _ = tile_table_plan(experts, None, 128)

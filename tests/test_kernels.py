@@ -335,7 +335,7 @@ def test_triton_refuses_autograd_and_auto_trains_on_torch(kernel, monkeypatch):
         assert A._use_triton("auto", q, v, k)
 
 
-# --- pool and tile table (mita/kernels/pooling.py, mita_attention.tile_table_plan) ----------
+# --- pool and tile table (mita/kernels/pooling.py, mita/kernels/tile_table.py) -------------
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ class Case:
     """One launcher choice of one kernel. ``attention`` (``_mita_fused_kernel``): dtype,
     s = 1 or not, mask or not, BLOCK_D from the head dim. ``landmark_topk``: dtype, BLOCK_D,
     K_PAD from ``topk``. ``route_shared``: dtype, BLOCK_D. ``pool`` (``pooling._pool_kernel``):
-    dtype, BLOCK_D, mask or not. The tile table (``mita_attention.tile_table_plan``, no float
+    dtype, BLOCK_D, mask or not. The tile table (``tile_table.tile_table_plan``, no float
     inputs): ``tile_count`` and ``tile_scatter``, s = 1 or not, mask or not; ``tile_scan``,
     the attention tile (BLOCK_M) of the dtype and s it is planned with."""
 

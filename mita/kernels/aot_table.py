@@ -32,7 +32,7 @@ TABLE = Path(__file__).with_name("compiled.json")
 # The files a record depends on: the jit kernels, their launchers' plans (the arguments and
 # constexprs a launch passes) and aot.py (example_plan, the checks, the ptxas flags).
 COMPILE_SOURCES = ("__init__.py", "triton_common.py", "bisect.py", "mita_attention.py",
-                   "routing.py", "topk.py", "pooling.py", "aot.py")
+                   "tile_table.py", "routing.py", "topk.py", "pooling.py", "aot.py")
 # Not a property of the compile: the cubin embeds its source files' paths (-lineinfo), so its
 # size differs between two checkouts of the same commit.
 UNCOMPARED = ("cubin_bytes",)

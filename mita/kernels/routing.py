@@ -142,8 +142,7 @@ def _landmark_topk_kernel(
     tl.store(FLAG + bh * M + lrows, (taken != TOPK).to(tl.int8), mask=lmask)
 
 
-# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
-# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+# shape integers unspecialised, as above
 @triton.jit(do_not_specialize=["H", "N", "M"])
 def _route_shared_kernel(
     Q, LM, SV, LANDMARK_VALID, EXPERT, PART_M, PART_L, PART_ACC,

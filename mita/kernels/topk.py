@@ -189,8 +189,7 @@ def _select_pass_kernel(
                      mask=hit & (pos < CAP))
 
 
-# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
-# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+# shape integers unspecialised, as above
 @triton.jit(do_not_specialize=["G", "TOPK"])
 def _theta_kernel(GMAX, GCNT, THETA, G, TOPK, BLOCK_G: tl.constexpr):
     # θ = the largest t with Σ over groups of max ≥ t of (keys equal to that max) ≥ k: at
@@ -214,8 +213,7 @@ def _theta_kernel(GMAX, GCNT, THETA, G, TOPK, BLOCK_G: tl.constexpr):
     tl.store(THETA + row + tl.arange(0, 1), lo.to(tl.int32))
 
 
-# shape integers unspecialised: one compile serves every N, m, k (Triton would compile
-# again for each value's == 1 and % 16 == 0, ~150 compiles of one GPU command run)
+# shape integers unspecialised, as above
 @triton.jit(do_not_specialize=["R", "TOPK", "G"])
 def _select_kernel(COUNT, CAND, IDX, FLAG, THETA, WINDOW, R, TOPK, G, CAP: tl.constexpr,
                    ROWS: tl.constexpr, WIN_BLOCK: tl.constexpr):
