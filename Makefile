@@ -77,7 +77,7 @@ MUTATE_SCOPE := \
 	'service.recorder.xǁRecorderǁ[!_]*' 'service.recorder.xǁRecorderǁ_set_gauges*' \
 	'service.stats.x_[!_gp]*' 'service.stats.x__[!g]*' 'service.stats.xǁStatsWindowǁ*' \
 	'service.policy.*' 'service.config_file.*' 'service.inputs.*' 'service.schemas.*' \
-	'service.metrics.x_n_bucket*' 'service.metrics.x__one_two_five*'
+	'service.settings.*' 'service.metrics.x_n_bucket*' 'service.metrics.x__one_two_five*'
 
 # mutants/ is mutmut's copy of the tree and its results: removed first, so every mutant is run
 # against the tests as they are now.

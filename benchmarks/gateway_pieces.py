@@ -17,7 +17,7 @@ on a real request and a real classifier answer (the shipped checkpoint's MiTA en
   validated against ``response_model`` with None left out, then rendered.
 
 - ``classifier call``: one awaited call that answers on the loop's next pass, under the
-  request's deadline as ``Gateway._call`` awaits it (``gateway.Deadline``) and as it did
+  request's deadline as ``calls.call_classifier`` awaits it (``calls.Deadline``) and as it did
   before (a task of its own and ``asyncio.wait``), side by side.
 - ``middleware mechanism``: one request through a FastAPI app whose middleware does nothing,
   written as Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``, what
@@ -97,9 +97,9 @@ def middleware_mechanism(repeats: int) -> dict[str, float]:
 def call_mechanism(repeats: int) -> dict[str, float]:
     """µs per awaited classifier call under a deadline, on a stand-in for the handle's
     response that answers on the loop's next pass: awaited in the request's task under
-    ``gateway.Deadline`` (what ``Gateway._call`` does), and through a task of its own and
+    ``calls.Deadline`` (what ``calls.call_classifier`` does), and through a task of its own and
     ``asyncio.wait`` with a timeout (what it did before)."""
-    from service.gateway import Deadline
+    from service.calls import Deadline
 
     async def response():
         answer = asyncio.get_running_loop().create_future()
@@ -153,7 +153,8 @@ def main() -> None:
     from service.inputs import StrictJSONRequest, binary_ids, to_ids
     from service.policy import choose_variant
     from service.recorder import Recorder
-    from service.schemas import ClassifyRequest, ClassifyResponse, GatewayConfig
+    from service.schemas import ClassifyRequest, ClassifyResponse
+    from service.settings import GatewayConfig
 
     ray.init(num_cpus=1, include_dashboard=False, logging_level="error")
     engine = ClassifierEngine("checkpoints/listops-default", "mita", "cpu")

@@ -47,7 +47,7 @@ from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from mita.timer import StageTimer  # noqa: E402
 from service.engine import ClassifierEngine  # noqa: E402
-from service.schemas import VARIANTS  # noqa: E402
+from service.settings import VARIANTS  # noqa: E402
 
 CHECKPOINT = "checkpoints/listops-default"
 NS = [1024, 4096, 16384, 65536, 262144, 1 << 20]  # request cells on a GPU

@@ -14,7 +14,7 @@ from mita.task import Task, checkpoint_task
 from . import resolve_checkpoint
 from .classifier import Classifier
 from .gateway import Gateway
-from .schemas import DEPLOYMENTS, AppArgs, validated
+from .settings import DEPLOYMENTS, AppArgs, validated
 
 
 def served_config(args: dict) -> tuple[AppArgs, ModelConfig, Task]:
@@ -45,7 +45,7 @@ def build_app(args: dict) -> Application:
 
     ``cuda_graphs`` (default true): replay unstaged forwards from CUDA graphs on CUDA.
     ``mita_setting``: the MiTA classifier's m, k, s and shared scale, replacing the
-    checkpoint's (``schemas.MiTASetting``). Parsed strictly by ``schemas.AppArgs``.
+    checkpoint's (``settings.MiTASetting``). Parsed strictly by ``settings.AppArgs``.
 
     The gateway validates token ids against the checkpoint's vocabulary and tokenizes text
     with its tokenizer (its config.json, ``mita.task``).

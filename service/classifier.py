@@ -25,7 +25,7 @@ import ray
 from ray import serve
 
 from .live_config import LiveConfig, store_key
-from .schemas import ClassifierConfig
+from .settings import ClassifierConfig
 
 # With deterministic forwards, a lone request of at most this many tokens, of a length this
 # replica has run before, runs its forward on the replica's event loop instead of the forward
@@ -76,7 +76,7 @@ class Classifier:
                                counted=False)  # classifier replicas export no metrics
 
     def reconfigure(self, config: dict) -> None:
-        """Apply a ``user_config``, parsed strictly (``schemas.ClassifierConfig``). A refused
+        """Apply a ``user_config``, parsed strictly (``settings.ClassifierConfig``). A refused
         live update leaves the replica on its last applied config (``LiveConfig``: logged, and
         in ``info()["config_update"]``, which ``/v1/models`` shows); a new replica starts on
         the deployment's last applied config, or raises when there is none."""

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
-from .schemas import MAX_REQUEST_TIMEOUT_S, STRICT_CONFIG, validated
+from .settings import MAX_REQUEST_TIMEOUT_S, STRICT_CONFIG, validated
 
 MAX_DRAIN_S = 600.0  # longest drain (graceful_shutdown_timeout_s) a config may ask for
 MAX_REPLICAS = 1024

@@ -27,17 +27,14 @@ import numpy as np
 import ray
 from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from grpc import StatusCode
-from grpc.aio import AioRpcError
 from ray import serve
-from ray.exceptions import ActorDiedError, RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from mita.hooks import STAGE_COLORS, VARIANT_COLORS
 from mita.task import Task
 
 from . import replica_state
+from .calls import call_classifier
 from .http import (
     AFTER_RESPONSE,
     ARRIVED,
@@ -58,32 +55,16 @@ from .recorder import Recorder
 from .replicas import fetch_classifier_replicas, watch_classifier_configs
 from .routing import check_warm_start
 from .schemas import (
-    DEPLOYMENTS,
-    VARIANTS,
     BatchRequest,
     BatchResponse,
     ClassifyRequest,
     ClassifyResponse,
     ErrorResponse,
-    GatewayConfig,
     RoutingResponse,
     StatsResponse,
-    Variant,
 )
+from .settings import DEPLOYMENTS, VARIANTS, GatewayConfig, Variant
 from .stats import PrometheusError, ab_split, prometheus_summary, summarize
-
-# A resent classification waits this long first, doubling up to the maximum: Serve learns of
-# a dead replica from the failed call itself, and of its replacement within a health check.
-RETRY_BACKOFF_S = 0.05
-MAX_RETRY_BACKOFF_S = 1.0
-# At most this many resends of one request: a request that itself kills its replica (a crash,
-# an OOM kill) must not take down every replacement, and the requests beside it, for the
-# whole deadline.
-MAX_RESENDS = 3
-# In Ray's throughput mode calls between deployments go over gRPC; Ray turns UNAVAILABLE into
-# ActorUnavailableError, and these other codes of a call cut by a dying replica come as they are.
-REPLICA_LOST_CODES = (StatusCode.UNAVAILABLE, StatusCode.UNKNOWN, StatusCode.INTERNAL,
-                      StatusCode.ABORTED)
 
 
 def response_body(result: dict, shadow: str | None, arrived_at: float | None,
@@ -113,31 +94,6 @@ def classify_response(body: dict, request: Request) -> JSONResponse:
     asking for the whole profile."""
     return JSONResponse(body, headers={
         "server-timing": f"forward;dur={request.scope[FORWARD_MS]:.3f}"})
-
-
-class Deadline:
-    """Cancels the running task in ``delay_s`` seconds, as ``asyncio.timeout`` (Python 3.11+)
-    does: a classifier call is awaited in the request's own task, with no task of its own
-    and no ``asyncio.wait`` (~20 µs a request less on the loop). ``expired``: this cancelled
-    the task (not the client leaving); ``uncancel`` then takes that cancel back before the
-    caller answers 504. ``cancel`` when the call is over."""
-
-    __slots__ = ("expired", "_task", "_handle")
-
-    def __init__(self, delay_s: float):
-        self.expired, self._task = False, asyncio.current_task()
-        self._handle = asyncio.get_running_loop().call_later(max(0.0, delay_s), self._expire)
-
-    def _expire(self) -> None:
-        self.expired = True
-        self._task.cancel()
-
-    def uncancel(self) -> None:
-        if hasattr(self._task, "uncancel"):  # 3.11+ counts cancel requests
-            self._task.uncancel()
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 @serve.deployment
@@ -191,72 +147,16 @@ class Gateway:
 
     async def _call(self, variant: str, ids: np.ndarray, staged: bool = False,
                     retry: bool = True, after: list | None = None) -> dict:
-        """One classification by ``variant``'s classifier; its forward is recorded whenever an
-        answer comes back. Classification is idempotent, so with ``retry`` (primary calls;
-        never shadow ones) a call whose replica failed while holding it (``RayActorError``:
-        the actor died or became unreachable; in Ray's throughput mode also a gRPC error of
-        the call) is sent again, at most ``MAX_RESENDS`` times, while ``request_timeout_s``
-        allows: Serve routes it to a live replica, or holds it until the replacement runs.
-        Each resend is counted in ``retries_total`` as it is sent. Raises ApiError: 503
-        (back-pressure: ``rejected``; the deployment is unavailable — failed to deploy or
-        deleted: waiting cannot help; the replica failed and the resends or the time ran
-        out), 504 (no answer within ``request_timeout_s``), 500 (a replica error, non-finite
-        logits). ``after``: the forward's recording of an answer without error is appended
-        here instead of run at once (``http.AFTER_RESPONSE``)."""
-        timeout_s = self.config.request_timeout_s
-        deadline = time.monotonic() + timeout_s
-        backoff_s, resends = RETRY_BACKOFF_S, 0
-        while True:
-            response = self._classify_calls[variant].remote(ids, staged)
-            expiry = Deadline(deadline - time.monotonic())
-            try:
-                try:
-                    result = await response
-                finally:
-                    expiry.cancel()
-                break
-            except asyncio.CancelledError:  # the deadline, or the client went away
-                response.cancel()  # the request in Serve goes too
-                if not expiry.expired:
-                    raise
-                expiry.uncancel()
-                raise ApiError(504, f"the {variant} classifier did not answer within "
-                                    f"{timeout_s} s") from None
-            except BackPressureError:
-                raise ApiError(503, f"the {variant} classifier is overloaded; retry later",
-                               {"Retry-After": str(self.config.retry_after_s)},
-                               rejected=True) from None
-            except DeploymentUnavailableError:  # failed to deploy, or deleted: not a wait
-                raise ApiError(503, f"no {variant} classifier replica is running (its "
-                                    "deployment is unavailable: it failed to deploy or is "
-                                    "being deleted); retry later",
-                               {"Retry-After": str(self.config.retry_after_s)}) from None
-            except (RayActorError, AioRpcError) as e:
-                # The replica died or became unreachable mid-request; Serve replaces it.
-                if isinstance(e, AioRpcError) and e.code() not in REPLICA_LOST_CODES:
-                    raise ApiError(500, f"the {variant} classifier call failed: gRPC "
-                                        f"{e.code().name}") from None
-                reason = ("replica_died" if isinstance(e, ActorDiedError)
-                          else "replica_unavailable")
-                left = deadline - time.monotonic()
-                if not retry or resends == MAX_RESENDS or left <= backoff_s:
-                    why = ("" if not retry else
-                           f"; sent {resends + 1} times" if resends == MAX_RESENDS else
-                           f"; too little of request_timeout_s ({timeout_s} s) was left to "
-                           "send it again")
-                    raise ApiError(503, f"the {variant} classifier replica failed while "
-                                        f"handling the request ({type(e).__name__}){why}; "
-                                        "retry later",
-                                   {"Retry-After": str(self.config.retry_after_s)}) from None
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(2 * backoff_s, MAX_RETRY_BACKOFF_S)
-                resends += 1
-                self.recorder.retry(variant, reason)
-            except ApiError:
-                raise
-            except Exception as e:  # a bug in the replica: say so, as JSON, and keep serving
-                raise ApiError(500, f"the {variant} classifier failed: "
-                                    f"{type(e).__name__}") from None
+        """One classification by ``variant``'s classifier (``calls.call_classifier``: the
+        deadline ``request_timeout_s``, with ``retry`` — primary calls, never shadow ones — the
+        resends when its replica fails, each counted in ``retries_total``); its forward is
+        recorded whenever an answer comes back. Raises ApiError as ``call_classifier``, and
+        500 for an answer with an error (non-finite logits). ``after``: the forward's
+        recording of an answer without error is appended here instead of run at once
+        (``http.AFTER_RESPONSE``)."""
+        result = await call_classifier(
+            self._classify_calls[variant], variant, ids, staged, self.config,
+            partial(self.recorder.retry, variant) if retry else None)
         record = partial(self.recorder.forward, variant, len(ids), result["profile"],
                          result["replica"])
         if "error" in result:  # e.g. non-finite logits: never a 200 with NaN probabilities

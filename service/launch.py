@@ -40,7 +40,7 @@ from .preflight import (
     missing_resources,
     use_token_auth,
 )
-from .schemas import DEPLOYMENTS, validated
+from .settings import DEPLOYMENTS, validated
 
 CPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.yaml"
 GPU_CONFIG = PROJECT_ROOT / "deploy" / "serve_config.gpu.yaml"

@@ -24,7 +24,7 @@ import time
 from pydantic import BaseModel
 
 from .metrics import GAUGE_REFRESH_S, config_refused_gauge, config_updates
-from .schemas import validated
+from .settings import validated
 
 log = logging.getLogger("ray.serve")
 

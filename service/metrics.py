@@ -17,7 +17,7 @@ import bisect
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from .schemas import MAX_REQUEST_TIMEOUT_S, VARIANTS
+from .settings import MAX_REQUEST_TIMEOUT_S, VARIANTS
 
 # Upper edges of the sequence-length buckets (log-spaced, ×4); label value = the edge.
 N_BUCKET_EDGES = (1024, 4096, 16384, 65536, 262144, 1048576)

@@ -11,7 +11,7 @@ import random
 
 from mita.quality import kl_divergence
 
-from .schemas import VARIANTS, GatewayConfig
+from .settings import VARIANTS, GatewayConfig
 
 
 def sticky_unit(key: str) -> float:

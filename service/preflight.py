@@ -22,7 +22,7 @@ import torch
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
-from .schemas import DEPLOYMENTS, VARIANTS, AppArgs, ClassifierConfig, GatewayConfig, validated
+from .settings import DEPLOYMENTS, VARIANTS, AppArgs, ClassifierConfig, GatewayConfig, validated
 
 # The ports a start listens on unless told otherwise (``launch.start``, ``python -m service``).
 DEFAULT_METRICS_PORT = 9100
@@ -34,7 +34,7 @@ USER_CONFIGS = {DEPLOYMENTS["gateway"]: GatewayConfig,
 
 def check_service_config(config: ServeDeploySchema) -> None:
     """Parse this service's application args and every deployment's ``user_config`` with the
-    strict schemas (``schemas.AppArgs``, ``ClassifierConfig``, ``GatewayConfig``) before
+    strict schemas (``settings.AppArgs``, ``ClassifierConfig``, ``GatewayConfig``) before
     anything starts; Serve would otherwise refuse them only inside a replica. Raises
     ValueError naming the application, the deployment and each refused field. Applications
     of other import paths are left to Serve."""

@@ -8,7 +8,7 @@ here are what the handlers see in the replica process.
 
 from __future__ import annotations
 
-from .schemas import GatewayConfig
+from .settings import GatewayConfig
 
 gateway = None  # the Gateway replica of this process, set in its __init__
 max_body_bytes: int = GatewayConfig().max_body_bytes  # kept in step by Gateway.reconfigure

@@ -15,7 +15,7 @@ import time
 from ray import serve
 
 from .metrics import GAUGE_REFRESH_S, classifier_config_refused_gauge
-from .schemas import DEPLOYMENTS, VARIANTS
+from .settings import DEPLOYMENTS, VARIANTS
 
 log = logging.getLogger("ray.serve")
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import PROJECT_ROOT
 from .metrics import N_BUCKETS, ROUTING_DECISIONS, n_bucket
-from .schemas import VARIANTS, AutoPolicy
+from .settings import VARIANTS, AutoPolicy
 
 log = logging.getLogger("ray.serve")
 

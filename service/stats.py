@@ -32,7 +32,7 @@ import numpy as np
 from mita.hooks import MIN_STAGE_SAMPLES, STAGE_ORDER
 
 from .metrics import N_BUCKETS, exported, n_bucket
-from .schemas import VARIANTS
+from .settings import VARIANTS
 
 MAX_RECORDS = 20_000  # per kind; bounds the gateway's memory under any request rate
 TIMELINE_BINS = 60

@@ -252,7 +252,7 @@ def set_gateway(service, **user_config) -> None:
     and wait until the gateway reports it; the ``serve_reset`` fixture undoes it after the
     test."""
     from service import launch
-    from service.schemas import GatewayConfig
+    from service.settings import GatewayConfig
 
     overrides = copy.deepcopy(service.overrides)
     base = launch.load_config(launch.CPU_CONFIG).applications[0]
@@ -270,7 +270,7 @@ def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None
     """Redeploy with one classifier's user_config changed (``reconfigure``, no restart); the
     session's other overrides stay; the ``serve_reset`` fixture undoes it after the test."""
     from service import launch
-    from service.schemas import ClassifierConfig
+    from service.settings import ClassifierConfig
 
     overrides = copy.deepcopy(service.overrides)
     base = launch.load_config(launch.CPU_CONFIG).applications[0]

@@ -16,7 +16,7 @@ from mita.model import EncoderClassifier, ModelConfig, save_checkpoint
 from profiler import advise, advise_report
 from service.app import build_app, served_config
 from service.engine import ClassifierEngine
-from service.schemas import AppArgs
+from service.settings import AppArgs
 
 from .helpers import CHECKPOINT
 
@@ -67,7 +67,7 @@ def test_default_grid_and_setting_parsing():
 @pytest.mark.slow
 def test_recommended_setting_through_the_serve_config_reproduces_the_advice(tmp_path):
     """A two-setting grid; then the snippet is parsed as the serve config's application args
-    (``schemas.AppArgs``) and served by the classifier engine the deployment runs: the same
+    (``settings.AppArgs``) and served by the classifier engine the deployment runs: the same
     accuracy, agreement and KL (one unpadded forward per sequence on both sides: exact)."""
     out = tmp_path / "advise"
     cfg = advise.AdviseConfig(grid=[advise.parse_setting("4x4"), advise.parse_setting("16x16")],

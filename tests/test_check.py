@@ -92,7 +92,7 @@ def test_a_live_update_with_an_unusable_warm_start_is_refused():
     with the last applied config (counted and shown as any refusal)."""
     from service.live_config import LiveConfig
     from service.routing import check_warm_start
-    from service.schemas import GatewayConfig
+    from service.settings import GatewayConfig
 
     live = LiveConfig(GatewayConfig, "deployment 'Gateway' user_config", counted=False,
                       check=lambda c: check_warm_start(c, "m16 k16 s1 paper"))

@@ -79,7 +79,7 @@ def test_drain_time_is_finite_and_bounded(grace):
 
 def test_shipped_configs_parse_and_unknown_deployments_are_refused():
     from service import launch
-    from service.schemas import ClassifierConfig
+    from service.settings import ClassifierConfig
 
     for path in (launch.CPU_CONFIG, launch.GPU_CONFIG):
         app = launch.load_config(path).applications[0]

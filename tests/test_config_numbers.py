@@ -20,10 +20,9 @@ from service.config_file import (
     check_serve_file,
     read_yaml,
 )
-from service.schemas import (
-    BatchRequest,
+from service.schemas import BatchRequest, ClassifyRequest
+from service.settings import (
     ClassifierConfig,
-    ClassifyRequest,
     GatewayConfig,
     MiTASetting,
     describe_errors,

@@ -25,7 +25,7 @@ import pytest
 from mita.data.listops import generate_long
 from mita.hooks import STAGE_COLORS, STAGE_ORDER, VARIANT_COLORS
 from service.routing import RoutingTable
-from service.schemas import AutoPolicy
+from service.settings import AutoPolicy
 
 from .helpers import DENSE_STAGES, EXAMPLES, counted_window, set_gateway, stats_body, wait_for
 

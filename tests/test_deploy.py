@@ -119,7 +119,7 @@ def test_duration_buckets_cover_every_allowed_timeout():
     GPU, KubeRay) and the largest a config may set; larger timeouts are refused."""
     from service import launch
     from service.metrics import DURATION_BUCKETS_S
-    from service.schemas import MAX_REQUEST_TIMEOUT_S, GatewayConfig
+    from service.settings import MAX_REQUEST_TIMEOUT_S, GatewayConfig
 
     timeouts = []
     for path in (launch.CPU_CONFIG, launch.GPU_CONFIG):

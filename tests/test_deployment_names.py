@@ -1,5 +1,5 @@
 """The deployment names written out in deploy/ (YAML cannot import them) are
-``schemas.DEPLOYMENTS``, the names the service gives its deployments."""
+``settings.DEPLOYMENTS``, the names the service gives its deployments."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.schemas import DEPLOYMENTS
+from service.settings import DEPLOYMENTS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SERVE_FILES = [*sorted(DEPLOY.glob("serve_config*.yaml")), DEPLOY / "kuberay" / "rayservice.yaml"]

@@ -12,7 +12,8 @@ import pytest
 from mita.config import ATTENTIONS
 from mita.data.vocab import Vocabulary
 from service.inputs import ApiError, binary_ids, check_ids, to_ids
-from service.schemas import VARIANTS, ClassifyRequest
+from service.schemas import ClassifyRequest
+from service.settings import VARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTOPS = Vocabulary(16, pad_id=0)

@@ -29,7 +29,14 @@ STAGE_MODULES = {"mita.stages", "mita.topk"}
 # the parser, progress) and plots.
 LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.argtypes", "mita.progress", "mita.plots"}
 NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
-RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.forward_stats"}
+RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.settings",
+                    "service.forward_stats"}
+# The files split out of service/schemas.py and service/gateway.py by job: (libraries, project
+# modules) each may import beyond the standard library. The configuration a person writes
+# knows nothing of HTTP, Ray or the gateway; the classifier call (deadline, resends, errors)
+# nothing of HTTP routes, the API's models or the gateway.
+SPLIT = {"service.settings": ({"pydantic"}, {"mita.config"}),
+         "service.calls": ({"ray", "grpc", "numpy"}, {"service.inputs", "service.settings"})}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -105,6 +112,14 @@ def forbidden(importer: str, imported: str) -> str | None:
     top = _top(imported)
     if top in SCRIPTS and _top(importer) in PACKAGES:
         return "nothing imports benchmarks/ or tests/"
+    if importer in SPLIT:
+        libraries, modules = SPLIT[importer]
+        if top in STDLIB or top in libraries or imported in modules:
+            return None
+        return ("service/settings.py imports pydantic and mita.config only"
+                if importer == "service.settings" else
+                "service/calls.py imports ray, grpc, numpy, service.inputs and "
+                "service.settings only")
     if importer in GROUND or _within(importer, "mita.data"):
         allowed = GROUND["mita.data" if _within(importer, "mita.data") else importer]
         if _within(imported, "mita.data") and _within(importer, "mita.data"):
@@ -265,6 +280,17 @@ def tree(tmp_path_factory) -> Path:
      ["service.stats imports profiler.sweep: service/ never imports profiler/ or loadtest/"]),
     ("service.engine", "import ray",
      ["service.engine reaches ray through service.engine"]),
+    # the split by job: the configuration models back to the API's, the call to the routes
+    ("service.settings", "from .schemas import ClassifyRequest",
+     ["import circle: service.schemas ↔ service.settings",
+      "service.settings imports service.schemas: service/settings.py imports pydantic and "
+      "mita.config only"]),
+    ("service.settings", "import fastapi",
+     ["service.settings imports fastapi: service/settings.py imports pydantic and mita.config "
+      "only"]),
+    ("service.calls", "from .http import ARRIVED",
+     ["service.calls imports service.http: service/calls.py imports ray, grpc, numpy, "
+      "service.inputs and service.settings only"]),
     ("loadtest.engine", "import mita.model",
      ["loadtest.engine imports mita.model: loadtest/ imports mita.data, mita.hooks, "
       "mita.argtypes, mita.progress, mita.plots only"]),

@@ -14,7 +14,7 @@ from profiler.advise import compare
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 from service.policy import choose_variant, shadow_comparison, sticky_unit
 from service.recorder import Recorder
-from service.schemas import GatewayConfig
+from service.settings import GatewayConfig
 
 # KL([0.9, 0.1] ‖ [0.5, 0.5]) = 0.9 ln 1.8 + 0.1 ln 0.2 and the other direction
 # 0.5 ln(5/9) + 0.5 ln 5, worked out by hand (7 digits).

@@ -16,10 +16,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from mita.timer import StageRecord
+from service import calls
 from service.forward_stats import ForwardStats
 from service.gateway import Gateway
 from service.inputs import ApiError
-from service.schemas import GatewayConfig
+from service.settings import GatewayConfig
 
 from .helpers import spied_recorder
 
@@ -73,9 +74,9 @@ def gateway(handle: Scripted, timeout_s: float = 5.0):
 
 def retries(g) -> list:
     """(variant, reason) of each retries_total increment, each by 1."""
-    calls = g.recorder.metrics.retries.calls
-    assert all(value == 1 for _, value, _ in calls)
-    return [(t["variant"], t["reason"]) for _, _, t in calls]
+    made = g.recorder.metrics.retries.calls
+    assert all(value == 1 for _, value, _ in made)
+    return [(t["variant"], t["reason"]) for _, _, t in made]
 
 
 def died() -> ActorDiedError:
@@ -89,17 +90,14 @@ def unavailable() -> ActorUnavailableError:
     return ActorUnavailableError("the replica's node is gone", None)
 
 
-# The globals _call reads: serve.ingress keeps its own copy of the class's functions, so these
-# are not service.gateway's module attributes.
-CALL_GLOBALS = Gateway.func_or_class._call.__globals__
 
 
 @pytest.fixture
 def slow_backoff(monkeypatch):
     """Backoff 0.5 s doubling to 2 s: the deadline tests' arithmetic survives a sleep that
     overshoots by a few hundred ms on a loaded machine."""
-    monkeypatch.setitem(CALL_GLOBALS, "RETRY_BACKOFF_S", 0.5)
-    monkeypatch.setitem(CALL_GLOBALS, "MAX_RETRY_BACKOFF_S", 2.0)
+    monkeypatch.setattr(calls, "RETRY_BACKOFF_S", 0.5)
+    monkeypatch.setattr(calls, "MAX_RETRY_BACKOFF_S", 2.0)
 
 
 def test_a_call_whose_replica_died_is_sent_again_and_answered():
@@ -118,7 +116,7 @@ def test_resends_stop_after_max_resends():
     g = gateway(handle, timeout_s=60)
     with pytest.raises(ApiError) as e:
         asyncio.run(g._call("mita", IDS))
-    assert CALL_GLOBALS["MAX_RESENDS"] == 3 and len(handle.calls) == 4
+    assert calls.MAX_RESENDS == 3 and len(handle.calls) == 4
     assert retries(g) == [("mita", "replica_died")] * 3
     assert e.value.status == 503 and e.value.message == (
         "the mita classifier replica failed while handling the request (ActorDiedError); "

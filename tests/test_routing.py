@@ -19,7 +19,7 @@ from mita.task import checkpoint_task
 from service.gateway import Gateway
 from service.http import ARRIVED, query_refusal
 from service.routing import RoutingTable, advisor_priors, decide_bucket, wilson_lower
-from service.schemas import AutoPolicy, GatewayConfig
+from service.settings import AutoPolicy, GatewayConfig
 
 from .helpers import spied_recorder
 from .test_retries import Scripted, answer
