@@ -68,8 +68,9 @@ MUTATE_SCOPE := \
 	'mita.data.vocab.*' 'mita.plots.x_figure*' 'mita.plots.x_save*' 'mita.plots.x_write_csv*' \
 	'profiler.advise.x_compare*' 'profiler.advise.xǁConstraintǁ*' \
 	'profiler.advise.x_parse_setting*' 'profiler.advise.x_default_grid*' \
-	'profiler.advise.x_sequence_of_length*' 'profiler.advise.x_report*' \
-	'profiler.advise.x__eligible*' 'profiler.advise.x__recommend*' 'profiler.advise.x__overall*' \
+	'profiler.advise.x_sequence_of_length*' 'profiler.recommend.x_report*' \
+	'profiler.recommend.x__eligible*' 'profiler.recommend.x__recommend*' \
+	'profiler.recommend.x__overall*' 'profiler.recommend.x_drop_points*' \
 	'profiler.advise_report.x_serve_snippet*' 'profiler.advise_report.x_markdown*' \
 	'profiler.advise_report.x_cpu_sharing_warning*' 'profiler.advise_report.x_write_outputs*' \
 	'profiler.sweep.x_landmarks_for*' 'profiler.sweep.x_attention_ms*' 'profiler.sweep.x_speedups*' \

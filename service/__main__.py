@@ -12,7 +12,7 @@ import sys
 # and throughput). Only when run as a program: importing this module changes nothing.
 DEFAULT_MODE_FLAG = "--ray-serve-default-mode"
 # How often a running service checks that Ray and its applications are still there
-# (launch.gone): Ray's core worker aborts a driver 60 s after its GCS went away.
+# (running.gone): Ray's core worker aborts a driver 60 s after its GCS went away.
 WATCH_S = 2.0
 if __name__ == "__main__":
     if DEFAULT_MODE_FLAG in sys.argv[1:]:
@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 
 from mita.argtypes import Parser, bounded  # noqa: E402
 
-from . import launch, preflight  # noqa: E402
+from . import launch, preflight, running  # noqa: E402
 
 
 def ip_address(text: str) -> str:
@@ -161,16 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # twice in a row: a controller Ray is restarting answers nothing for a moment
         while seen < 2 and not stop.wait(WATCH_S):
-            why = launch.gone(config)
+            why = running.gone(config)
             seen = seen + 1 if why else 0
         if seen >= 2:
             raise Gone(why)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, stop_at_once)
-        drain_s = launch.drain_time_s(config)
+        drain_s = running.drain_time_s(config)
         print(f"mita-serve: draining: new requests get 503, in-flight ones finish (up to "
               f"{drain_s:g} s, the Gateway's graceful_shutdown_timeout_s)", flush=True)
-        left = launch.drain(config, drain_s)
+        left = running.drain(config, drain_s)
         print(f"mita-serve: drained ({left} request(s) still in flight); stopping"
               + (": those are cut" if left else ""), flush=True)
     except StopAtOnce:
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class Gone(Exception):
-    """The service was stopped from outside (``launch.gone`` says how)."""
+    """The service was stopped from outside (``running.gone`` says how)."""
 
 
 class StopAtOnce(BaseException):

@@ -13,7 +13,7 @@ import yaml
 
 from mita.data.vocab import Vocabulary
 from mita.model import EncoderClassifier, ModelConfig, save_checkpoint
-from profiler import advise, advise_report
+from profiler import advise, advise_report, recommend
 from service.app import build_app, served_config
 from service.engine import ClassifierEngine
 from service.settings import AppArgs
@@ -143,7 +143,7 @@ def test_recommendation_on_fixed_numbers():
     done = _units(0.5, {a.name: (0.40, 0.70, {1024: (1.0, 4.0), 4096: (2.0, 40.0)}),
                         b.name: (0.50, 0.85, {1024: (3.0, 4.0), 4096: (5.0, 40.0)}),
                         c.name: (0.55, 0.90, {1024: (5.0, 4.0), 4096: (4.0, 40.0)})})
-    rep = advise.report(cfg, done, [], 24)
+    rep = recommend.report(cfg, done, [], 24)
     r1024, r4096 = rep["recommendations"]
     assert (r1024["setting"], r1024["speedup"]) == (b.name, 4.0 / 3.0)  # a fails agreement
     assert (r4096["setting"], r4096["speedup"]) == (c.name, 10.0)
@@ -153,13 +153,13 @@ def test_recommendation_on_fixed_numbers():
     assert rep["noisy"] == [["dense", 1024], ["dense", 4096]]  # max = 2 × min
     # Nothing beats dense at N = 1024 once b is slower too.
     done[("latency", b.name, 1024)]["p50_ms"] = 8.0
-    rep = advise.report(cfg, done, [], 24)
+    rep = recommend.report(cfg, done, [], 24)
     assert rep["recommendations"][0]["answer"] == (
         "N = 1024: dense is faster — MiTA does not pay off here (the fastest setting meeting "
         "agreement with dense ≥ 80.0 %, m32 k32 s1 paper, runs at 0.80× dense's speed)")
     assert rep["overall"]["setting"] is None
     # Dense right on no sequence: retention undefined, shown as '-', no crash.
-    rep = advise.report(cfg, _units(0.0, {c.name: (0.1, 0.9, {1024: (1.0, 4.0),
+    rep = recommend.report(cfg, _units(0.0, {c.name: (0.1, 0.9, {1024: (1.0, 4.0),
                                                                 4096: (1.0, 40.0)})}), [], 24)
     assert rep["rows"][3]["retention"] is None
     assert rep["recommendations"][0]["answer"].endswith("(dense 0.0 %, retention -)")

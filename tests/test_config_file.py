@@ -67,14 +67,14 @@ def test_every_user_config_is_parsed_strictly(user_configs, message):
 @pytest.mark.parametrize("grace", [float("inf"), 601])
 def test_drain_time_is_finite_and_bounded(grace):
     """Ray accepts graceful_shutdown_timeout_s: .inf; a shutdown would then wait forever."""
-    from service import launch
+    from service import launch, running
 
     with pytest.raises(ValueError, match=r"deployments.0.graceful_shutdown_timeout_s: Input "
                                          r"should be (a finite number|less than or equal to "
                                          r"600)"):
         launch.load_config(launch.CPU_CONFIG, {"deployments": {"Gateway": {
             "graceful_shutdown_timeout_s": grace}}})
-    assert launch.drain_time_s(launch.load_config(launch.CPU_CONFIG)) == 30.0
+    assert running.drain_time_s(launch.load_config(launch.CPU_CONFIG)) == 30.0
 
 
 def test_shipped_configs_parse_and_unknown_deployments_are_refused():

@@ -27,6 +27,7 @@ from mita.hooks import STAGE_COLORS, STAGE_ORDER, VARIANT_COLORS
 from service.routing import RoutingTable
 from service.settings import AutoPolicy
 
+from . import pages
 from .helpers import DENSE_STAGES, EXAMPLES, counted_window, set_gateway, stats_body, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,7 +302,7 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
 
 def readme_screenshot_command() -> str:
     """The README's dashboard screenshot command (a bash block's lines joined)."""
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", pages.text(), re.S):
         command = " ".join(block.replace("\\\n", " ").split())
         if command.startswith("chromium "):
             return command

@@ -14,6 +14,8 @@ import yaml
 from mita.hooks import STAGE_COLORS, STAGE_ORDER
 from service import launch, preflight
 
+from . import pages
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 
@@ -156,6 +158,6 @@ def test_cluster_config_is_the_cpu_config_with_placement_resources():
                          "MiTAClassifier": {"mita_classifier": 1},
                          "DenseClassifier": {"mita_classifier": 1}}
     launch.load_config(DEPLOY / "serve_config.cluster.yaml")  # the strict checks pass
-    readme = (ROOT / "README.md").read_text()
+    readme = pages.text()  # README.md and docs/
     assert "--resources '{\"mita_gateway\": 1}'" in readme
     assert "--resources '{\"mita_classifier\": 4}'" in readme

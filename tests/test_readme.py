@@ -1,6 +1,7 @@
-"""Every command the README shows, run as a newcomer runs it (CI: from a clean clone).
+"""Every command the README and its pages under docs/ show, run as a newcomer runs it (CI: from
+a clean clone).
 
-``README_COMMANDS`` says how each command is exercised: run here as written (``run``), run
+``pages.README_COMMANDS`` says how each command is exercised: run here as written (``run``), run
 with arguments appended that shrink it (``run`` + ``shrink``: argparse keeps a repeated
 flag's last value, so the README's own flags stay in the command), run by a named test
 (``test``), or not runnable on a CPU machine without Docker or Kubernetes (``no``, with the
@@ -29,158 +30,14 @@ import psutil
 import pytest
 import yaml
 
-from .helpers import inherit_priority, kill_under_load, stop_under_load, wait_for
+from . import pages
+from .helpers import inherit_priority, wait_for
+from .processes import kill_under_load, stop_under_load
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+|\.venv/bin/[^`]+|PYTHONPATH=[^`]+|make [^`]+"
-                    r"|docker [^`]+|kubectl [^`]+|serve (?:run|deploy|config|status)[^`]*"
-                    r"|ray [^`]+|curl [^`]+|prometheus [^`]+|promtool [^`]+|bash [^`]+)`")
-SHELL_FENCES = ("bash", "sh", "shell", "console")
-OTHER_FENCES = ("python", "yaml", "promql", "json")
-TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
-# The README's runnable commands that need no service (test_readme_offline_commands).
-OFFLINE = ("-m mita.train", "-m mita.evaluate", "-m profiler sweep", "-m profiler advise",
-           "-m mita.kernels.aot_table")
-
-
-def offline(command: str) -> bool:
-    return any(part in command for part in OFFLINE)
-
-# command → (how, detail). The commands appear here as in the README (whitespace collapsed).
-README_COMMANDS = {
-    "make serve": ("run", "the walkthrough's service, on the default ports"),
-    "make test": ("test", ".ci/run: CI's own command"),
-    "make test-fast": ("test", "a subset of make test (-m 'not service and not slow')"),
-    "make serve TORCH_SPEC=": ("no", "a GPU host with its own CUDA torch"),
-    "make mutate": ("no", "mutation testing (≈ 1 h), not part of make test"),
-    "python -m tests.hand_mutants": ("no", "the last step of make mutate"),
-    "python -m service": ("run", "what make serve runs"),
-    "python -m service --config FILE": (
-        "test", "tests/test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly"),
-    "curl -s -X POST http://127.0.0.1:8000/v1/classify -H 'content-type: application/json' "
-    "-d '{\"text\": \"[MAX 2 [MIN 4 7 ] 0 ]\", \"profile\": true}'": ("run", ""),
-    "python3 -c \"import sys; sys.stdout.buffer.write(bytes([12, 3, 11, 5, 8, 15, 1, 15]))\" | "
-    "curl -s -X POST 'http://127.0.0.1:8000/v1/classify/binary?profile=true' "
-    "-H 'content-type: application/octet-stream' --data-binary @-": ("run", ""),
-    "cp deploy/serve_config.yaml my.yaml": ("run", "then the Gateway's user_config is edited"),
-    ".venv/bin/python -m service --check --config my.yaml": ("run", ""),
-    "export RAY_AUTH_MODE=token": ("run", ""),
-    "export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=service.proxy_guard:middlewares": (
-        "test", "tests/two_node_cluster.py sets it for the nodes it starts; test_cluster.py "
-                "checks their proxy answers the guard's JSON 400"),
-    ".venv/bin/serve deploy my.yaml": ("run", ""),
-    ".venv/bin/serve status": ("run", ""),
-    "serve config": ("run", ".venv/bin/serve config"),
-    "serve deploy": ("run", "as .venv/bin/serve deploy my.yaml"),
-    "ray get-auth-token --generate": ("run", "make serve runs it on first start"),
-    "ray stop": ("test", "tests/test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_"
-                         "message_and_no_ray_left (SIGTERM to that instance's GCS: ray stop would "
-                         "stop every Ray on the machine, the suite's too)"),
-    "prometheus --config.file=deploy/prometheus/prometheus.yml "
-    "--web.listen-address=127.0.0.1:9090 --storage.tsdb.path=runs/prometheus": (
-        "run", "until it scrapes the service"),
-    "promtool test rules deploy/prometheus/alerts_test.yml": (
-        "test", "tests/test_alert_rules.py::test_alert_rules_pass_promtool_unit_tests"),
-    ".venv/bin/python -m loadtest run --n 1024 4096 16384 --variants mita dense --mode closed "
-    "--concurrency 4 --requests 50 --out runs/loadtest": (
-        "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
-    "python -m loadtest run --n 2048 4096 8192 --variants mita dense ab --concurrency 2 "
-    "--requests 12": ("run", "shrink: --n 2048 --requests 1 --warmup 0 --out RUNS/loadtest-shot"),
-    ".venv/bin/python -m mita.train --mode mixed --out checkpoints/listops-default "
-    "--threads 1 --min-length 1 --max-length 500 --steps 6000 --time-budget-min 45": (
-        "run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
-    "python -m mita.evaluate CHECKPOINT --min-length A --max-length B [--seed S]": (
-        "test", "tests/test_readme.py::test_readme_walkthrough runs both evaluate commands"),
-    "python -m mita.evaluate checkpoints/listops-default": ("run", ""),
-    "python -m mita.evaluate checkpoints/listops-default runs/listops-dense runs/listops-mita "
-    "--min-length 500 --max-length 2000": (
-        "run", "after tiny dense and mita runs; shrink: --test-size 50"),
-    ".venv/bin/python -m profiler sweep --n 1024 4096 16384 65536 --settings fig5 64x64 "
-    "--out runs/sweep": ("run", "shrink: --n 1024"),
-    "python -m profiler sweep --mita-backend torch|cpu|triton": (
-        "run", "the sweep again with --mita-backend torch (default auto: cpu here; triton "
-               "needs CUDA)"),
-    ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
-    "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
-    "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
-    "make kernels-table": ("no", "all 264 compiles (≈ 10 min on 2 cores); tests/"
-                                 "test_kernel_compile.py checks the table it writes"),
-    "python -m mita.kernels.aot_table --markdown": ("run", ""),
-    "chromium --headless --no-sandbox --hide-scrollbars --window-size=1400,1750 "
-    "--virtual-time-budget=5000 --screenshot=docs/dashboard.png "
-    "'http://127.0.0.1:8000/dashboard?refresh_s=3600'": (
-        "test", "tests/test_dashboard.py::test_readme_screenshot_command_draws_the_data"),
-    "PYTHONPATH=. .venv/bin/python benchmarks/gpu_serving.py --smoke": (
-        "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
-    "bash benchmarks/gpu_check.sh [OUT_DIR]": (
-        "no", "needs a CUDA GPU (its steps' --smoke forms run in CI)"),
-    "bash benchmarks/gpu_check.sh --dry": (
-        "test", "tests/test_gpu_compiles.py::test_dry_form_lists_each_step_within_its_budget"),
-    "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
-        "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
-    "python benchmarks/stalled_connections.py": (
-        "test", "tests/test_proxy_guard.py runs its measurement (point) on the test service"),
-    ".venv/bin/python benchmarks/request_overhead.py": (
-        "run", "shrink: --n 512 --requests 1"),
-    "ray start --head --port 6379 --metrics-export-port 9100 "
-    "--resources '{\"mita_gateway\": 1}'": (
-        "test", "tests/test_cluster.py starts such a head with ray.cluster_utils.Cluster "
-                "(same resources, loopback, random ports)"),
-    "ray start --address HEAD_IP:6379 --resources '{\"mita_classifier\": 4}'": (
-        "test", "tests/test_cluster.py starts a worker node the same way"),
-    ".venv/bin/python -m service --address HEAD_IP:6379 --config "
-    "deploy/serve_config.cluster.yaml": (
-        "test", "tests/test_cluster.py (tests/two_node_cluster.py runs it, with test ports "
-                "and short autoscaling delays)"),
-    "python -m service --address HEAD_IP:6379": ("test", "tests/test_cluster.py"),
-    "serve deploy deploy/serve_config.gpu.yaml --address http://<head>:8265": (
-        "no", "needs a Ray cluster with GPU workers"),
-    "docker build -f deploy/kuberay/Dockerfile -t mita-serve:0.1.0-gpu .": (
-        "no", "needs Docker and a CUDA base image download"),
-    "kubectl apply -f deploy/kuberay/rayservice.yaml": ("no", "needs a Kubernetes cluster"),
-    ".venv/bin/python -m mita.train --train examples/austen-512.tsv --valid "
-    "examples/austen-512-valid.tsv --out runs/own-data --steps 300 --threads 1": (
-        "run", "shrink: --steps 2 --eval-every 1 --dim 16 --ffn-dim 32 --out RUNS/own-data"),
-    ".venv/bin/python -m service --config deploy/serve_config.own-data.yaml": (
-        "test", "tests/test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
-                "names_beside_listops (the config's second application, deployed beside the "
-                "session's, on a checkpoint trained on the same file)"),
-    "curl -s -X POST http://127.0.0.1:8000/own/v1/classify -H 'content-type: application/json' "
-    "-d '{\"text\": \"Emma Woodhouse, handsome, clever, and rich, with a comfortable home\"}'": (
-        "test", "tests/test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
-                "names_beside_listops (a validation window of Emma at /own/v1/classify)"),
-    "python -m profiler advise DIR --data FILE": (
-        "test", "tests/test_train_data.py::test_the_advisor_reads_your_file_with_the_"
-                "checkpoints_task (the file read; the advisor's run is the README's other "
-                "advise command)"),
-    "python -m mita.images IMAGES LABELS --out FILE.jsonl": (
-        "test", "tests/test_labelled_data.py::test_images_become_pixel_id_rows_with_their_grid"),
-    "make data": ("no", "fetches two Debian packages (≈ 32 MB; samples of both are in "
-                        "examples/); tests/test_labelled_data.py converts an IDX file"),
-    "python -m mita.datasets fashion-mnist|austen --out DIR": ("no", "what make data runs"),
-}
-
-
-def readme_commands() -> list[str]:
-    """The README's commands in order: each line of its ```bash blocks (continuations with
-    a trailing ``\\`` or ``|`` joined, comments dropped), then its inline `code` commands."""
-    out: list[str] = []
-    fences = re.findall(r"^ *```(\w*)\n", README, re.M)[::2]  # opening fences
-    assert all(f in SHELL_FENCES + OTHER_FENCES for f in fences), fences
-    for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", README, re.S):
-        text = re.sub(r"\\\n|\|\n", lambda m: "| " if m.group(0)[0] == "|" else " ", block)
-        for line in text.splitlines():
-            line = " ".join(re.sub(r"\s#\s.*$", "", line).split())
-            if line and line not in out:
-                out.append(line)
-    for m in INLINE.finditer(README):
-        line = " ".join(m.group(1).split())
-        if line not in out:
-            out.append(line)
-    return out
-
-
+README = pages.text()  # README.md and docs/*.md, in reading order
+README_COMMANDS, TINY_TRAIN = pages.README_COMMANDS, pages.TINY_TRAIN
+readme_commands, offline = pages.readme_commands, pages.offline
 def test_every_readme_command_is_listed():
     got = readme_commands()
     assert [c for c in got if c not in README_COMMANDS] == [], "README command not covered"

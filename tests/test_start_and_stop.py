@@ -24,15 +24,8 @@ import psutil
 import pytest
 import yaml
 
-from .helpers import (
-    CHECKPOINT,
-    inherit_priority,
-    is_ready,
-    listening,
-    send_long_dense,
-    stop_under_load,
-    wait_for,
-)
+from .helpers import CHECKPOINT, inherit_priority, wait_for
+from .processes import is_ready, listening, send_long_dense, stop_under_load
 
 ROOT = Path(__file__).resolve().parent.parent
 
