@@ -43,7 +43,7 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not service and not slow"
 
-# The real data sets of README "Your own data" from Debian's packages (apt-get download, ~32 MB):
+# The real data sets of docs/own-data.md from Debian's packages (apt-get download, ~32 MB):
 # Fashion-MNIST as 14×14 pixel-id rows, Jane Austen's novels as 512-character windows, and
 # the text task's n-gram baseline. Nothing is fetched at training or test time.
 DATA ?= data
@@ -58,7 +58,7 @@ data: $(STAMP)
 kernels-table: $(DEV_STAMP)
 	$(BIN)/python -m mita.kernels.aot_table
 
-# Mutation testing (README, "Development: tests and mutation testing"), not part of `make test`: mutmut changes one
+# Mutation testing (docs/development.md), not part of `make test`: mutmut changes one
 # thing at a time in the functions below, the code that computes what users read, and runs the
 # fast tier against each change; then the hand-made mutants of tests/hand_mutants.py. Left out: network and process code (the load tester's sender,
 # the advisor's and sweep's model runs, the Prometheus client), which the fast tier does not run.

@@ -2,7 +2,7 @@
 
 A hook is any object with ``stage(name)`` and ``layer(index)``, each returning a context
 manager. The stage names are the
-profiler's contract (README, "MiTA in this repository"): ``pool``, ``landmark_scores``,
+profiler's contract (docs/kernels.md, "MiTA in this repository"): ``pool``, ``landmark_scores``,
 ``topk``, ``shared_compress``, ``route``, ``gather``, ``attention`` for MiTA, plus the model
 stages ``embed``, ``qkv_proj``, ``out_proj``, ``ffn``, ``head``. Dense attention reports
 ``attention`` for its whole SDPA call.

@@ -35,8 +35,8 @@ def cpu_sharing_warning(load: float | None = None, cores: int | None = None) -> 
     return (f"warning: other processes share the CPU (1-minute load average {load:.2f} on "
             f"{cores} cores, above {BUSY_LOAD_PER_CORE:g} per core): latencies will be slower "
             "and speed-ups noisier than on an otherwise idle machine, and the run longer than "
-            "the README's timings. Stop other heavy work (a running service, a test run, a "
-            "training) for numbers you can compare.")
+            "the timings in docs/profiler.md. Stop other heavy work (a running service, a test "
+            "run, a training) for numbers you can compare.")
 
 
 def serve_snippet(row: dict, checkpoint: str) -> str:

@@ -122,8 +122,8 @@ def test_cpu_sharing_warning_at_and_above_the_threshold(monkeypatch):
     assert advise_report.cpu_sharing_warning(1.25, 2) == (
         "warning: other processes share the CPU (1-minute load average 1.25 on 2 cores, above "
         "0.5 per core): latencies will be slower and speed-ups noisier than on an otherwise "
-        "idle machine, and the run longer than the README's timings. Stop other heavy work (a "
-        "running service, a test run, a training) for numbers you can compare.")
+        "idle machine, and the run longer than the timings in docs/profiler.md. Stop other heavy "
+        "work (a running service, a test run, a training) for numbers you can compare.")
     # Defaults: the load average and this process's cores (affinity, else cpu_count, else 1).
     monkeypatch.setattr(advise_report.os, "getloadavg", lambda: (2.0, 9.0, 9.0))
     monkeypatch.setattr(advise_report.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
