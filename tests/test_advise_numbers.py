@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from profiler import advise, advise_report
+from profiler import advise, advise_report, recommend
 
 # Float sums whose order differs from the hand formula's: only the last bits may differ.
 REL = 1e-12
@@ -143,3 +143,10 @@ def test_cpu_sharing_warning_at_and_above_the_threshold(monkeypatch):
     monkeypatch.setattr(advise_report.os, "getloadavg", no_load)
     assert advise_report.cpu_sharing_warning() is None
     assert advise_report.cpu_sharing_warning(5.0, 1) is not None  # a given load needs no platform
+
+
+def test_a_drop_of_float_noise_is_a_positive_zero():
+    """Dense 0.3 against 0.1 + 0.2 (0.30000000000000004): 100 × the difference is −5.6e-15,
+    which rounds at 9 digits to −0.0; the tables must print 0.0, not -0.0."""
+    drop = recommend.drop_points({"accuracy": 0.3}, {"accuracy": 0.1 + 0.2})
+    assert drop == 0 and str(drop) == "0.0"
