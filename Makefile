@@ -51,6 +51,7 @@ data: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[data]'
 	$(BIN)/python -m mita.datasets fashion-mnist --out $(DATA)/fashion-mnist
 	$(BIN)/python -m mita.datasets austen --window 512 --out $(DATA)/austen-512
+	$(BIN)/python -m mita.datasets austen-persuasion --out $(DATA)/austen-persuasion
 
 # The compiled resources of every Triton kernel specialisation (264 compiles, 8-25 min on 2
 # cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it

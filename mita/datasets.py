@@ -12,6 +12,11 @@ NAME --out DIR`` (``make data`` fetches both).
   ``valid.tsv`` (no window of the validation text is next to a training one but at one edge
   per novel). ``baseline.json``: a character 1–4-gram naive Bayes (scikit-learn) on the same
   split, the reference a model must beat.
+- ``austen-persuasion``: the same package's novels as paragraphs (the text between blank
+  lines; at least ``MIN_PARAGRAPH`` characters, so chapter headings drop out), labelled
+  ``Persuasion`` or ``other``: a real skewed binary task (Persuasion holds ~10 % of the
+  paragraphs) with lengths from 40 characters to ~15 KB. The last 10 % of each novel's
+  paragraphs are ``valid.tsv``, the rest ``train.tsv``.
 
 ``apt-get download`` and ``dpkg-deb -x`` fetch and unpack the package into ``DIR/debs``; run
 as a user who may use apt. Nothing is fetched at training or test time.
@@ -33,12 +38,14 @@ import numpy as np
 from .argtypes import POSITIVE_INT, Parser
 from .data.images import FASHION_MNIST, pool, read_idx, write_jsonl
 
-PACKAGES = {"fashion-mnist": "dataset-fashion-mnist", "austen": "r-cran-janeaustenr"}
+PACKAGES = {"fashion-mnist": "dataset-fashion-mnist", "austen": "r-cran-janeaustenr",
+            "austen-persuasion": "r-cran-janeaustenr"}
 AUSTEN_TITLES = {"emma": "Emma", "mansfieldpark": "Mansfield Park",
                  "northangerabbey": "Northanger Abbey", "persuasion": "Persuasion",
                  "prideprejudice": "Pride and Prejudice",
                  "sensesensibility": "Sense and Sensibility"}
 VALID_SHARE = 0.1
+MIN_PARAGRAPH = 40  # characters: shorter "paragraphs" are headings ("CHAPTER IV")
 
 
 def unpack(package: str, out: Path) -> Path:
@@ -80,6 +87,28 @@ def fashion_mnist(out: Path, factor: int = 2) -> dict:
 def austen_books(root: Path) -> dict[str, str]:
     """The six novels' texts (lines joined by spaces) from the package's lazy-load database
     (``data/Rdata.rdx`` indexes zlib-compressed R objects in ``Rdata.rdb``)."""
+    return {title: " ".join(" ".join(lines).split())
+            for title, lines in austen_lines(root).items()}
+
+
+def austen_paragraphs(root: Path) -> dict[str, list[str]]:
+    """Each novel's paragraphs: runs of non-blank lines joined by spaces (whitespace
+    collapsed), those of at least ``MIN_PARAGRAPH`` characters, in the novel's order."""
+    out = {}
+    for title, lines in austen_lines(root).items():
+        paragraphs, current = [], []
+        for line in [*lines, ""]:
+            if line.strip():
+                current.append(line)
+            elif current:
+                paragraphs.append(" ".join(" ".join(current).split()))
+                current = []
+        out[title] = [x for x in paragraphs if len(x) >= MIN_PARAGRAPH]
+    return out
+
+
+def austen_lines(root: Path) -> dict[str, list[str]]:
+    """The six novels' lines as the package holds them (blank lines between paragraphs)."""
     import rdata
 
     data = root / "usr/lib/R/site-library/janeaustenr/data"
@@ -92,7 +121,7 @@ def austen_books(root: Path) -> dict[str, str]:
         for name, (offset, length) in index["variables"].items():
             blob = rdb[int(offset):int(offset) + int(length)]
             lines = rdata.conversion.convert(rdata.parser.parse_data(zlib.decompress(blob[4:])))
-            books[AUSTEN_TITLES[str(name)]] = " ".join(" ".join(str(x) for x in lines).split())
+            books[AUSTEN_TITLES[str(name)]] = [str(x) for x in lines]
     return books
 
 
@@ -116,6 +145,30 @@ def austen(out: Path, window: int) -> dict:
     (out / "baseline.json").write_text(json.dumps(baseline, indent=2) + "\n")
     return {"rows": {k: len(v) for k, v in split.items()}, "window": window,
             "baseline": baseline, "licence": "public domain texts; package MIT"}
+
+
+def austen_persuasion(out: Path) -> dict:
+    """``out/train.tsv`` and ``out/valid.tsv``: the novels' paragraphs (``austen_paragraphs``)
+    labelled ``Persuasion`` or ``other`` (the last ``VALID_SHARE`` of each novel's paragraphs
+    for validation), and ``out/baseline.json`` (``ngram_baseline``); returns the row and class
+    counts and the baseline. Raises as ``austen``."""
+    books = austen_paragraphs(unpack(PACKAGES["austen-persuasion"], out))
+    split: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
+    for title, paragraphs in books.items():
+        label = "Persuasion" if title == "Persuasion" else "other"
+        cut = len(paragraphs) - max(1, round(VALID_SHARE * len(paragraphs)))
+        split["train"] += [(label, x) for x in paragraphs[:cut]]
+        split["valid"] += [(label, x) for x in paragraphs[cut:]]
+    for name, part in split.items():
+        (out / f"{name}.tsv").write_text("label\ttext\n" + "".join(
+            f"{label}\t{x.replace(chr(9), ' ')}\n" for label, x in part), encoding="utf-8")
+    baseline = ngram_baseline(split["train"], split["valid"])
+    (out / "baseline.json").write_text(json.dumps(baseline, indent=2) + "\n")
+    return {"rows": {k: len(v) for k, v in split.items()},
+            "persuasion_rows": {k: sum(y == "Persuasion" for y, _ in v)
+                                for k, v in split.items()},
+            "min_paragraph_chars": MIN_PARAGRAPH, "baseline": baseline,
+            "licence": "public domain texts; package MIT"}
 
 
 def ngram_baseline(train: list[tuple[str, str]], valid: list[tuple[str, str]]) -> dict:
@@ -148,8 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     try:
-        info = fashion_mnist(a.out, a.pool) if a.name == "fashion-mnist" else austen(
-            a.out, a.window)
+        info = (fashion_mnist(a.out, a.pool) if a.name == "fashion-mnist"
+                else austen_persuasion(a.out) if a.name == "austen-persuasion"
+                else austen(a.out, a.window))
     except (OSError, RuntimeError, ValueError) as e:
         p.error(str(e))
     except ImportError as e:

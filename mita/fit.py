@@ -43,26 +43,37 @@ def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> l
     return batches
 
 
+LOG_INTERVAL_S = 30.0  # seconds between progress lines when the output is a log
+
+
 @torch.no_grad()
-def predict(model: EncoderClassifier, data: list[tuple[list[int], int]], batch_size: int = 32,
-            progress: str | None = None) -> list[int]:
-    """Predicted class of each ``(ids, label)`` pair, in ``data``'s order (padded batches of
-    similar length); ``progress``: show a progress bar with this label."""
+def probabilities(model: EncoderClassifier, data: list[tuple[list[int], int]],
+                  batch_size: int = 32, progress: str | None = None) -> torch.Tensor:
+    """Class probabilities (softmax of the logits), float32 ``(len(data), num_classes)``, of
+    each ``(ids, label)`` pair in ``data``'s order (eval mode; padded batches of similar
+    length); ``progress``: show a progress bar with this label."""
     was_training = model.training
     model.eval()
-    out = [0] * len(data)
+    out = torch.empty(len(data), model.config.num_classes)
     batches = length_batches([len(x) for x, _ in data], batch_size, random.Random(0))
-    bar = Progress(len(batches), progress, "batch", leave=False) if progress else None
+    bar = (Progress(len(batches), progress, "batch", leave=False, interval_s=LOG_INTERVAL_S)
+           if progress else None)
     for batch in batches:
         ids, mask = pad_batch([data[i][0] for i in batch])
-        for i, p in zip(batch, model(ids, mask).argmax(-1).tolist(), strict=True):
-            out[i] = p
+        out[batch] = torch.softmax(model(ids, mask).float(), -1)
         if bar:
             bar.update()
     if bar:
         bar.close()
     model.train(was_training)
     return out
+
+
+def predict(model: EncoderClassifier, data: list[tuple[list[int], int]], batch_size: int = 32,
+            progress: str | None = None) -> list[int]:
+    """Predicted class (the most probable, ``probabilities``) of each ``(ids, label)`` pair,
+    in ``data``'s order."""
+    return probabilities(model, data, batch_size, progress).argmax(-1).tolist()
 
 
 def accuracy(pred: list[int], data: list[tuple[list[int], int]]) -> float:
@@ -80,7 +91,9 @@ def evaluate(model: EncoderClassifier, data: list[tuple[list[int], int]],
 class Run:
     """One training run's settings: ``mode`` (``dense``, ``mita`` or ``mixed``: a random
     attention per step over tied weights), ``steps``, ``batch_size``, ``lr``,
-    ``time_budget_min``, ``eval_every`` and the ``seed`` of its batch order and modes."""
+    ``time_budget_min``, ``eval_every``, the ``seed`` of its batch order and modes, and
+    ``class_weights``: the cross-entropy weight of each class (None: all 1; ``--class-weight
+    balanced``: n_rows / (n_classes × the class's rows))."""
 
     mode: str
     steps: int
@@ -90,18 +103,21 @@ class Run:
     eval_every: int = 500
     seed: int = 0
     label: str = ""
+    class_weights: list[float] | None = None
 
 
 @dataclass
 class Result:
     """What ``fit`` did: ``history`` (per evaluation: step, loss, validation accuracy per
     attention), ``steps`` run in all, ``wall_s`` of this call, ``tokens`` trained on in this
-    call (real tokens, no padding) and ``tokens_per_s``."""
+    call (real tokens, no padding) and ``tokens_per_s``; ``budget_stop``: None, or what the
+    time budget cut short (the step, the schedule's share run, the learning rate left)."""
 
     history: list[dict] = field(default_factory=list)
     steps: int = 0
     wall_s: float = 0.0
     tokens: int = 0
+    budget_stop: dict | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,7 +142,10 @@ def fit(models: dict[str, EncoderClassifier], run: Run, train: list[tuple[list[i
     if resume and state_dir is not None and (state_dir / STATE_FILES[1]).is_file():
         first, batches, res.history = load_state(state_dir, model, opt, sched, rng, run)
     start = clock()
-    bar = Progress(run.steps, run.label or f"train[{run.mode}]", "step")
+    bar = Progress(run.steps, run.label or f"train[{run.mode}]", "step",
+                   interval_s=LOG_INTERVAL_S)
+    weight = (torch.tensor(run.class_weights, dtype=torch.float32)
+              if run.class_weights is not None else None)
     bar.update(first - 1)
     step = first - 1
     for step in range(first, run.steps + 1):
@@ -136,7 +155,7 @@ def fit(models: dict[str, EncoderClassifier], run: Run, train: list[tuple[list[i
         ids, mask = pad_batch([train[i][0] for i in batch])
         labels = torch.tensor([train[i][1] for i in batch])
         mode = rng.choice(ATTENTIONS) if run.mode == "mixed" else run.mode
-        loss = torch.nn.functional.cross_entropy(models[mode](ids, mask), labels)
+        loss = torch.nn.functional.cross_entropy(models[mode](ids, mask), labels, weight=weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,12 +168,20 @@ def fit(models: dict[str, EncoderClassifier], run: Run, train: list[tuple[list[i
         if step % run.eval_every == 0 or step == run.steps or out_of_time:
             acc = {a: evaluate(m, val) for a, m in models.items()}
             res.history.append({"step": step, "loss": loss.item(), "val_accuracy": acc})
-            bar.write(f"step {step}: loss {loss.item():.3f}, val accuracy {acc}")
+            bar.write(f"step {step}/{run.steps}: loss {loss.item():.3f}, validation accuracy "
+                      + ", ".join(f"{a} {100 * v:.1f} %" for a, v in acc.items()))
         if state_dir is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                       or out_of_time):
             save_state(state_dir, model, opt, sched, rng, run, step, batches, res.history)
-        if out_of_time:
-            bar.write(f"time budget of {run.time_budget_min} min reached at step {step}")
+        if out_of_time and step < run.steps:
+            lr = sched.get_last_lr()[0]
+            res.budget_stop = {"step": step, "steps": run.steps,
+                               "schedule_share": step / run.steps, "lr": lr, "peak_lr": run.lr}
+            bar.write(f"time budget of {run.time_budget_min:g} min (--time-budget-min) reached "
+                      f"at step {step} of {run.steps}: the one-cycle schedule ran "
+                      f"{100 * step / run.steps:.0f} % of its length and stopped at learning "
+                      f"rate {lr:.1e} (peak {run.lr:.1e}) before annealing to its end; raise "
+                      "--time-budget-min or lower --steps for a finished schedule")
             break
     bar.close()
     res.steps, res.wall_s = step, clock() - start

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import CONFIG_FILE, ModelConfig
-from .data.labelled import TRUNCATE_SIDES
+from .data.labelled import TRUNCATE_SIDES, read_file, truncate, unknown_label
 from .data.tokenizers import LISTOPS, Tokenizer, from_spec
 from .data.vocab import Vocabulary
 
@@ -45,6 +45,39 @@ class Task:
             return (f"this model classifies {h}×{w} grids (2-D landmark pooling): a sequence "
                     f"must have exactly {h * w} tokens, got {n}")
         return None
+
+    def cut(self, ids):
+        """``ids`` cut to the trained length as training cut them (``mita.data.labelled.
+        truncate``, the one cut of training, serving and evaluation): the first
+        ``max_length`` tokens kept for ``truncate="tail"``, the last for ``"head"``; unchanged
+        without a ``max_length`` or when not longer. ``ids``: any sliceable sequence (tuple,
+        list, 1-D numpy array); returns the same type."""
+        if self.max_length is None:
+            return ids
+        return truncate(ids, self.max_length, self.truncate)
+
+    def labelled_rows(self, path, size: int | None = None) -> tuple[list, list, int]:
+        """The first ``size`` (None: all) rows of a labelled file (``mita.data.labelled``
+        formats) as this task's model reads them: text tokenized by ``tokenizer``, ids checked
+        against it, label names indexed by ``labels``, every sequence cut by ``cut``. Returns
+        (``(ids, class index)`` pairs, the file's ``Example`` rows, how many were cut). Raises
+        FileNotFoundError, or ValueError ``"path:line: …"`` (``read_file``'s errors, a label
+        this task does not have — with the likely cause —, a length a grid model cannot
+        take)."""
+        index = {name: i for i, name in enumerate(self.labels)}
+        examples = read_file(path, self.tokenizer).examples[:size]
+        rows, cut = [], 0
+        for ex in examples:
+            if ex.label not in index:
+                raise unknown_label(ex, index, f"the checkpoint's labels ({len(index)}: "
+                                    f"{', '.join(self.labels[:5])}{', …' * (len(index) > 5)})")
+            ids = self.cut(ex.ids)
+            why = self.length_refusal(len(ids))  # after the cut, as training checks it
+            if why is not None:
+                raise ValueError(f"{ex.path}:{ex.line}: {why}")
+            cut += len(ids) < len(ex.ids)
+            rows.append((list(ids), index[ex.label]))
+        return rows, examples, cut
 
     def spec(self) -> dict:
         """The ``task`` object of config.json (``checkpoint_task`` reads it back)."""

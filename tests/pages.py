@@ -77,6 +77,12 @@ README_COMMANDS = {
         "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
     "python -m loadtest run --n 2048 4096 8192 --variants mita dense ab --concurrency 2 "
     "--requests 12": ("run", "shrink: --n 2048 --requests 1 --warmup 0 --out RUNS/loadtest-shot"),
+    ".venv/bin/python -m loadtest run --url http://127.0.0.1:8000/own --data "
+    "examples/austen-512-valid.tsv --n 512 2048 --out runs/loadtest-own": (
+        "test", "tests/test_own_data_service.py::test_an_ids_checkpoint_is_load_tested_with_"
+                "its_rows_and_never_sent_listops (--data against a user's checkpoint: the "
+                "shipped image model at /images, its ids rows; text rows joined and cut: "
+                "tests/test_loadtest_inputs.py)"),
     ".venv/bin/python -m mita.train --mode mixed --out checkpoints/listops-default "
     "--threads 1 --min-length 1 --max-length 500 --steps 6000 --time-budget-min 45": (
         "run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
@@ -148,7 +154,22 @@ README_COMMANDS = {
         "test", "tests/test_labelled_data.py::test_images_become_pixel_id_rows_with_their_grid"),
     "make data": ("no", "fetches two Debian packages (≈ 32 MB; samples of both are in "
                         "examples/); tests/test_labelled_data.py converts an IDX file"),
-    "python -m mita.datasets fashion-mnist|austen --out DIR": ("no", "what make data runs"),
+    "python -m mita.datasets fashion-mnist|austen|austen-persuasion --out DIR": (
+        "no", "what make data runs (austen-persuasion: examples/README.md says how the sample "
+              "was cut from it)"),
+    ".venv/bin/python -m mita.train --train examples/austen-persuasion.tsv --valid "
+    "examples/austen-persuasion-valid.tsv --out runs/persuasion --max-len 256 --class-weight "
+    "balanced --steps 300 --threads 1": (
+        "test", "tests/test_own_data_scores.py::test_the_skewed_sample_through_training_"
+                "evaluation_and_compare and ::test_class_weight_balanced (the same files and "
+                "flags, a tiny model and budget)"),
+    "python -m mita.evaluate DIR --data FILE": (
+        "test", "tests/test_own_data_scores.py::test_the_skewed_sample_through_training_"
+                "evaluation_and_compare"),
+    ".venv/bin/python -m mita.evaluate runs/persuasion --data "
+    "examples/austen-persuasion-valid.tsv --predictions runs/persuasion/predictions.csv": (
+        "test", "tests/test_own_data_scores.py::test_the_skewed_sample_through_training_"
+                "evaluation_and_compare (jsonl) and ::test_the_fashion_sample_scored_to_csv"),
 }
 
 

@@ -143,6 +143,10 @@ def test_truncation_rule_and_the_card(tmp_path):
     assert d.warnings == [
         f"1 of 2 validation rows also appear in the training data (first: {valid}:1 = "
         f"{train}:2); their accuracy measures memory, not generalisation",
+        f"class 'a' has 2 training rows (fewer than 5): first row {train}:2; too few rows to "
+        "learn or measure it: add rows or merge it into another class",
+        f"class 'b' has 3 training rows (fewer than 5): first row {train}:1; too few rows to "
+        "learn or measure it: add rows or merge it into another class",
         "3 of 7 rows were longer than --max-len 5 and lost their head (--truncate head)"]
 
 
@@ -158,14 +162,22 @@ def test_seeded_split_and_the_dominant_class_warning(tmp_path):
     other = labelled.load(path, valid_share=0.2, seed=4)
     assert [ex.line for ex in other.valid] != [ex.line for ex in d.valid]
     share = d.card["class_counts"]["train"]["a"] / 8
-    assert d.warnings == [f"class 'a' is {100 * share:.1f} % of the training rows: always "
-                          "answering it scores that much"]
+    in_valid = sum(ex.label == "a" for ex in d.valid) / 2
+    b_rows = sorted(ex.line for ex in d.train if ex.label == "b")
+    assert d.warnings == [
+        f"class 'a' is {100 * share:.1f} % of the training rows and {100 * in_valid:.1f} % of "
+        "the validation rows: always answering it scores that much on validation; read "
+        "macro-F1, balanced accuracy and the per-class recall beside accuracy",
+        f"class 'b' has {len(b_rows)} training row{'s' * (len(b_rows) != 1)} (fewer than 5): "
+        f"first row {path}:{b_rows[0]}; too few rows to learn or measure it: add rows or "
+        "merge it into another class"]
     # two classes at 70 %: below 1.5 × the uniform 50 %, no warning; at 75 %, one
     valid = write(tmp_path, "v.tsv", "a\tv1\nb\tv2\n")
     for a, warned in ((7, False), (75, True)):
         path = write(tmp_path, "u.tsv", "".join(f"{'a' if i < a else 'b'}\tt{i}\n"
                                                 for i in range(10 * (a // 7 if a == 7 else 10))))
-        assert bool(labelled.load(path, valid).warnings) is warned
+        assert any(" % of the training rows" in w
+                   for w in labelled.load(path, valid).warnings) is warned
 
 
 def test_tokenizers_and_their_specs():

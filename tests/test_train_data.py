@@ -147,12 +147,29 @@ def test_the_three_ways_side_by_side(tmp_path):
                                 "batch_size": 8, "seed": 0}
     assert metrics["compare"] == rows
     md = (out / "compare.md").read_text()
-    assert md.count("\n| ") == 7 and "| fine-tuned | mita | 6 |" in md
+    # the scores table and the F1-per-class table: a header and six rows each
+    assert md.count("\n| ") == 14 and "| fine-tuned | mita | 6 |" in md
     assert (out / "compare.png").stat().st_size > 0
     # the served checkpoint is the --mode run's (mixed): its accuracy is that row's
     meta = checkpoint_metadata(out)
     assert meta["training"]["valid_accuracy"]["mita"] == rows[4]["accuracy"]
     assert meta["training"]["valid_accuracy"]["dense"] == rows[5]["accuracy"]
+    # every way's weights are kept, each a checkpoint with the task, named in compare.md;
+    # loaded again, each scores its row's accuracy on the same validation rows
+    from mita.data import labelled
+    from mita.fit import evaluate
+    from mita.train_data import WAYS
+
+    assert sorted(p.name for p in (out / "ways").iterdir()) == sorted(WAYS)
+    val = labelled.load(data).encoded("valid")  # the command's split: share 0.1, seed 0
+    for r in rows:
+        folder = out / "ways" / r["way"]
+        assert r["checkpoint"] == str(folder) and f"- {r['way']}: `{folder}`" in md
+        ck = load_checkpoint(folder, attention=r["attention"])
+        task = checkpoint_task(checkpoint_metadata(folder), ck.config, folder)
+        assert task.labels == ("bad", "good")
+        assert (checkpoint_config(folder).attention == "dense") is (r["way"] == "dense")
+        assert evaluate(ck, val) == r["accuracy"]
 
 
 def test_init_starts_from_a_checkpoints_weights(tmp_path, capsys):

@@ -19,7 +19,7 @@ import json
 import random
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,19 +33,28 @@ TRUNCATE_SIDES = ("tail", "head")  # which end of a long sequence is cut off
 # split (75 % of two classes), gets a warning: a constant answer already scores that much.
 DOMINANT_SHARE = 0.5
 DOMINANT_OVER_UNIFORM = 1.5
+# A class with fewer training rows than this cannot be learned or measured: warned about,
+# with its likely cause (a header line, a stray label type).
+MIN_CLASS_ROWS = 5
+# Labels that are nearly all distinct while the texts repeat a few values: the columns are
+# swapped (text<TAB>label). Both shares of the training rows.
+SWAPPED_LABELS_DISTINCT = 0.5
+SWAPPED_TEXTS_DISTINCT = 0.1
 _INTEGER = re.compile(r"[+-]?\d+")
 
 
 @dataclass(frozen=True)
 class Example:
     """One labelled sequence: ``ids`` (token ids, as read), ``label`` (its name) and the
-    ``line`` of ``path`` it came from; ``text``: the text of a text row (None for ids)."""
+    ``line`` of ``path`` it came from; ``text``: the text of a text row (None for ids);
+    ``numeric_label``: the label was a JSON number (read as its decimal name)."""
 
     ids: tuple[int, ...]
     label: str
     path: str
     line: int
     text: str | None = None
+    numeric_label: bool = False
 
 
 @dataclass
@@ -138,7 +147,7 @@ def read_file(path: str | Path, tokenizer: Tokenizer | None = None,
         else:
             ids = ex.ids
             _check_ids(ids, tokenizer, path, ex.line)
-        out.append(Example(ids, ex.label, ex.path, ex.line, ex.text))
+        out.append(Example(ids, ex.label, ex.path, ex.line, ex.text, ex.numeric_label))
     return DataFile(str(path), kind, out, sha256, blank)
 
 
@@ -181,16 +190,17 @@ def _json_row(text: str, path: Path, line_no: int) -> Example:
         raise ValueError(f"{_where(path, line_no)}: unknown field(s) {extra}; a row has "
                          "'label' and 'text' or 'ids'")
     label = _label_name(row["label"], path, line_no)
+    numeric = isinstance(row["label"], int)
     if "text" in row:
         if not isinstance(row["text"], str) or not row["text"]:
             raise ValueError(f"{_where(path, line_no)}: 'text' must be a non-empty string")
-        return Example((), label, str(path), line_no, row["text"])
+        return Example((), label, str(path), line_no, row["text"], numeric)
     ids = row["ids"]
     if (not isinstance(ids, list) or not ids
             or any(isinstance(x, bool) or not isinstance(x, int) for x in ids)):
         raise ValueError(f"{_where(path, line_no)}: 'ids' must be a non-empty list of "
                          "integers")
-    return Example(tuple(ids), label, str(path), line_no)
+    return Example(tuple(ids), label, str(path), line_no, numeric_label=numeric)
 
 
 def _check_ids(ids: tuple[int, ...], tokenizer: Tokenizer | None, path: Path,
@@ -203,6 +213,65 @@ def _check_ids(ids: tuple[int, ...], tokenizer: Tokenizer | None, path: Path,
                              f"the vocabulary {allowed} (0 is padding)")
 
 
+def unknown_label(ex: Example, known, source: str) -> ValueError:
+    """The error for ``ex``, whose label is not one of ``known`` (the label names of
+    ``source``: the training file, a checkpoint): ``"path:line: label … is not in …"``, with
+    the likely cause when the row's text is itself one of the labels (swapped columns)."""
+    why = ""
+    if ex.line == 1 and ex.path.lower().endswith(TSV_SUFFIXES):
+        why = ("; line 1 looks like a header: the only header read as one is 'label<TAB>text'"
+               "; rename the columns or delete the line")
+    elif ex.text is not None and ex.text.strip() in known:
+        why = (f"; its text {ex.text.strip()[:40]!r} is a label: are the columns swapped? "
+               "A row is label<TAB>text")
+    return ValueError(f"{_where(Path(ex.path), ex.line)}: label {ex.label[:60]!r} is not in "
+                      f"{source}{why}")
+
+
+def check_not_swapped(examples: list[Example], path) -> None:
+    """Raise ValueError when ``examples`` look like text<TAB>label rows read as
+    label<TAB>text: nearly every label distinct (more than ``SWAPPED_LABELS_DISTINCT`` of
+    the rows) while the texts hold few values (at most ``SWAPPED_TEXTS_DISTINCT`` of the
+    rows). Files of fewer than 10 rows are not judged."""
+    texts = Counter(ex.text for ex in examples if ex.text is not None)
+    n = len(examples)
+    labels = len({ex.label for ex in examples})
+    if (n >= 10 and sum(texts.values()) == n and labels > SWAPPED_LABELS_DISTINCT * n
+            and len(texts) <= SWAPPED_TEXTS_DISTINCT * n):
+        shown = ", ".join(repr(t[:20]) for t, _ in texts.most_common(3))
+        raise ValueError(f"{path}: the columns look swapped: {labels} distinct labels in {n} "
+                         f"rows, while the text column holds only {len(texts)} distinct "
+                         f"values ({shown}); a row is label<TAB>text")
+
+
+def small_class_warnings(examples: list[Example], counts: Counter) -> list[str]:
+    """A warning for each class with fewer than ``MIN_CLASS_ROWS`` of ``examples`` (the
+    training rows; ``counts``: rows per label), naming its likely cause: a TSV header other
+    than ``label<TAB>text`` read as a row (the class's one row is line 1), a JSON number among
+    string labels, else a class too rare to learn."""
+    numeric_elsewhere = any(not ex.numeric_label for ex in examples)
+    out = []
+    for name, n in sorted(counts.items(), key=lambda kv: (kv[1], kv[0])):
+        if n >= MIN_CLASS_ROWS:
+            continue
+        rows = [ex for ex in examples if ex.label == name]
+        first = min(rows, key=lambda ex: (ex.path, ex.line))
+        where = _where(Path(first.path), first.line)
+        if n == 1 and first.line == 1 and first.path.lower().endswith(TSV_SUFFIXES):
+            cause = (f"its row {where} looks like a header line ({name[:40]!r}<TAB>"
+                     f"{(first.text or '')[:40]!r}): the only header read as one is "
+                     "'label<TAB>text'; rename the columns or delete the line")
+        elif first.numeric_label and numeric_elsewhere:
+            cause = (f"a stray label type: {where} has the JSON number {name} where the other "
+                     "rows' labels are strings; write it as the name it stands for")
+        else:
+            cause = (f"first row {where}; too few rows to learn or measure it: add rows or "
+                     "merge it into another class")
+        out.append(f"class {name[:60]!r} has {n} training row{'s' * (n != 1)} (fewer than "
+                   f"{MIN_CLASS_ROWS}): {cause}")
+    return out
+
+
 def label_order(names) -> list[str]:
     """The class order of a set of label names: by value when every name is an integer
     (``"2"`` before ``"10"``), else by name."""
@@ -212,9 +281,13 @@ def label_order(names) -> list[str]:
     return sorted(names)
 
 
-def truncate(ids: tuple[int, ...], max_len: int, side: str) -> tuple[int, ...]:
+def truncate(ids, max_len: int, side: str):
     """``ids`` cut to at most ``max_len`` tokens: ``side="tail"`` drops the end (the first
-    ``max_len`` are kept), ``"head"`` drops the start (the last ``max_len``)."""
+    ``max_len`` are kept), ``"head"`` drops the start (the last ``max_len``). ``ids``: a
+    tuple, list or 1-D numpy array (returned as the same type). The one cut of training,
+    serving and evaluation (``mita.task.Task.cut``). Raises ValueError for another ``side``."""
+    if side not in TRUNCATE_SIDES:
+        raise ValueError(f"truncate side must be one of {TRUNCATE_SIDES}, got {side!r}")
     if len(ids) <= max_len:
         return ids
     return ids[:max_len] if side == "tail" else ids[len(ids) - max_len:]
@@ -291,19 +364,19 @@ def load(train_path: str | Path, valid_path: str | Path | None = None,
         train, valid = first.examples, second.examples
     else:
         train, valid = split(first.examples, valid_share, seed)
+    check_not_swapped(first.examples, train_path)
     counts = Counter(ex.label for ex in train)
     if len(counts) < 2:
         raise ValueError(f"{train_path}: one class only ({next(iter(counts))!r}); a classifier "
                          "needs two or more")
     for ex in valid:
         if ex.label not in counts:
-            raise ValueError(f"{_where(Path(ex.path), ex.line)}: label {ex.label!r} is not in "
-                             f"the training data ({train_path})")
+            raise unknown_label(ex, counts, f"the training data ({train_path})")
     labels = label_order(counts)
     if subword_vocab is not None:  # learned from the training split only, then both encoded
         tok = train_subword([ex.text for ex in train], subword_vocab)
-        train, valid = ([Example(tuple(tok.encode(ex.text)), ex.label, ex.path, ex.line,
-                                 ex.text) for ex in part] for part in (train, valid))
+        train, valid = ([replace(ex, ids=tuple(tok.encode(ex.text))) for ex in part]
+                        for part in (train, valid))
     warnings = []
     seen = {(ex.text, ex.ids): ex for ex in train}
     twins = [(ex, seen[ex.text, ex.ids]) for ex in valid if (ex.text, ex.ids) in seen]
@@ -314,8 +387,12 @@ def load(train_path: str | Path, valid_path: str | Path | None = None,
                         "accuracy measures memory, not generalisation")
     top, top_n = counts.most_common(1)[0]
     if top_n / len(train) >= max(DOMINANT_SHARE, DOMINANT_OVER_UNIFORM / len(counts)):
+        in_valid = sum(ex.label == top for ex in valid) / len(valid)
         warnings.append(f"class {top!r} is {100 * top_n / len(train):.1f} % of the training "
-                        f"rows: always answering it scores that much")
+                        f"rows and {100 * in_valid:.1f} % of the validation rows: always "
+                        "answering it scores that much on validation; read macro-F1, balanced "
+                        "accuracy and the per-class recall beside accuracy")
+    warnings += small_class_warnings(train, counts)
     card = {"files": [{"path": f.path, "sha256": f.sha256, "rows": len(f.examples),
                        "blank_lines": f.blank_lines} for f in files],
             "kind": first.kind, "tokenizer": tok.spec(),
@@ -328,8 +405,8 @@ def load(train_path: str | Path, valid_path: str | Path | None = None,
             "length_tokens": {"train": _lengths(train), "valid": _lengths(valid)}}
     if max_len is not None:
         cut = sum(len(ex.ids) > max_len for ex in train + valid)
-        train, valid = ([Example(truncate(ex.ids, max_len, truncate_side), ex.label, ex.path,
-                                 ex.line, ex.text) for ex in part] for part in (train, valid))
+        train, valid = ([replace(ex, ids=truncate(ex.ids, max_len, truncate_side))
+                         for ex in part] for part in (train, valid))
         card["truncation"] = {"max_len": max_len, "side": truncate_side, "rows_cut": cut}
         if cut:
             warnings.append(f"{cut} of {card['rows']['train'] + card['rows']['valid']} rows "
