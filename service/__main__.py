@@ -22,14 +22,22 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import ipaddress  # noqa: E402
+import json  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from mita.argtypes import Parser, bounded  # noqa: E402
+from mita.task import Task  # noqa: E402
 
 from . import launch, preflight, running  # noqa: E402
+
+# The start banner's examples: the README's ListOps expression (its value is 4) and, for a
+# text task, a fixed neutral sentence (the checkpoint holds no text of its training rows).
+LISTOPS_EXAMPLE = "[MAX 2 [MIN 4 7 ] 0 ]"
+TEXT_EXAMPLE = "The quick brown fox jumps over the lazy dog."
+JSON_HEADER = "-H 'content-type: application/json'"
 
 
 def ip_address(text: str) -> str:
@@ -48,6 +56,85 @@ def netloc(ip: str, port: int) -> str:
 def ip_address_or_off(text: str) -> str | None:
     """``ip_address``, or None for "off"."""
     return None if text == "off" else ip_address(text)
+
+
+def describe(task: Task) -> str:
+    """What ``task``'s application classifies, for the start banner's list."""
+    if task.listops:
+        what = "ListOps expressions"
+    elif task.grid is not None:
+        h, w = task.grid
+        what = f"{h}×{w} grids of token ids ({h * w} tokens)"
+    elif task.tokenizer.takes_text:
+        what = f"text ({task.tokenizer.kind} tokens) or token ids"
+    else:
+        what = "token ids"
+    what += f", {len(task.labels)} classes"
+    if task.max_length is not None:
+        kept = "first" if task.truncate == "tail" else "last"
+        what += (f"; a longer sequence is cut to its {kept} {task.max_length} tokens "
+                 f"(truncate {task.truncate}), as in training")
+    return what
+
+
+def example_command(base: str, task: Task) -> str:
+    """A curl command that classifies a valid example of ``task`` at ``base`` (the
+    application's URL: the service's, with its route prefix): a ListOps expression, a short
+    fixed sentence for a text task, valid ``ids`` for an ids task — exactly H·W of them,
+    made by python3, for a grid task."""
+    url = f"{base}/v1/classify"
+    if task.listops:
+        body = json.dumps({"text": LISTOPS_EXAMPLE, "profile": True})
+    elif task.grid is None and task.tokenizer.takes_text:
+        body = json.dumps({"text": TEXT_EXAMPLE})
+    else:
+        vocab = task.vocab
+        valid = [i for i in range(vocab.size) if i != vocab.pad_id][:8]
+        if task.grid is None:
+            body = json.dumps({"ids": valid})
+        else:
+            n = task.grid[0] * task.grid[1]
+            code = f"import json; print(json.dumps({{\"ids\": [{valid[0]}] * {n}}}))"
+            return f"python3 -c '{code}' | curl -s -X POST {url} {JSON_HEADER} -d @-"
+    return f"curl -s -X POST {url} {JSON_HEADER} -d '{body}'"
+
+
+def banner_lines(url: str, apps: list[tuple[str, str, Task | None]]) -> list[str]:
+    """The start banner's list of the applications and their examples: ``apps`` is
+    ``(name, route prefix, task)`` per application of the config (task None: unknown, e.g. a
+    checkpoint this process could not read; no example then). Every application is listed
+    with its prefix and task; each gets a curl example of its own task, at its own prefix."""
+    width = max(len(prefix) for _, prefix, _ in apps)
+    lines = ["Applications:"]
+    for name, prefix, task in apps:
+        what = f"task {task.name}: {describe(task)}" if task is not None else "task unknown"
+        lines.append(f"  {prefix:<{width}}  {name}, {what}")
+    lines.append("Try:")
+    for _, prefix, task in apps:
+        if task is None:
+            continue
+        lines.append("  " + example_command(url + prefix.rstrip("/"), task))
+        if task.listops:
+            lines.append("  (the expression's value is 4; \"label\" is the model's answer, "
+                         "right or wrong: see the README for its accuracy)")
+    return lines
+
+
+def served_apps(config) -> list[tuple[str, str, Task | None]]:
+    """``(name, route prefix, task)`` of each of the config's applications of this service
+    (``banner_lines``); the task None where its checkpoint cannot be read here."""
+    from .app import served_config
+
+    apps = []
+    for app in config.applications:
+        if app.import_path.replace(":", ".") != "service.app.build_app":  # Ray takes both
+            continue
+        try:
+            task = served_config(app.args)[2]
+        except (OSError, ValueError):  # checked before the start; e.g. a cluster's own path
+            task = None
+        apps.append((app.name, app.route_prefix or "/", task))
+    return apps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +222,6 @@ def main(argv: list[str] | None = None) -> None:
     if stop.is_set():
         launch.stop()
         raise SystemExit("mita-serve: interrupted during start-up; stopped")
-    example = '{"text": "[MAX 2 [MIN 4 7 ] 0 ]", "profile": true}'
     print(f"\nmita-serve is up at {url}  (API docs: {url}/docs)")
     print(f"Live dashboard: {url}/dashboard")
     throughput = os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"  # as Serve reads it
@@ -154,9 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Ray dashboard: {address}  (Ray's serve CLI, with Ray's token authentication: "
               f"RAY_AUTH_MODE=token serve status -a {address}; live changes: "
               f"RAY_AUTH_MODE=token serve deploy FILE -a {address})")
-    print(f"Try:\n  curl -s -X POST {url}/v1/classify -H 'content-type: application/json' "
-          f"-d '{example}'\n(the expression's value is 4; \"label\" is the model's answer, "
-          "right or wrong: see the README for its accuracy)\nCtrl-C stops.", flush=True)
+    print("\n".join([*banner_lines(url, served_apps(config)), "Ctrl-C stops."]), flush=True)
     why, seen = None, 0
     try:
         # twice in a row: a controller Ray is restarting answers nothing for a moment

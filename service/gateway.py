@@ -5,13 +5,14 @@ checks: ``service.inputs``; the classifiers' replicas for ``/readyz``: ``service
 (No ``from __future__ import annotations`` here: FastAPI must see the real types of the
 endpoint parameters of the ingress class.)
 
-Request path: HTTP → pydantic model → validation (before any tensor exists) → A/B policy →
-classifier deployment handle (``mita`` or ``dense``) → response; in shadow mode the other
-variant runs too and the two answers are compared. Every outcome goes through one
-``service.recorder.Recorder`` into Prometheus and the ``StatsWindow`` that ``/v1/stats``
-summarises for the ``/dashboard`` page (or Prometheus does, when ``prometheus_url`` is
-configured). A classify request refused before routing is counted once, by the ``CheckBody``
-middleware, whichever layer refused it; a routed one is recorded by ``_classify``.
+Request path: HTTP → pydantic model → validation and the cut to the trained length (before
+any tensor exists) → A/B policy → classifier deployment handle (``mita`` or ``dense``) →
+response; in shadow mode the other variant runs too and the two answers are compared. Every
+outcome goes through one ``service.recorder.Recorder`` into Prometheus and the
+``StatsWindow`` that ``/v1/stats`` summarises for the ``/dashboard`` page (or Prometheus does,
+when ``prometheus_url`` is configured). A classify request refused before routing is counted
+once, by the ``CheckBody`` middleware, whichever layer refused it; a routed one is recorded by
+``_classify``.
 """
 
 
@@ -48,7 +49,7 @@ from .http import (
     STATIC_HEADERS,
     app,
 )
-from .inputs import ApiError, binary_ids, to_ids
+from .inputs import ApiError, Served, served_binary, served_ids
 from .live_config import LiveConfig, store_key
 from .policy import choose_variant, shadow_comparison
 from .recorder import Recorder
@@ -68,16 +69,21 @@ from .stats import PrometheusError, ab_split, prometheus_summary, summarize
 
 
 def response_body(result: dict, shadow: str | None, arrived_at: float | None,
-                  labels: tuple[str, ...]) -> dict:
+                  labels: tuple[str, ...], cut: dict | None = None) -> dict:
     """A classifier's answer ``result`` as the JSON of ``ClassifyResponse`` with None left
     out (what FastAPI's response-model serialisation makes of it, without validating it
     again): ``shadow`` the variant run in shadow, or None; with ``arrived_at`` (the gateway's
     wall clock at the request's arrival, Unix seconds) the forward's ``profile``, whose
     ``pre_forward_ms`` counts from it (body parsing, validation, the hop to the classifier,
     batching wait and queueing; both clocks are this machine's). ``labels``: the task's label
-    names by class index (``label_name``)."""
+    names by class index (``label_name``). ``cut``: ``original_n`` and ``truncated`` of a
+    sequence cut to the task's trained length (``inputs.Served.report``), else None or
+    empty."""
     out = {"label": result["label"], "label_name": labels[result["label"]]}
-    out |= {k: result[k] for k in ("probabilities", "variant", "n", "model_id")}
+    out |= {k: result[k] for k in ("probabilities", "variant", "n")}
+    if cut:
+        out |= cut
+    out["model_id"] = result["model_id"]
     if shadow is not None:
         out["shadow"] = shadow
     if arrived_at is not None:
@@ -194,11 +200,12 @@ class Gateway:
         self.recorder.shadow(primary, *shadow_comparison(primary, served, other), len(ids))
 
     async def _classify(self, ids: np.ndarray, variant: str | None, profile: bool | str,
-                        request: Request) -> dict:
-        """Route validated ``ids`` (``check_ids``) to ``variant``, or by the A/B policy (weights,
-        sticky header, or ``policy: auto``'s decision for its N bucket: ``service.routing``), record
-        the outcome and answer; ``profile``: False, True or ``"staged"`` (the forward times
-        every stage apart). Raises ApiError as ``_call``."""
+                        request: Request, cut: dict | None = None) -> dict:
+        """Route validated ``ids`` (``inputs.checked``) to ``variant``, or by the A/B policy
+        (weights, sticky header, or ``policy: auto``'s decision for its N bucket:
+        ``service.routing``), record the outcome and answer; ``profile``: False, True or
+        ``"staged"`` (the forward times every stage apart); ``cut``: the answer's fields about
+        the cut to the trained length (``Served.report``). Raises ApiError as ``_call``."""
         arrived_at = request.scope[ARRIVED]
         client_key = request.headers.get(self.config.sticky_header)
         primary, shadow = choose_variant(self.config, variant, client_key, self.rng)
@@ -230,28 +237,33 @@ class Gateway:
                              time.time() - arrived_at, override=variant is not None))
         if shadow is not None and not self._start_shadow(primary, shadow, ids, result):
             shadow = None
-        return response_body(result, shadow, arrived_at if profile else None, self.task.labels)
+        return response_body(result, shadow, arrived_at if profile else None, self.task.labels,
+                             cut)
 
-    def _fits(self, ids: np.ndarray) -> np.ndarray:
-        """``ids``, or ApiError(422) when the model cannot take their length (a grid model)."""
-        why = self.task.length_refusal(len(ids))
+    def _fits(self, served: Served) -> Served:
+        """``served``, or ApiError(422) when the model cannot take its length once cut (a grid
+        model: exactly H·W tokens, as training checked them after its cut)."""
+        why = self.task.length_refusal(len(served.ids))
         if why is not None:
             raise ApiError(422, why)
-        return ids
+        return served
 
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=CLASSIFY_RESPONSES,
               response_model_exclude_none=True)
     async def classify(self, body: ClassifyRequest, request: Request) -> JSONResponse:
         """Classify one sequence (``text``, tokenized as the checkpoint says, or ``ids``) with MiTA
         or dense attention."""
-        ids = self._fits(to_ids(body, self.config.max_n, self.vocab, self.task.tokenizer))
-        out = await self._classify(ids, body.variant, body.profile, request)
+        served = self._fits(served_ids(body, self.config.max_n, self.vocab,
+                                       self.task.tokenizer, self.task))
+        out = await self._classify(served.ids, body.variant, body.profile, request,
+                                   served.report())
         return classify_response(out, request)
 
     @app.post(BINARY_PATH, response_model=ClassifyResponse, responses=CLASSIFY_RESPONSES,
               response_model_exclude_none=True, openapi_extra={"requestBody": {
                   "required": True, "description": "token ids as raw little-endian integers "
-                  "(dtype uint8: one byte per token; int32: four), 1 … max_n of them",
+                  "(dtype uint8: one byte per token; int32: four); 1 … max_n of them once cut "
+                  "to the model's trained length (/v1/models: task.max_length)",
                   "content": {"application/octet-stream": {
                       "schema": {"type": "string", "format": "binary"}}}}})
     async def classify_binary(
@@ -267,10 +279,11 @@ class Gateway:
         """Classify one sequence sent as binary token ids (``application/octet-stream``): the
         same answer as ``/v1/classify`` without JSON parsing — 1M ids are 1 MiB as uint8
         instead of ~3.6 MB of JSON."""
-        ids = self._fits(binary_ids(await request.body(), dtype, self.config.max_n,
-                                    self.vocab))
+        served = self._fits(served_binary(await request.body(), dtype, self.config.max_n,
+                                          self.vocab, self.task))
         mode = {"true": True, "false": False, "staged": "staged"}[profile]
-        return classify_response(await self._classify(ids, variant, mode, request), request)
+        return classify_response(await self._classify(served.ids, variant, mode, request,
+                                                      served.report()), request)
 
     @app.post("/v1/classify/batch", response_model=BatchResponse, responses=ERRORS,
               response_model_exclude_none=True)
@@ -280,18 +293,18 @@ class Gateway:
         if len(body.items) > self.config.max_batch_items:
             raise ApiError(422, f"{len(body.items)} items exceed max_batch_items = "
                                 f"{self.config.max_batch_items}")
-        ids = []
+        served = []
         for i, item in enumerate(body.items):
             try:
-                ids.append(self._fits(to_ids(item, self.config.max_n, self.vocab,
-                                             self.task.tokenizer)))
+                served.append(self._fits(served_ids(item, self.config.max_n, self.vocab,
+                                                    self.task.tokenizer, self.task)))
             except ApiError as e:
                 raise ApiError(e.status, f"items[{i}]: {e.message}") from None
         # One call per item: @serve.batch packs them with whatever else the classifier has
         # queued, and each item is recorded as a request of its own.
         results = await asyncio.gather(
-            *(self._classify(x, item.variant, item.profile, request)
-              for item, x in zip(body.items, ids, strict=True)),
+            *(self._classify(x.ids, item.variant, item.profile, request, x.report())
+              for item, x in zip(body.items, served, strict=True)),
             return_exceptions=True)
         for i, r in enumerate(results):
             if isinstance(r, ApiError):

@@ -1,8 +1,9 @@
-"""Request input: strict JSON bodies, token ids checked against the checkpoint's vocabulary,
-and ``ApiError`` (any answer other than 200). Used by ``service.gateway`` and
-``service.http``; nothing here needs Ray."""
+"""Request input: strict JSON bodies, token ids checked against the checkpoint's vocabulary
+and cut to its trained length (``Served``), and ``ApiError`` (any answer other than 200). Used
+by ``service.gateway`` and ``service.http``; nothing here needs Ray."""
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 from fastapi import Request
@@ -11,6 +12,7 @@ from fastapi.routing import APIRoute
 from mita.data.listops import check_expression
 from mita.data.tokenizers import LISTOPS, Tokenizer
 from mita.data.vocab import Vocabulary
+from mita.task import Task
 
 from .schemas import ClassifyRequest
 
@@ -113,11 +115,34 @@ def _out_of_range(value, position: int, vocab: Vocabulary) -> ApiError:
     return ApiError(422, f"token id {shown} at position {position} is out of range {allowed}")
 
 
-def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") -> np.ndarray:
-    """Validate a 1-D integer array of token ids against the checkpoint's vocabulary (range,
-    then emptiness, then length) and return it in ``vocab.dtype`` (what travels to the
-    classifier). Raises ApiError(422) saying what is wrong (``hint`` appended to an
-    out-of-range message); nothing is allocated for the model before this passes."""
+@dataclass(frozen=True)
+class Served:
+    """A request's sequence as the model reads it: ``ids`` (checked, cut to the task's trained
+    length, in ``vocab.dtype``), ``original_n`` the number of tokens sent (after tokenizing a
+    text) and ``truncated`` the end cut off (``"tail"`` or ``"head"``, the task's
+    ``truncate``), or None when nothing was cut."""
+
+    ids: np.ndarray
+    original_n: int
+    truncated: str | None = None
+
+    def report(self) -> dict:
+        """The answer's fields about the cut: ``original_n`` and ``truncated`` when the
+        sequence was cut, else nothing (``ClassifyResponse`` leaves them out)."""
+        if self.truncated is None:
+            return {}
+        return {"original_n": self.original_n, "truncated": self.truncated}
+
+
+def checked(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "",
+            task: Task | None = None) -> Served:
+    """Validate a 1-D integer array of token ids and cut it as training did, in this order:
+    every id sent against the checkpoint's vocabulary (an id past the cut too: it was sent),
+    emptiness, the cut to the trained length (``task.cut``; none without a ``task`` or its
+    ``max_length``), then ``max_n`` on the length served. Returns the ``Served`` sequence in
+    ``vocab.dtype`` (what travels to the classifier). Raises ApiError(422) saying what is
+    wrong (``hint`` appended to an out-of-range message); nothing is allocated for the model
+    before this passes."""
     bad = vocab.first_bad(ids)
     if bad is not None:
         error = _out_of_range(ids[bad], bad, vocab)
@@ -125,18 +150,27 @@ def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") ->
         raise error
     if not ids.size:
         raise ApiError(422, "empty sequence: no tokens to classify")
+    sent = int(ids.size)
+    if task is not None:
+        ids = task.cut(ids)
     if ids.size > max_n:
         raise ApiError(422, f"sequence length N = {ids.size} exceeds max_n = {max_n}")
-    return ids.astype(vocab.dtype, copy=False)
+    return Served(ids.astype(vocab.dtype, copy=False), sent,
+                  task.truncate if ids.size < sent else None)
 
 
-def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary,
-           tokenizer: Tokenizer = LISTOPS) -> np.ndarray:
-    """Validated token ids of a JSON request (``check_ids``): a ``text`` tokenized by the
-    checkpoint's ``tokenizer`` (``mita.task``; an ids-only one refuses text). A ``text`` for
-    a ListOps checkpoint must also be one well-formed expression (``check_expression``: after
-    the length check, which bounds its work); ``ids`` stay free-form. Raises ApiError(422)
-    naming the fault and its token position."""
+def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") -> np.ndarray:
+    """``checked`` without a task (no cut): the ids in ``vocab.dtype``. Raises as ``checked``."""
+    return checked(ids, max_n, vocab, hint).ids
+
+
+def served_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary,
+               tokenizer: Tokenizer = LISTOPS, task: Task | None = None) -> Served:
+    """The ``Served`` sequence of a JSON request (``checked``): a ``text`` tokenized by the
+    checkpoint's ``tokenizer`` (``mita.task``; an ids-only one refuses text), or the ``ids``,
+    cut as ``task`` says. A ``text`` for a ListOps checkpoint must also be one well-formed
+    expression (``check_expression``: after the length check, which bounds its work); ``ids``
+    stay free-form. Raises ApiError(422) naming the fault and its token position."""
     if req.text is not None:  # the body-size limit bounds the tokenising work
         try:
             ids = tokenizer.encode(req.text)
@@ -149,23 +183,31 @@ def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary,
     except OverflowError:  # an integer beyond int64 is out of range too: name the first
         bad = next(i for i, x in enumerate(ids) if not -(2**63) <= x < 2**63)
         raise _out_of_range(ids[bad], bad, vocab) from None
-    arr = check_ids(arr, max_n, vocab)
+    served = checked(arr, max_n, vocab, task=task)
     if req.text is not None and vocab.listops and tokenizer.kind == "listops":
         # A malformed expression has no ListOps value: refuse it rather than answer a label.
         try:
             check_expression(req.text)
         except ValueError as e:
             raise ApiError(422, f"text is not a well-formed ListOps expression: {e}") from None
-    return arr
+    return served
+
+
+def to_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary,
+           tokenizer: Tokenizer = LISTOPS) -> np.ndarray:
+    """``served_ids`` without a task (no cut): the ids. Raises as ``served_ids``."""
+    return served_ids(req, max_n, vocab, tokenizer).ids
 
 
 BINARY_DTYPES = {"uint8": np.dtype("<u1"), "int32": np.dtype("<i4")}
 
 
-def binary_ids(body: bytes, dtype: str, max_n: int, vocab: Vocabulary) -> np.ndarray:
-    """Token ids from an ``application/octet-stream`` body: little-endian ``uint8`` (one byte
-    per token) or ``int32`` (four). Raises ApiError: 400 for an empty body or a length that is
-    not a whole number of ids, 422 as ``check_ids``."""
+def served_binary(body: bytes, dtype: str, max_n: int, vocab: Vocabulary,
+                  task: Task | None = None) -> Served:
+    """The ``Served`` sequence of an ``application/octet-stream`` body: little-endian
+    ``uint8`` (one byte per token) or ``int32`` (four) ids, cut as ``task`` says. Raises
+    ApiError: 400 for an empty body or a length that is not a whole number of ids, 422 as
+    ``checked``."""
     width = BINARY_DTYPES[dtype].itemsize
     if not body:
         raise ApiError(400, "empty request body: send the token ids as bytes "
@@ -174,6 +216,11 @@ def binary_ids(body: bytes, dtype: str, max_n: int, vocab: Vocabulary) -> np.nda
         raise ApiError(400, f"a body of {len(body)} bytes is not a whole number of {dtype} ids "
                             f"({width} bytes each)")
     other = "int32" if dtype == "uint8" else "uint8"
-    return check_ids(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n, vocab,
-                     f"; the body was read as {dtype} little-endian (?dtype={dtype}): "
-                     f"{other} ids need ?dtype={other}")
+    return checked(np.frombuffer(body, dtype=BINARY_DTYPES[dtype]), max_n, vocab,
+                   f"; the body was read as {dtype} little-endian (?dtype={dtype}): "
+                   f"{other} ids need ?dtype={other}", task)
+
+
+def binary_ids(body: bytes, dtype: str, max_n: int, vocab: Vocabulary) -> np.ndarray:
+    """``served_binary`` without a task (no cut): the ids. Raises as ``served_binary``."""
+    return served_binary(body, dtype, max_n, vocab).ids

@@ -96,7 +96,16 @@ class ClassifyResponse(BaseModel):
     probabilities: list[FiniteFloat] = Field(description="softmax of the logits, finite (a "
                                              "forward with non-finite logits is a 500)")
     variant: Variant
-    n: int
+    n: int = Field(description="the sequence's length in tokens as the model read it (after "
+                               "the cut to the trained length, if any)")
+    original_n: int | None = Field(
+        None, description="the sequence's length in tokens as sent (a text: after tokenizing), "
+                          "before the cut to the trained length (task.max_length in "
+                          "/v1/models); present only when it was cut")
+    truncated: Literal["tail", "head"] | None = Field(
+        None, description="the end cut off a sequence longer than the trained length, as "
+                          "training cut it (task.truncate): tail = the first max_length tokens "
+                          "were read, head = the last; present only when it was cut")
     model_id: str
     shadow: Variant | None = Field(None, description="variant run in shadow for comparison")
     profile: StageProfile | None = None
