@@ -1,4 +1,5 @@
-"""Load generator: real ListOps sequences of each N, sent over HTTP to the running service.
+"""Load generator: sequences of each N — real ListOps by default, or the payloads of a user's
+rows (``loadtest.inputs``) — sent over HTTP to the running service.
 
 Closed loop: ``concurrency`` workers, each sending its next request when the previous one
 answered. Open loop: Poisson arrivals at ``rate`` requests/s, sent whether or not earlier
@@ -50,6 +51,10 @@ class Sample:
     stages_ms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     staged: bool = True  # every stage timed apart (False: a fused MiTA forward)
+    # the answer's n: the tokens the model read (None on error). Differs from n when the
+    # service tokenized a text (sentencepiece: n counts characters sent) or cut it to the
+    # model's max_length.
+    served_n: int | None = None
 
 
 @dataclass
@@ -86,7 +91,8 @@ async def _send(client: httpx.AsyncClient, body: dict, n: int, requested: str,
     data = r.json()
     profile = data.get("profile", {})
     return Sample(n, requested, data["variant"], 200, start - t0, latency,
-                  profile.get("stages_ms", {}), staged=profile.get("staged", True))
+                  profile.get("stages_ms", {}), staged=profile.get("staged", True),
+                  served_n=data.get("n"))
 
 
 async def run_phase(client: httpx.AsyncClient, cfg: LoadConfig, n: int, requested: str,
@@ -152,8 +158,33 @@ def phase_line(n: int, requested: str, samples: list[Sample], wall_s: float) -> 
     return text + f", {wall_s:.1f} s"
 
 
-async def run_load(cfg: LoadConfig) -> list[Sample]:
-    """Every phase, N ascending, variants in the given order. Returns all timed samples."""
+def fetch_models(url: str, timeout_s: float) -> dict:
+    """The target's ``GET {url}/v1/models`` JSON (its task, variants, A/B policy). Raises
+    ValueError naming the address and the cause: no answer, a status other than 200, or an
+    answer that is not a JSON object."""
+    where = url.rstrip("/") + "/v1/models"
+    try:
+        r = httpx.get(where, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ValueError(f"{where} did not answer ({type(e).__name__}: {e}): is the service "
+                         "running there?") from None
+    if r.status_code != 200:
+        raise ValueError(f"{where} answered {r.status_code}: {r.text[:200]}")
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise ValueError(f"{where} answered no JSON object: {r.text[:200]!r}")
+    return body
+
+
+async def run_load(cfg: LoadConfig, payloads: dict[int, list[dict]] | None = None
+                   ) -> list[Sample]:
+    """Every phase, N ascending, variants in the given order. ``payloads``: per N the
+    sequences to send (``{"ids": …}`` or ``{"text": …}``, ``loadtest.inputs.build``), used in
+    turn; None: ``cfg.sequences_per_n`` generated ListOps expressions of exactly N tokens.
+    Returns all timed samples (warm-ups are not kept)."""
     check_loopback(cfg.url)
     if cfg.mode not in ("closed", "open"):
         raise ValueError(f"mode must be 'closed' or 'open', got {cfg.mode!r}")
@@ -172,11 +203,12 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
         # before a 100 s phase whose warm-ups had not started.
         with Progress(len(phases) * (cfg.warmup + cfg.requests), "load", "req") as bar:
             for n in sorted(cfg.ns):
-                seqs = [encode(generate_long(n, seed=cfg.seed * 1000 + i)[0])
-                        for i in range(cfg.sequences_per_n)]
+                seqs = payloads[n] if payloads is not None else [
+                    {"ids": encode(generate_long(n, seed=cfg.seed * 1000 + i)[0])}
+                    for i in range(cfg.sequences_per_n)]
                 for v in cfg.variants:
                     bar.phase(f"n={n}, variant={v}")
-                    bodies = [{"ids": s, "profile": True} | ({} if v == "ab" else {"variant": v})
+                    bodies = [s | {"profile": True} | ({} if v == "ab" else {"variant": v})
                               for s in seqs]
                     t0 = time.perf_counter()
                     got = await run_phase(c, cfg, n, v, bodies, bar, rng)
@@ -187,7 +219,9 @@ async def run_load(cfg: LoadConfig) -> list[Sample]:
 
 def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
     """Per (N, requested variant): counts, errors by status, p50/p90/p99 latency (ms, numpy),
-    throughput (ok req/s and tokens/s over the phase's wall time) and median stage times per
+    the answers' n (``served_n``: [min, max] tokens the model read, None without answers),
+    throughput (ok req/s, and tokens/s of the tokens read: the answers' n, N for a sample
+    without one, over the phase's wall time) and median stage times per
     served variant (``stages_ms[served][stage]``, ms summed over layers) with the profiled
     responses each median is of (``stages_n[served]``: 1 is a single response, not a median);
     plus MiTA/dense ratios per N where both ran."""
@@ -219,14 +253,15 @@ def summarize(samples: list[Sample], cfg: LoadConfig) -> dict:
                 stages_ms[label] = {k: float(np.median([s.stages_ms.get(k, 0.0)
                                                          for s in group])) for k in names}
                 stages_n[label] = len(group)
+        read = [s.served_n if s.served_n is not None else n for s in ok]
         rows.append({
             "n": n, "variant": req, "served": served, "sent": len(ss), "ok": len(ok),
-            "errors": errors,
+            "errors": errors, "served_n": [min(read), max(read)] if read else None,
             "p50_ms": float(np.percentile(lat, 50)) if len(ok) else None,
             "p90_ms": float(np.percentile(lat, 90)) if len(ok) else None,
             "p99_ms": float(np.percentile(lat, 99)) if len(ok) else None,
             "throughput_rps": len(ok) / wall if wall > 0 else None,
-            "tokens_per_s": len(ok) * n / wall if wall > 0 else None,
+            "tokens_per_s": sum(read) / wall if wall > 0 else None,
             "stages_ms": stages_ms, "stages_n": stages_n,
         })
     by = {(r["n"], r["variant"]): r for r in rows}

@@ -10,6 +10,7 @@ from mita.hooks import MIN_STAGE_SAMPLES, VARIANT_COLORS, stage_sorted
 from mita.plots import figure, save, stage_lines, write_csv
 
 from .engine import Sample
+from .inputs import GENERATED, UNIT_NOTES
 
 AB_COLOR = "#555555"  # an A/B phase mixes both variants: neither one's colour
 
@@ -31,26 +32,72 @@ CLOSED_LOOP_NOTE = (
     "(`--mode open --rate R`), which sends on a Poisson schedule whatever the answers.")
 
 
+def input_lines(summary: dict) -> list[str]:
+    """The report's lines on what was sent (a file's rows: the file, its rows, how they were
+    joined and cut at each N; nothing for generated ListOps), the target's task, and the
+    warnings (``loadtest.inputs.warnings``)."""
+    lines = []
+    source = summary.get("input")
+    if source and source["source"] == "file":
+        lines += ["", f"Input: {source['path']} ({source['rows']} {source['kind']} rows, "
+                      f"sha256 {source['sha256'][:16]}…), in file order, joined by "
+                      f"{source['joined_by']} and cut to each N ({UNIT_NOTES[source['unit']]}):",
+                  ""]
+        lines += [f"- {x['text']}" for x in source["per_n"]]
+    target = summary.get("target")
+    if target:
+        lines += ["", f"Target task: {target['name']!r} (tokenizer {target['tokenizer']}"
+                      + (f", max_length {target['max_length']}" if target["max_length"] else "")
+                      + (f", grid {target['grid'][0]}×{target['grid'][1]}" if target["grid"]
+                         else "") + ")."]
+    for w in summary.get("warnings", []):  # each a paragraph of its own
+        lines += ["", f"Warning: {w}."]
+    return lines
+
+
+def _served(r: dict) -> str:
+    got = r.get("served_n")
+    return "-" if got is None else f"{got[0]}" if got[0] == got[1] else f"{got[0]}–{got[1]}"
+
+
 def markdown(summary: dict) -> str:
+    """The Markdown report: the run's set-up and input, per (N, variant) counts, errors,
+    latency percentiles (ms) and throughput; the error budget's outcome; MiTA/dense ratios;
+    per-stage medians. A "served n" column (the tokens the model read, from the answers) when
+    it differs from N for some row."""
     c = summary["config"]
+    source = summary.get("input") or GENERATED
+    what = (source["text"] if source["source"] != "file"
+            else f"rows of {source['path']} ({source['unit']})")
+    unit = " (chars)" if source["unit"] == "characters" else ""
+    served = any(r.get("served_n") not in (None, [r["n"], r["n"]]) for r in summary["rows"])
     lines = [f"Load test: {c['mode']} loop"
              + (f", concurrency {c['concurrency']}" if c["mode"] == "closed"
                 else f", Poisson {c['rate']} req/s")
              + f", {c['requests']} timed requests per (N, variant) after {c['warmup']} warm-up, "
-               f"real ListOps (generate_long), target {c['url']}", "",
-             "| N | variant | sent | ok | errors | p50 ms | p90 ms | p99 ms | req/s | tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+               f"{what}, target {c['url']}"]
     if c["mode"] == "closed":
-        lines[1:1] = ["", CLOSED_LOOP_NOTE]
+        lines += ["", CLOSED_LOOP_NOTE]
+    lines += input_lines(summary)
+    lines += ["", f"| N{unit} | " + ("served n | " if served else "")
+              + "variant | sent | ok | errors | p50 ms | p90 ms | p99 ms | req/s | tokens/s |",
+              "|---|" + ("---|" if served else "") + "---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "-"
+        first = f"{r['n']} | {_served(r)}" if served else f"{r['n']}"
         if r["ok"]:
-            lines.append(f"| {r['n']} | {r['variant']} | {r['sent']} | {r['ok']} | {errs} | "
+            lines.append(f"| {first} | {r['variant']} | {r['sent']} | {r['ok']} | {errs} | "
                          f"{r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} | "
                          f"{r['throughput_rps']:.2f} | {r['tokens_per_s']:.0f} |")
         else:
-            lines.append(f"| {r['n']} | {r['variant']} | {r['sent']} | 0 | {errs} | - | - | - "
+            lines.append(f"| {first} | {r['variant']} | {r['sent']} | 0 | {errs} | - | - | - "
                          f"| - | - |")
+    gate = summary.get("error_budget")
+    if gate:
+        lines += ["", f"Errors: {gate['failed']} of {gate['sent']} timed requests not answered "
+                      f"200 (back-pressure refusals and transport errors included); "
+                      f"--max-error-rate {gate['max_error_rate']:g}: "
+                      + ("passed." if gate["passed"] else "FAILED (exit status 1).")]
     if summary["ratios"]:
         lines += ["", "| N | MiTA/dense p50 latency | MiTA/dense p99 latency | "
                       "MiTA/dense throughput |", "|---|---|---|---|"]

@@ -122,7 +122,8 @@ def test_throughput_errors_and_counts_worked_by_hand():
 def test_a_phase_without_successes():
     row = only_row([err(256, "dense", 503, 0.25 * i, 0.25) for i in range(3)])
     assert row == {"n": 256, "variant": "dense", "served": {}, "sent": 3, "ok": 0,
-                   "errors": {"503": 3}, "p50_ms": None, "p90_ms": None, "p99_ms": None,
+                   "errors": {"503": 3}, "served_n": None, "p50_ms": None, "p90_ms": None,
+                   "p99_ms": None,
                    "throughput_rps": 0.0, "tokens_per_s": 0.0, "stages_ms": {}, "stages_n": {}}
 
 

@@ -161,14 +161,17 @@ def test_written_files_read_back(tmp_path, drawn):
     assert text.endswith("\n}\n")
     assert json.loads(text) == summary | {"samples": [
         {"n": 256, "requested": "mita", "variant": "mita", "status": 200, "start_s": 0.1234567,
-         "latency_s": 0.0125, "stages_ms": {"attention": 1.5}, "error": None, "staged": True},
+         "latency_s": 0.0125, "stages_ms": {"attention": 1.5}, "error": None, "staged": True,
+         "served_n": None},
         {"n": 256, "requested": "dense", "variant": None, "status": 503, "start_s": 1.0,
-         "latency_s": 0.5, "stages_ms": {}, "error": "overloaded", "staged": True},
+         "latency_s": 0.5, "stages_ms": {}, "error": "overloaded", "staged": True,
+         "served_n": None},
         {"n": 1024, "requested": "ab", "variant": "dense", "status": 200, "start_s": 2.0000004,
-         "latency_s": 0.25, "stages_ms": {"ffn": 0.5}, "error": None, "staged": False},
+         "latency_s": 0.25, "stages_ms": {"ffn": 0.5}, "error": None, "staged": False,
+         "served_n": None},
         {"n": 1024, "requested": "ab", "variant": None, "status": 0, "start_s": 3.25,
          "latency_s": 1.0, "stages_ms": {}, "error": "ConnectError: refused, twice",
-         "staged": True}]}
+         "staged": True, "served_n": None}]}
 
     assert files["csv"].read_bytes().decode() == (
         "n,requested,variant,status,start_s,latency_s,error\r\n"
