@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
 from mita.config import BACKENDS
+from mita.scores import HEADLINE
 from service.engine import pick_device
 
 from . import advise, advise_report
@@ -97,7 +98,13 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                    help="predicted labels equal dense's on at least this fraction "
                         "(default 0.99)")
     q.add_argument("--max-accuracy-drop", type=bounded(float, 0.0, 100.0),
-                   help="accuracy at most this many points below dense's")
+                   help="the --metric at most this many points (100 × the score) below "
+                        "dense's")
+    s.add_argument("--metric", choices=HEADLINE, default="accuracy",
+                   help="the score --max-accuracy-drop reads and the report's drop column "
+                        "shows: accuracy, macro_f1 (the mean of the per-class F1) or "
+                        "balanced_accuracy (the mean per-class recall); the latter two do not "
+                        "reward always answering the majority class")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on CUDA (as the service)")
@@ -123,10 +130,10 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         grid = ([advise.parse_setting(g, sc) for sc in scales for g in a.grid] if a.grid
                 else advise.default_grid(ns, scales))
         grid = list(dict.fromkeys(grid))  # a setting given twice runs once
-        constraint = (advise.Constraint("accuracy_drop", a.max_accuracy_drop)
+        constraint = (advise.Constraint("accuracy_drop", a.max_accuracy_drop, a.metric)
                       if a.max_accuracy_drop is not None else
                       advise.Constraint("agreement", 0.99 if a.min_agreement is None
-                                        else a.min_agreement))
+                                        else a.min_agreement, a.metric))
         if a.data != "generated" and not Path(a.data).is_file():
             raise ValueError(f"--data {a.data}: " + ("a folder, not a file"
                                                      if Path(a.data).is_dir() else "no such file"))

@@ -6,20 +6,26 @@ per query, and the shared-branch scaling — the checkpoint's MiTA variant is co
 dense variant on the same inputs, through the serving code (``service.engine.ClassifierEngine``,
 one unpadded forward per sequence, as the service's ``deterministic`` mode):
 
-- quality on the user's labelled sequences: label accuracy, agreement of the predicted labels
-  with dense, mean KL(dense ‖ MiTA) of the class probabilities (nats), and retention =
-  MiTA accuracy / dense accuracy (the paper's Fig. 9 measure for a swap without retraining);
+- quality on the user's labelled sequences, each cut as training cut them when the checkpoint
+  was trained with ``--max-len`` (``mita.task.Task.cut``, as the service and
+  ``python -m mita.evaluate`` cut them): label accuracy, macro-F1 and balanced accuracy with
+  their errors and per-class precision / recall / F1 (``mita.scores``), agreement of the
+  predicted labels with dense, mean KL(dense ‖ MiTA) of the class probabilities (nats), and
+  retention = MiTA accuracy / dense accuracy (the paper's Fig. 9 measure for a swap without
+  retraining);
 - cost at each N served: forward latency (p50 of repeats, after one warm-up) with the
   per-stage breakdown the forward reports, and peak memory (CUDA: measured; CPU: the analytic
   activation estimate); the speed-up over dense is the ratio of p50s with dense's forwards
   interleaved with the setting's, in one process (machines are noisy). The input of length N
-  is the user's own sequences concatenated and cut to N tokens.
+  is the user's own sequences concatenated and cut to N tokens (timed at N even where the
+  served model would cut it to a shorter trained length: the report warns then).
 
 The recommendation at each N is the setting with the largest speed-up over dense among those
-that meet the quality constraint (agreement with dense ≥ a fraction, or accuracy at most some
-points below dense) and beat dense — or "dense is faster" / "no setting meets …"; one setting
-for the whole N range comes with a serve-config snippet (``args.mita_setting``: the service
-swaps m, k, s at load time, same weights).
+that meet the quality constraint (agreement with dense ≥ a fraction, or the ``--metric`` —
+accuracy, macro-F1 or balanced accuracy — at most some points below dense's) and beat dense
+— or "dense is faster" / "no setting meets …"; one setting for the whole N range comes with a
+serve-config snippet (``args.mita_setting``: the service swaps m, k, s at load time, same
+weights).
 
 Work is done in units (dense quality, dense latency at each N, then per setting: quality,
 latency at each N), each appended to ``advise.jsonl`` as it finishes: a run stopped by its time
@@ -49,15 +55,16 @@ from mita.hooks import stage_sorted
 from mita.model import checkpoint_config, checkpoint_metadata
 from mita.progress import Progress
 from mita.quality import kl_divergence
-from mita.task import checkpoint_task
+from mita.scores import HEADLINE, classification_scores, paired_bootstrap
+from mita.task import Task, checkpoint_task
 
-from .advise_report import cpu_sharing_warning
+from .advise_report import METRIC_NAMES, cpu_sharing_warning
 from .advise_units import UnitStore, load_dense_probs
 from .recommend import DROP_DIGITS, drop_points, report
 
 FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
 RUN_FILE = "advise.jsonl"
-UNIT_FORMAT = 2  # in the run key: units written by another version are not mixed in
+UNIT_FORMAT = 3  # in the run key: units written by another version are not mixed in
 DENSE_PROBS = "dense_probabilities.npy"
 
 
@@ -97,10 +104,14 @@ def default_grid(ns: list[int], shared_scales: list[str]) -> list[Setting]:
 @dataclass(frozen=True)
 class Constraint:
     """``kind``: ``"agreement"`` (predicted labels equal dense's on at least ``value``, a
-    fraction) or ``"accuracy_drop"`` (accuracy at most ``value`` points below dense's)."""
+    fraction) or ``"accuracy_drop"`` (the ``metric`` at most ``value`` points below dense's).
+    ``metric``: the score a drop is measured in (``mita.scores.HEADLINE``: ``"accuracy"``,
+    ``"macro_f1"`` or ``"balanced_accuracy"``; points = 100 × the score), also the drop the
+    report shows under an agreement constraint."""
 
     kind: str
     value: float
+    metric: str = "accuracy"
 
     def met(self, row: dict, dense: dict) -> bool:
         """At the value is met: agreement and accuracy are counts over the same n sequences,
@@ -108,19 +119,19 @@ class Constraint:
         points) and ``100 * (0.36 - 0.35)`` is 1 point, not 1.0000000000000009."""
         if self.kind == "agreement":
             return round(row["agreement"], DROP_DIGITS) >= self.value
-        return drop_points(dense, row) <= self.value
+        return drop_points(dense, row, self.metric) <= self.value
 
     def shortfall(self, row: dict, dense: dict) -> float:
         """How far ``row`` is from meeting the constraint (lower is closer): the setting
         that comes closest is the one a refusal names."""
         if self.kind == "agreement":
             return -row["agreement"]
-        return drop_points(dense, row)
+        return drop_points(dense, row, self.metric)
 
     def describe(self) -> str:
         if self.kind == "agreement":
             return f"agreement with dense ≥ {100 * self.value:.1f} %"
-        return f"accuracy drop ≤ {self.value:g} points"
+        return f"{METRIC_NAMES[self.metric]} drop ≤ {self.value:g} points"
 
 
 def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -138,6 +149,26 @@ def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dic
     return {"accuracy": float(right.mean()), "agreement": float((pred == ref).mean()),
             "kl": float(kl.mean()),
             "drop_se_points": 100 * math.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n}
+
+
+def metric_scores(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray,
+                  names, resamples: int | None = None) -> dict:
+    """The scores beyond accuracy of ``probs`` (``(n, classes)``; its argmax the predicted
+    classes) against the true ``labels`` ``(n,)``: ``scores`` (``mita.scores.
+    classification_scores`` with the class ``names``: accuracy ± SE, macro-F1 and balanced
+    accuracy ± bootstrap SE, per-class precision / recall / F1, the majority rate), and for
+    macro-F1 and balanced accuracy the standard error of dense's score minus this one, in
+    points (``{metric}_drop_se_points``), from a paired bootstrap of the same resampled rows
+    (``mita.scores.paired_bootstrap``; the reference is dense's ``(n, classes)``
+    probabilities). ``resamples``: the bootstrap's (default ``mita.scores``')."""
+    pred, ref = probs.argmax(1), reference.argmax(1)
+    more = {} if resamples is None else {"resamples": resamples}
+    out = {"scores": classification_scores(labels, pred, list(names), **more)}
+    diff = paired_bootstrap(labels, ref, pred, len(names), **more)
+    for name in HEADLINE[1:]:
+        se = float(diff[name].std(ddof=1)) if len(diff[name]) > 1 else 0.0
+        out[f"{name}_drop_se_points"] = 100 * se
+    return out
 
 
 @dataclass
@@ -166,6 +197,7 @@ class AdviseConfig:
     def key(self) -> dict:
         """What makes two runs' units interchangeable (``advise.jsonl``'s header)."""
         meta = checkpoint_metadata(_resolve(self.checkpoint))
+        task = meta.get("task") or {}
         data_id = (self.data if self.data == "generated" else
                    hashlib.sha256(Path(self.data).read_bytes()).hexdigest())
         generated = self.data == "generated"
@@ -175,7 +207,8 @@ class AdviseConfig:
                 "lengths": [self.min_length, self.max_length] if generated else None,
                 "seed": self.seed if generated else None,
                 "device": self.device, "dtype": self.dtype, "mita_backend": self.mita_backend,
-                "repeats": self.repeats, "torch": torch.__version__}
+                "repeats": self.repeats, "torch": torch.__version__,
+                "cut": [task.get("max_length"), task.get("truncate")]}
 
 
 def _resolve(checkpoint: str) -> Path:
@@ -184,18 +217,30 @@ def _resolve(checkpoint: str) -> Path:
     return resolve_checkpoint(checkpoint)
 
 
-def load_data(cfg: AdviseConfig, num_classes: int, vocab: Vocabulary | None = None
-              ) -> list[tuple[list[int], int]]:
-    """The labelled sequences: ``size`` generated ListOps expressions (LRA's procedure,
-    ``min_length < length < max_length``) or the first ``size`` rows of the file. With
-    ``vocab`` (the checkpoint's), every token id must be a real one
-    (``Vocabulary.first_bad``). Raises ValueError for an unreadable file, an empty result, a
-    label outside ``num_classes`` or an id outside the vocabulary (naming the row)."""
+def load_task(checkpoint: str) -> Task:
+    """The checkpoint's task (``mita.task.checkpoint_task``): its label names, tokenizer and
+    trained length."""
+    folder = _resolve(checkpoint)
+    meta = checkpoint_metadata(folder)
+    return checkpoint_task(meta, checkpoint_config(folder, meta), folder)
+
+
+def load_data(cfg: AdviseConfig, num_classes: int, vocab: Vocabulary | None = None,
+              task: Task | None = None) -> list[tuple[list[int], int]]:
+    """The labelled sequences as the served model reads them: ``size`` generated ListOps
+    expressions (LRA's procedure, ``min_length < length < max_length``) or the first ``size``
+    rows of the file, each cut to the checkpoint's trained length as training cut it
+    (``task.cut``; ``task``: the checkpoint's, read from it by default). With ``vocab`` (the
+    checkpoint's), every token id sent must be a real one (``Vocabulary.first_bad``, before
+    the cut, as the service checks them). Raises ValueError for an unreadable file, an empty
+    result, a label outside ``num_classes`` or an id outside the vocabulary (naming the
+    row)."""
+    task = task if task is not None else load_task(cfg.checkpoint)
     if cfg.data == "generated":
         rows = [(encode(t), y) for t, y in generate(
             cfg.size, cfg.seed, ListOpsConfig(cfg.min_length, cfg.max_length))]
     elif cfg.data_format == "own":
-        rows = own_rows(cfg)
+        rows = own_rows(cfg, task)
     else:
         try:
             rows = (read_lra_listops(cfg.data) if cfg.data_format == "lra"
@@ -217,7 +262,7 @@ def load_data(cfg: AdviseConfig, num_classes: int, vocab: Vocabulary | None = No
                              "this checkpoint?")
         if not seq:
             raise ValueError(f"{cfg.data}: row {i + 1} is an empty sequence")
-    return rows
+    return [(task.cut(seq), label) for seq, label in rows]
 
 
 def sequence_of_length(data: list[tuple[list[int], int]], n: int) -> np.ndarray:
@@ -230,14 +275,14 @@ def sequence_of_length(data: list[tuple[list[int], int]], n: int) -> np.ndarray:
     return np.resize(ids, n)  # repeats ids as needed, then cuts at n
 
 
-def own_rows(cfg: AdviseConfig) -> list[tuple[list[int], int]]:
+def own_rows(cfg: AdviseConfig, task: Task | None = None) -> list[tuple[list[int], int]]:
     """The first ``size`` rows of a labelled file as ``mita.train --train`` reads it (TSV or
-    JSON lines, label names), tokenized by the checkpoint's tokenizer and indexed by its
-    label names (``mita.task``). Raises ValueError naming the file and line of a label the
-    checkpoint does not know (or ``read_file``'s errors)."""
-    folder = _resolve(cfg.checkpoint)
-    meta = checkpoint_metadata(folder)
-    task = checkpoint_task(meta, checkpoint_config(folder, meta), folder)
+    JSON lines, label names), tokenized by the checkpoint's tokenizer, indexed by its label
+    names and cut to its trained length as training cut them (``task.cut``): the rows
+    ``python -m mita.evaluate CHECKPOINT --data FILE`` scores. ``task``: the checkpoint's
+    (``mita.task``; read from it by default). Raises ValueError naming the file and line of a
+    label the checkpoint does not know (or ``read_file``'s errors)."""
+    task = task if task is not None else load_task(cfg.checkpoint)
     index = {name: i for i, name in enumerate(task.labels)}
     out = []
     for ex in labelled.read_file(cfg.data, task.tokenizer).examples[:cfg.size]:
@@ -245,7 +290,7 @@ def own_rows(cfg: AdviseConfig) -> list[tuple[list[int], int]]:
             raise ValueError(f"{ex.path}:{ex.line}: label {ex.label!r} is not one of the "
                              f"checkpoint's {len(index)} labels ({', '.join(task.labels[:5])}"
                              f"{', …' if len(index) > 5 else ''})")
-        out.append((list(ex.ids), index[ex.label]))
+        out.append((list(task.cut(ex.ids)), index[ex.label]))
     return out
 
 
@@ -295,8 +340,9 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
         print(warning, file=sys.stderr, flush=True)
     meta = checkpoint_metadata(_resolve(cfg.checkpoint))
     model_cfg = meta["config"]
+    task = load_task(cfg.checkpoint)
     data = load_data(cfg, model_cfg["num_classes"],
-                     Vocabulary(model_cfg["vocab_size"], model_cfg["pad_id"]))
+                     Vocabulary(model_cfg["vocab_size"], model_cfg["pad_id"]), task)
     labels = np.array([y for _, y in data])
     run = UnitStore(cfg.out / RUN_FILE, cfg.key(), fresh)
     units = [("quality", "dense")] + [("latency", "dense", n) for n in cfg.ns]
@@ -334,7 +380,8 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
                 np.save(cfg.out / DENSE_PROBS, probs)
             elif dense_probs is None:
                 dense_probs = load_dense_probs(cfg.out / DENSE_PROBS)
-            run.add(unit, compare(dense_probs, probs, labels))
+            run.add(unit, compare(dense_probs, probs, labels)
+                    | metric_scores(dense_probs, probs, labels, task.labels))
         else:
             ids = sequence_of_length(data, unit[2])
             run.add(unit, _latency(engine, ids, cfg.repeats,
@@ -344,4 +391,4 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     if skipped:
         bar.write(f"time budget of {cfg.budget_s:g} s spent: {len(skipped)} of {len(units)} "
                    f"units not run; run the same command again to resume")
-    return report(cfg, run.done, skipped, len(data))
+    return report(cfg, run.done, skipped, len(data), task)

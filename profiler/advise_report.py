@@ -1,6 +1,8 @@
-"""The (m, k, s) advisor's report (``profiler.advise``): the Markdown table and
-recommendations, the latency–agreement frontier plot, the output files, the serve-config snippet
-of a recommended setting, and the warning printed when other processes share the CPU."""
+"""The (m, k, s) advisor's report (``profiler.advise``): the Markdown table (every timing ratio
+beside the two p50s it divides), the per-class F1 of dense and the recommended settings, the
+recommendations and warnings, the latency–agreement frontier plot, the output files, the
+serve-config snippet of a recommended setting, and the warning printed when other processes
+share the CPU."""
 
 from __future__ import annotations
 
@@ -48,45 +50,100 @@ def serve_snippet(row: dict, checkpoint: str) -> str:
             f"    route_topk: {row['s']}\n    shared_scale: {row['shared_scale']}\n")
 
 
+# --metric's names as the report writes them (mita.scores.HEADLINE)
+METRIC_NAMES = {"accuracy": "accuracy", "macro_f1": "macro-F1",
+                "balanced_accuracy": "balanced accuracy"}
+
+
+def drop_keys(metric: str) -> tuple[str, str]:
+    """A report row's keys of ``metric``'s drop from dense and of its standard error, in
+    points (accuracy's: ``accuracy_drop_points``, ``drop_se_points``, as before there was a
+    choice)."""
+    if metric == "accuracy":
+        return "accuracy_drop_points", "drop_se_points"
+    return f"{metric}_drop_points", f"{metric}_drop_se_points"
+
+
+def _pm(x: float | None, se: float | None, percent: bool) -> str:
+    """A score with its standard error: ``75.0 ± 7.2 %`` (percent) or ``0.712 ± 0.015``;
+    without an error just the score; ``-`` without a score."""
+    if x is None:
+        return "-"
+    if percent:
+        return f"{100 * x:.1f} %" if se is None else f"{100 * x:.1f} ± {100 * se:.1f} %"
+    return f"{x:.3f}" if se is None else f"{x:.3f} ± {se:.3f}"
+
+
+def latency_cell(x: dict | None, dense_row: bool) -> str:
+    """One p50 cell of the table: dense's row its own p50 (dense timed alone); a setting's its
+    p50, the p50 of dense timed beside it and their ratio (× = dense's over the setting's):
+    the ratio's numerator and denominator are the two numbers shown. ``-`` when not timed."""
+    if x is None:
+        return "-"
+    if dense_row or "dense_p50_ms" not in x:
+        return f"{x['p50_ms']:.1f}"
+    return f"{x['p50_ms']:.1f} vs {x['dense_p50_ms']:.1f} ({x['speedup']:.2f}×)"
+
+
+def _cut(cfg: dict) -> str:
+    if cfg.get("trained_length") is None:
+        return ""
+    kept = "first" if cfg["truncate"] == "tail" else "last"
+    n = cfg["trained_length"]
+    return (f", rows longer than {n} tokens cut to their {kept} {n} as training cut them "
+            f"(truncate {cfg['truncate']})")
+
+
 def markdown(rep: dict) -> str:
-    """The report as Markdown: the table, the recommendations and the snippet."""
+    """The report as Markdown: the table, the per-class F1, the recommendations, the snippet
+    and the warnings."""
     cfg = rep["config"]
     ns = cfg["ns"]
-    head = ("| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
-            "KL(dense‖MiTA) | retention | "
-            + " | ".join(f"p50 ms N={n} (× dense)" for n in ns) + " |")
+    metric = rep.get("metric", "accuracy")
+    name = METRIC_NAMES[metric]
+    drop_key, se_key = drop_keys(metric)
+    head = (f"| setting | m | k | s | scale | accuracy | macro-F1 | balanced accuracy | {name} "
+            "drop (± SE) points | agreement | KL(dense‖MiTA) | retention | "
+            + " | ".join(f"p50 ms N={n}: setting vs dense (×)" for n in ns) + " |")
+    how = ("exact for paired outcomes" if metric == "accuracy" else
+           "paired bootstrap over the same resampled rows")
     lines = [f"Advisor: checkpoint {cfg['checkpoint']}, data {cfg['data']} "
              f"({cfg['sequences']} sequences"
              + (f", {cfg['min_length']} < length < {cfg['max_length']}"
-                if cfg["data"] == "generated" else "") + f"), {cfg['device']}, dtype "
-             f"{cfg['dtype']}, backend {cfg['mita_backend']}, batch 1, p50 of {cfg['repeats']}, "
-             f"torch {torch.__version__}. Constraint: {rep['constraint']}. Drop = dense's "
-             "accuracy minus the setting's, with its paired standard error: a constraint "
-             "tighter than ~2 SE is within noise. × = dense's p50 over the setting's, both "
-             "timed side by side (interleaved forwards).", "",
-             head, "|" + "---|" * (10 + len(ns))]
+                if cfg["data"] == "generated" else "") + _cut(cfg) + f"), {cfg['device']}, "
+             f"dtype {cfg['dtype']}, backend {cfg['mita_backend']}, batch 1, p50 of "
+             f"{cfg['repeats']}, torch {torch.__version__}. Constraint: {rep['constraint']}. "
+             f"Metric: {name} (--metric {metric}). Drop = dense's {name} minus the setting's "
+             f"in points (100 × the difference), ± its paired standard error ({how}): a "
+             "constraint tighter than ~2 SE is within noise. Scores ± their standard error "
+             "(macro-F1 and balanced accuracy: bootstrap). A setting's p50 cell: its p50 vs "
+             "that of dense timed beside it (interleaved forwards), × = dense's over the "
+             "setting's; dense's row: dense timed alone, another measurement.", "",
+             head, "|" + "---|" * (12 + len(ns))]
     for r in rep["rows"]:
-        drop = (f"{r['accuracy_drop_points']:+.1f} ± {r['drop_se_points']:.1f}"
-                if r.get("accuracy_drop_points") is not None and r["setting"] != "dense"
-                else "-")
-        q = ([f"{100 * r['accuracy']:.1f} %", drop, f"{100 * r['agreement']:.1f} %",
+        drop = (f"{r[drop_key]:+.1f} ± {r[se_key]:.1f}"
+                if r.get(drop_key) is not None and r["setting"] != "dense" else "-")
+        q = ([_pm(r["accuracy"], r.get("accuracy_se"), True),
+              _pm(r.get("macro_f1"), r.get("macro_f1_se"), False),
+              _pm(r.get("balanced_accuracy"), r.get("balanced_accuracy_se"), True),
+              drop, f"{100 * r['agreement']:.1f} %",
               f"{r['kl']:.4f}", f"{100 * r['retention']:.1f} %" if r.get("retention")
-              is not None else "-"] if "accuracy" in r else ["-"] * 5)
-        lat = []
-        for n in ns:
-            x = r["latency"].get(n) or r["latency"].get(str(n))
-            lat.append("-" if x is None else f"{x['p50_ms']:.1f}" + (
-                f" ({x['speedup']:.2f}×)" if "speedup" in x and r["setting"] != "dense" else ""))
+              is not None else "-"] if "accuracy" in r else ["-"] * 7)
+        lat = [latency_cell(r["latency"].get(n) or r["latency"].get(str(n)),
+                            r["setting"] == "dense") for n in ns]
         lines.append("| " + " | ".join([r["setting"], *(str(r[c]) if r[c] is not None else "-"
                                                         for c in ("m", "k", "s",
                                                                   "shared_scale")),
                                         *q, *lat]) + " |")
+    lines += per_class_table(rep)
     lines += ["", "Recommendation (the largest speed-up over dense among the settings that meet "
                   "the constraint):", ""]
     lines += [f"- {x['answer']}" for x in rep["recommendations"]]
     lines += [f"- {rep['overall']['answer']}"]
     if rep["overall"].get("snippet"):
         lines += ["", "```yaml", rep["overall"]["snippet"].rstrip(), "```"]
+    if rep.get("warnings"):
+        lines += ["", "Warnings:", ""] + [f"- {w}" for w in rep["warnings"]]
     if rep.get("noisy"):
         shown = ", ".join(f"{s} at N = {n}" for s, n in rep["noisy"][:6])
         lines += ["", f"Noisy timings (slowest forward > {NOISY}× the fastest): {shown}"
@@ -96,6 +153,27 @@ def markdown(rep: dict) -> str:
         lines += ["", f"Not run (time budget): {len(rep['skipped'])} units; run again to "
                       "resume."]
     return "\n".join(lines) + "\n"
+
+
+def per_class_table(rep: dict) -> list[str]:
+    """Markdown lines of the per-class F1 of dense and of the recommended settings, with each
+    class's support and the majority rate of the data; none without dense's scores."""
+    dense = rep["rows"][0]
+    if "scores" not in dense:
+        return []
+    names = {x["setting"] for x in [*rep["recommendations"], rep["overall"]]
+             if x.get("setting")}
+    shown = [dense] + [r for r in rep["rows"][1:] if r["setting"] in names and "scores" in r]
+    sc = dense["scores"]
+    lines = ["", f"Per-class F1 (dense and the recommended settings; support: the class's "
+                 f"rows). Majority rate of the data: {100 * sc['majority_rate']:.1f} % "
+                 f"({sc['majority_label']!r}): what always answering it scores.", "",
+             "| class | support | " + " | ".join(r["setting"] for r in shown) + " |",
+             "|---|---|" + "---|" * len(shown)]
+    for i, c in enumerate(sc["per_class"]):
+        lines.append(f"| {c['label']} | {c['support']} | " + " | ".join(
+            f"{r['scores']['per_class'][i]['f1']:.3f}" for r in shown) + " |")
+    return lines
 
 
 def plot_frontier(rep: dict, path: Path) -> Path:
@@ -156,11 +234,22 @@ def write_outputs(rep: dict, out: Path) -> dict[str, Path]:
     files["md"].write_text(markdown(rep))
     files["json"].write_text(json.dumps(rep, indent=2) + "\n")
     ns = rep["config"]["ns"]
-    write_csv(files["csv"], ["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement",
-                             "kl", "retention", "n", "p50_ms", "min_ms", "max_ms",
+    metric = rep.get("metric", "accuracy")
+    drop_key, se_key = drop_keys(metric)
+    scored = next((r["scores"] for r in rep["rows"] if "scores" in r), None)
+    classes = [c["label"] for c in scored["per_class"]] if scored else []
+    quality = ("accuracy", "accuracy_se", "macro_f1", "macro_f1_se", "balanced_accuracy",
+               "balanced_accuracy_se", "majority_rate")
+    write_csv(files["csv"], ["setting", "m", "k", "s", "shared_scale", *quality, "metric",
+                             "drop_points", "drop_se_points", "agreement", "kl", "retention",
+                             *(f"f1 {c}" for c in classes), "n", "p50_ms", "min_ms", "max_ms",
                              "dense_p50_ms", "speedup", "peak_memory_bytes"],
-              ([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"], r.get("accuracy"),
-                r.get("agreement"), r.get("kl"), r.get("retention"), n,
+              ([r["setting"], r["m"], r["k"], r["s"], r["shared_scale"],
+                *(r.get(c) for c in quality), metric, r.get(drop_key),
+                r.get(se_key) if r.get(drop_key) is not None else None, r.get("agreement"),
+                r.get("kl"), r.get("retention"),
+                *(r["scores"]["per_class"][i]["f1"] if "scores" in r else None
+                  for i in range(len(classes))), n,
                 *(r["latency"].get(n, {}).get(c) for c in ("p50_ms", "min_ms", "max_ms",
                                                            "dense_p50_ms", "speedup",
                                                            "peak_memory_bytes"))]

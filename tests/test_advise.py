@@ -163,7 +163,8 @@ def test_recommendation_on_fixed_numbers():
                                                                 4096: (1.0, 40.0)})}), [], 24)
     assert rep["rows"][3]["retention"] is None
     assert rep["recommendations"][0]["answer"].endswith("(dense 0.0 %, retention -)")
-    row = "| m32 k32 s1 paper | 32 | 32 | 1 | paper | 10.0 % | -10.0 ± 1.0 | 90.0 % | 0.1000 | - |"
+    row = ("| m32 k32 s1 paper | 32 | 32 | 1 | paper | 10.0 % | - | - | -10.0 ± 1.0 | 90.0 % | "
+           "0.1000 | - |")
     assert row in advise_report.markdown(rep)
 
 

@@ -208,14 +208,16 @@ def test_dense_right_on_nothing_and_a_setting_timed_alone():
     assert rep["overall"]["setting"] is None
     table = advise_report.markdown(rep).split("\n")[4:7]
     assert table == [
-        "| dense | - | - | - | - | 0.0 % | - | 100.0 % | 0.0000 | - | - | - |",
-        "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | -25.0 ± 0.0 | 50.0 % | 0.0000 | - | "
-        "1.0 (2.00×) | 1.0 |",
-        # m16 was timed but its quality never finished: five '-' for the quality columns.
-        "| m16 k16 s2 official | 16 | 16 | 2 | official | - | - | - | - | - | 3.0 (2.00×) | - |"]
+        "| dense | - | - | - | - | 0.0 % | - | - | - | 100.0 % | 0.0000 | - | - | - |",
+        "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | - | - | -25.0 ± 0.0 | 50.0 % | 0.0000 "
+        "| - | 1.0 vs 2.0 (2.00×) | 1.0 |",
+        # m16 was timed but its quality never finished: seven '-' for the quality columns.
+        "| m16 k16 s2 official | 16 | 16 | 2 | official | - | - | - | - | - | - | - | "
+        "3.0 vs 6.0 (2.00×) | - |"]
     # A speed-up on dense's own row (a hand-edited report) is still not shown for dense.
     rep["rows"][0]["latency"][64] = lat(2.0, 2.0, 2.0, 2.0) | {"speedup": 1.0}
-    assert "| 0.0 % | - | 100.0 % | 0.0000 | - | 2.0 | - |" in advise_report.markdown(rep)
+    assert "| 0.0 % | - | - | - | 100.0 % | 0.0000 | - | 2.0 | - |" in advise_report.markdown(
+        rep)
 
 
 def test_overall_is_the_lowest_geometric_mean_time_ratio():
@@ -249,18 +251,23 @@ def test_serve_snippet_text():
 SMALL_MARKDOWN = (
     "Advisor: checkpoint ckpt/x, data generated (36 sequences, 100 < length < 300), cpu, dtype "
     f"float32, backend torch, batch 1, p50 of 3, torch {torch.__version__}. Constraint: "
-    "accuracy drop ≤ 3.125 points. Drop = dense's accuracy minus the setting's, with its "
-    "paired standard error: a constraint tighter than ~2 SE is within noise. × = dense's p50 "
-    "over the setting's, both timed side by side (interleaved forwards).\n"
+    "accuracy drop ≤ 3.125 points. Metric: accuracy (--metric accuracy). Drop = dense's "
+    "accuracy minus the setting's in points (100 × the difference), ± its paired standard error "
+    "(exact for paired outcomes): a constraint tighter than ~2 SE is within noise. Scores ± "
+    "their standard error (macro-F1 and balanced accuracy: bootstrap). A setting's p50 cell: "
+    "its p50 vs that of dense timed beside it (interleaved forwards), × = dense's over the "
+    "setting's; dense's row: dense timed alone, another measurement.\n"
     "\n"
-    "| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
-    "KL(dense‖MiTA) | retention | p50 ms N=512 (× dense) | p50 ms N=2048 (× dense) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-    "| dense | - | - | - | - | 75.0 % | - | 100.0 % | 0.0000 | 100.0 % | 8.0 | 32.0 |\n"
-    "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 62.5 % | +12.5 ± 5.0 | 87.5 % | 0.1250 | 83.3 % "
-    "| 2.0 (4.00×) | 4.0 (8.00×) |\n"
-    "| m16 k16 s2 official | 16 | 16 | 2 | official | 71.9 % | +3.1 ± 2.5 | 90.6 % | 0.0625 | "
-    "95.8 % | 5.0 (1.60×) | - |\n"
+    "| setting | m | k | s | scale | accuracy | macro-F1 | balanced accuracy | accuracy drop "
+    "(± SE) points | agreement | KL(dense‖MiTA) | retention | p50 ms N=512: setting vs dense "
+    "(×) | p50 ms N=2048: setting vs dense (×) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "| dense | - | - | - | - | 75.0 % | - | - | - | 100.0 % | 0.0000 | 100.0 % | 8.0 | 32.0 |\n"
+    # each ratio beside the two p50s it divides (dense's own row: dense timed alone)
+    "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 62.5 % | - | - | +12.5 ± 5.0 | 87.5 % | 0.1250 | "
+    "83.3 % | 2.0 vs 8.0 (4.00×) | 4.0 vs 32.0 (8.00×) |\n"
+    "| m16 k16 s2 official | 16 | 16 | 2 | official | 71.9 % | - | - | +3.1 ± 2.5 | 90.6 % | "
+    "0.0625 | 95.8 % | 5.0 vs 8.0 (1.60×) | - |\n"
     "\n"
     "Recommendation (the largest speed-up over dense among the settings that meet the "
     "constraint):\n"
@@ -296,15 +303,19 @@ def test_advisor_markdown_with_a_snippet_file_data_and_many_noisy_points():
     assert advise_report.markdown(rep) == (
         "Advisor: checkpoint ckpt/x, data my.tsv (2 sequences), cpu, dtype float32, backend "
         f"torch, batch 1, p50 of 3, torch {torch.__version__}. Constraint: agreement with dense "
-        "≥ 50.0 %. Drop = dense's accuracy minus the setting's, with its paired standard error: "
-        "a constraint tighter than ~2 SE is within noise. × = dense's p50 over the setting's, "
-        "both timed side by side (interleaved forwards).\n\n"
-        "| setting | m | k | s | scale | accuracy | drop (± SE) points | agreement | "
-        "KL(dense‖MiTA) | retention | p50 ms N=64 (× dense) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
-        "| dense | - | - | - | - | 50.0 % | - | 100.0 % | 0.0000 | 100.0 % | - |\n"
-        "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | +25.0 ± 1.4 | 50.0 % | 0.5000 | "
-        "50.0 % | 2.0 (1.50×) |\n\n"
+        "≥ 50.0 %. Metric: accuracy (--metric accuracy). Drop = dense's accuracy minus the "
+        "setting's in points (100 × the difference), ± its paired standard error (exact for "
+        "paired outcomes): a constraint tighter than ~2 SE is within noise. Scores ± their "
+        "standard error (macro-F1 and balanced accuracy: bootstrap). A setting's p50 cell: its "
+        "p50 vs that of dense timed beside it (interleaved forwards), × = dense's over the "
+        "setting's; dense's row: dense timed alone, another measurement.\n\n"
+        "| setting | m | k | s | scale | accuracy | macro-F1 | balanced accuracy | accuracy drop "
+        "(± SE) points | agreement | KL(dense‖MiTA) | retention | p50 ms N=64: setting vs dense "
+        "(×) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| dense | - | - | - | - | 50.0 % | - | - | - | 100.0 % | 0.0000 | 100.0 % | - |\n"
+        "| m8 k8 s1 paper | 8 | 8 | 1 | paper | 25.0 % | - | - | +25.0 ± 1.4 | 50.0 % | 0.5000 "
+        "| 50.0 % | 2.0 vs 3.0 (1.50×) |\n\n"
         "Recommendation (the largest speed-up over dense among the settings that meet the "
         "constraint):\n\n"
         "- N = 64: m8 k8 s1 paper — 1.50× dense's speed (2.0 ms vs 3.0 ms, timed side by "
@@ -340,21 +351,27 @@ def test_advisor_files_hold_the_reports_numbers(tmp_path):
     with open(files["csv"], newline="") as f:
         table = list(csv.reader(f))
     r8, r16 = 5 / 6, 23 / 24  # 0.625 / 0.75 and 0.71875 / 0.75
+    # Units without scores (mita.scores): the score columns beyond accuracy are empty, and
+    # there are no per-class F1 columns.
+    no_scores = ["", "", "", "", "", ""]
     assert table == [
-        ["setting", "m", "k", "s", "shared_scale", "accuracy", "agreement", "kl", "retention",
+        ["setting", "m", "k", "s", "shared_scale", "accuracy", "accuracy_se", "macro_f1",
+         "macro_f1_se", "balanced_accuracy", "balanced_accuracy_se", "majority_rate", "metric",
+         "drop_points", "drop_se_points", "agreement", "kl", "retention",
          "n", "p50_ms", "min_ms", "max_ms", "dense_p50_ms", "speedup", "peak_memory_bytes"],
-        ["dense", "", "", "", "", "0.75", "1.0", "0.0", "1.0", "512", "8.0", "7.5", "8.5", "",
-         "", "1048576"],
-        ["dense", "", "", "", "", "0.75", "1.0", "0.0", "1.0", "2048", "32.0", "30.0", "50.0",
-         "", "", "4194304"],
-        ["m8 k8 s1 paper", "8", "8", "1", "paper", "0.625", "0.875", "0.125", str(r8), "512",
-         "2.0", "2.0", "2.0", "8.0", "4.0", ""],
-        ["m8 k8 s1 paper", "8", "8", "1", "paper", "0.625", "0.875", "0.125", str(r8), "2048",
-         "4.0", "4.0", "6.0", "32.0", "8.0", ""],
-        ["m16 k16 s2 official", "16", "16", "2", "official", "0.71875", "0.90625", "0.0625",
-         str(r16), "512", "5.0", "5.0", "5.0", "8.0", "1.6", "7"],
-        ["m16 k16 s2 official", "16", "16", "2", "official", "0.71875", "0.90625", "0.0625",
-         str(r16), "2048", "", "", "", "", "", ""]]
+        ["dense", "", "", "", "", "0.75", *no_scores, "accuracy", "0.0", "0.0", "1.0", "0.0",
+         "1.0", "512", "8.0", "7.5", "8.5", "", "", "1048576"],
+        ["dense", "", "", "", "", "0.75", *no_scores, "accuracy", "0.0", "0.0", "1.0", "0.0",
+         "1.0", "2048", "32.0", "30.0", "50.0", "", "", "4194304"],
+        ["m8 k8 s1 paper", "8", "8", "1", "paper", "0.625", *no_scores, "accuracy", "12.5",
+         "5.0", "0.875", "0.125", str(r8), "512", "2.0", "2.0", "2.0", "8.0", "4.0", ""],
+        ["m8 k8 s1 paper", "8", "8", "1", "paper", "0.625", *no_scores, "accuracy", "12.5",
+         "5.0", "0.875", "0.125", str(r8), "2048", "4.0", "4.0", "6.0", "32.0", "8.0", ""],
+        ["m16 k16 s2 official", "16", "16", "2", "official", "0.71875", *no_scores, "accuracy",
+         "3.125", "2.5", "0.90625", "0.0625", str(r16), "512", "5.0", "5.0", "5.0", "8.0",
+         "1.6", "7"],
+        ["m16 k16 s2 official", "16", "16", "2", "official", "0.71875", *no_scores, "accuracy",
+         "3.125", "2.5", "0.90625", "0.0625", str(r16), "2048", "", "", "", "", "", ""]]
     img = matplotlib.image.imread(files["png"])
     assert img.shape[0] > 100 and img.shape[1] > 100
     # A setting for every N: its snippet is written, with exactly the report's text.

@@ -126,6 +126,21 @@ def test_the_skewed_sample_through_training_evaluation_and_compare(tmp_path, cap
         # what training measured on the same rows, cut the same way, is what evaluation says
         assert s == metrics["valid_scores"][r["attention"]]
 
+    # the advisor on the same checkpoint and file: the same scores (rows cut alike), per-class
+    # F1 and the majority rate in its report, the majority-only model warned about
+    from profiler.__main__ import main as profiler_main
+
+    profiler_main(["advise", str(out), "--data", str(VALID), "--n", "64", "--grid", "4x4",
+                   "--repeats", "1", "--out", str(tmp_path / "adv")])
+    capsys.readouterr()
+    adv = json.loads((tmp_path / "adv/advise.json").read_text())
+    assert adv["rows"][0]["setting"] == "dense"
+    assert adv["rows"][0]["scores"] == {r["attention"]: r["scores"] for r in rows}["dense"]
+    md = (tmp_path / "adv/advise.md").read_text()
+    assert "| Persuasion | 19 | 0.000 |" in md and "| other | 170 | 0.947 |" in md
+    assert "Majority rate of the data: 89.9 % ('other')" in md
+    assert f"- dense: the model answers 'other' for all 189 {VALID} rows: it has learned" in md
+
     cmp = tmp_path / "cmp"
     train_main(["--train", str(TRAIN), "--valid", str(VALID), "--out", str(cmp), "--steps",
                 "2", "--eval-every", "2", "--max-len", "32", "--compare", "--keep-ways",
