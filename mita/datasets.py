@@ -132,19 +132,29 @@ def austen(out: Path, window: int) -> dict:
     window and baseline. Raises RuntimeError (apt-get, dpkg-deb) or ImportError (rdata,
     scikit-learn: the ``data`` extra)."""
     books = austen_books(unpack(PACKAGES["austen"], out))
-    split: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
-    for title, text in books.items():
-        windows = [text[i:i + window] for i in range(0, len(text) - window + 1, window)]
-        cut = len(windows) - max(1, round(VALID_SHARE * len(windows)))
-        split["train"] += [(title, w) for w in windows[:cut]]
-        split["valid"] += [(title, w) for w in windows[cut:]]
-    for name, part in split.items():
-        (out / f"{name}.tsv").write_text("label\ttext\n" + "".join(
-            f"{title}\t{w.replace(chr(9), ' ')}\n" for title, w in part), encoding="utf-8")
-    baseline = ngram_baseline(split["train"], split["valid"])
-    (out / "baseline.json").write_text(json.dumps(baseline, indent=2) + "\n")
+    split, baseline = write_split(out, {title: [text[i:i + window] for i in range(
+        0, len(text) - window + 1, window)] for title, text in books.items()})
     return {"rows": {k: len(v) for k, v in split.items()}, "window": window,
             "baseline": baseline, "licence": "public domain texts; package MIT"}
+
+
+def write_split(out: Path, books: dict[str, list[str]], label=lambda title: title
+                ) -> tuple[dict[str, list[tuple[str, str]]], dict]:
+    """``out/train.tsv`` and ``out/valid.tsv`` (a ``label<TAB>text`` header, tabs in a text
+    written as spaces) of each book's texts in order, labelled ``label(title)``: the last
+    ``VALID_SHARE`` (at least one) of each book's texts for validation, the rest for training;
+    and ``out/baseline.json`` (``ngram_baseline``). Returns the split and the baseline."""
+    split: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
+    for title, texts in books.items():
+        cut = len(texts) - max(1, round(VALID_SHARE * len(texts)))
+        split["train"] += [(label(title), x) for x in texts[:cut]]
+        split["valid"] += [(label(title), x) for x in texts[cut:]]
+    for name, part in split.items():
+        (out / f"{name}.tsv").write_text("label\ttext\n" + "".join(
+            f"{y}\t{x.replace(chr(9), ' ')}\n" for y, x in part), encoding="utf-8")
+    baseline = ngram_baseline(split["train"], split["valid"])
+    (out / "baseline.json").write_text(json.dumps(baseline, indent=2) + "\n")
+    return split, baseline
 
 
 def austen_persuasion(out: Path) -> dict:
@@ -153,17 +163,8 @@ def austen_persuasion(out: Path) -> dict:
     for validation), and ``out/baseline.json`` (``ngram_baseline``); returns the row and class
     counts and the baseline. Raises as ``austen``."""
     books = austen_paragraphs(unpack(PACKAGES["austen-persuasion"], out))
-    split: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
-    for title, paragraphs in books.items():
-        label = "Persuasion" if title == "Persuasion" else "other"
-        cut = len(paragraphs) - max(1, round(VALID_SHARE * len(paragraphs)))
-        split["train"] += [(label, x) for x in paragraphs[:cut]]
-        split["valid"] += [(label, x) for x in paragraphs[cut:]]
-    for name, part in split.items():
-        (out / f"{name}.tsv").write_text("label\ttext\n" + "".join(
-            f"{label}\t{x.replace(chr(9), ' ')}\n" for label, x in part), encoding="utf-8")
-    baseline = ngram_baseline(split["train"], split["valid"])
-    (out / "baseline.json").write_text(json.dumps(baseline, indent=2) + "\n")
+    split, baseline = write_split(out, books, lambda title: (
+        "Persuasion" if title == "Persuasion" else "other"))
     return {"rows": {k: len(v) for k, v in split.items()},
             "persuasion_rows": {k: sum(y == "Persuasion" for y, _ in v)
                                 for k, v in split.items()},
