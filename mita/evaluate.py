@@ -146,6 +146,13 @@ def listops(p: Parser, args) -> list[dict]:
     """Generated ListOps: accuracy per checkpoint and attention, and the majority rate."""
     try:  # everything that can be checked before the test set is drawn
         data_cfg = ListOpsConfig(args.min_length, args.max_length)
+        for ck in args.checkpoints:  # generated ListOps means nothing to another task
+            meta = checkpoint_metadata(ck)
+            task = checkpoint_task(meta, checkpoint_config(ck, meta), ck)
+            if not task.listops:
+                raise ValueError(f"{ck}: a checkpoint of task {task.name!r} "
+                                 f"({task.tokenizer.kind} tokens), not ListOps: score it on "
+                                 "your labelled file with --data FILE")
         models = {ck: _models(ck) for ck in args.checkpoints}
         modes = {ck: checkpoint_metadata(ck).get("training", {}).get("mode", "?")
                  for ck in args.checkpoints}

@@ -9,6 +9,7 @@ error and 95 % interval of a seeded bootstrap over the rows). Used by training's
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -99,6 +100,12 @@ def classification_scores(y_true, y_pred, labels, resamples: int = BOOTSTRAP_RES
     (0 where a class has no prediction or no row); ``confusion_matrix`` (rows: true class,
     columns: predicted, in ``labels`` order); ``predicted_counts`` per label. Raises
     ValueError for empty or unequal inputs, or an index outside ``labels``."""
+    with warnings.catch_warnings():  # a class absent from the rows: said by score_warnings
+        warnings.simplefilter("ignore", UserWarning)
+        return _scores(y_true, y_pred, labels, resamples, seed)
+
+
+def _scores(y_true, y_pred, labels, resamples: int, seed: int) -> dict:
     t, p = np.asarray(y_true, dtype=np.int64), np.asarray(y_pred, dtype=np.int64)
     c = len(labels)
     if t.shape != p.shape or t.ndim != 1 or not len(t):
@@ -131,8 +138,9 @@ def classification_scores(y_true, y_pred, labels, resamples: int = BOOTSTRAP_RES
 
 def score_warnings(scores: dict, what: str = "validation") -> list[str]:
     """What a reader must not miss in ``scores`` (``classification_scores``): a model that
-    answers one class for every row, and an accuracy within ``Z95`` standard errors of the
-    majority rate (not told apart from always answering the majority class). ``what`` names
+    answers one class for every row; an accuracy within ``Z95`` standard errors of the
+    majority rate (not told apart from always answering the majority class), or below it by
+    more; classes with no row among the scored ones. ``what`` names
     the rows (``"validation"``, a file). Returns sentences, empty when nothing applies."""
     out = []
     answered = [k for k, v in scores["predicted_counts"].items() if v]
@@ -140,11 +148,22 @@ def score_warnings(scores: dict, what: str = "validation") -> list[str]:
         out.append(f"the model answers {answered[0]!r} for all {scores['rows']} {what} rows: "
                    "it has learned no distinction between the classes")
     acc, se, maj = scores["accuracy"], scores["accuracy_se"], scores["majority_rate"]
-    if acc <= maj + Z95 * max(se, 1e-12):
+    margin = Z95 * max(se, 1e-12)
+    if acc < maj - margin:
+        out.append(f"{what} accuracy {100 * acc:.1f} % ± {100 * se:.1f} % is below the "
+                   f"majority rate {100 * maj:.1f} % by more than {Z95:g} standard errors: "
+                   f"always answering {scores['majority_label']!r} would score more")
+    elif acc <= maj + margin:
         out.append(f"{what} accuracy {100 * acc:.1f} % ± {100 * se:.1f} % is within "
                    f"{Z95:g} standard errors of the majority rate {100 * maj:.1f} % (always "
                    f"answering {scores['majority_label']!r}): accuracy says nothing here; "
                    "read macro-F1, balanced accuracy and the per-class recall")
+    absent = [r["label"] for r in scores["per_class"] if not r["support"]]
+    if absent:
+        shown = ", ".join(map(repr, absent[:5])) + (", …" if len(absent) > 5 else "")
+        out.append(f"{len(absent)} class(es) have no {what} rows ({shown}): their recall is "
+                   "not measured here, "
+                   "and macro-F1 counts each one the model predicted as an F1 of 0")
     return out
 
 

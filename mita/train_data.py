@@ -374,7 +374,8 @@ def markdown(report: dict) -> str:
              f"{pct(report['majority_rate'])} ({report['majority_label']!r}: what always "
              f"answering it scores); budget {b['steps']} steps of {b['batch_size']} or "
              f"{b['time_budget_min']:g} min per run, whichever ends first (--steps, "
-             f"--time-budget-min), fine-tuning {b['finetune_steps']} steps more; seed "
+             f"--time-budget-min), fine-tuning {b['finetune_steps']} "
+             f"step{'s' * (b['finetune_steps'] != 1)} more; seed "
              f"{b['seed']}; {report['machine']}.", "",
              f"| way | attention | steps | accuracy | macro-F1 | balanced accuracy | "
              f"retention | agreement with dense | forward ms at N = {n['p50']} (p50) | "

@@ -73,6 +73,18 @@ def test_scores_equal_scikit_learns_own():
             balanced_accuracy_score(t[idx[r]], p[idx[r]]), abs=1e-12)
     assert s["macro_f1_ci95"][0] < s["macro_f1"] < s["macro_f1_ci95"][1]
     assert score_warnings(s) == []
+    # below the majority rate by more than 1.96 SE, and a class without rows (predicted):
+    # said in the project's words, scikit-learn's own UserWarning kept out of the output
+    t2, p2 = [0] * 8 + [1] * 2, [1] * 7 + [2] + [1, 1]
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        low = classification_scores(t2, p2, ["a", "b", "c"])
+    assert low["per_class"][2]["support"] == 0
+    assert score_warnings(low, "v.tsv") == [
+        "v.tsv accuracy 20.0 % ± 12.6 % is below the majority rate 80.0 % by more than 1.96 "
+        "standard errors: always answering 'a' would score more",
+        "1 class(es) have no v.tsv rows ('c'): their recall is not measured here, and macro-F1 "
+        "counts each one the model predicted as an F1 of 0"]
     with pytest.raises(ValueError, match="a class index outside the 4 labels"):
         classification_scores([0, 4], [0, 1], names)
 
@@ -148,6 +160,7 @@ def test_the_skewed_sample_through_training_evaluation_and_compare(tmp_path, cap
     md = (cmp / "compare.md").read_text()
     assert md.startswith("Validation rows 189, majority rate 89.9 % ('other': what always "
                          "answering it scores); budget 2 steps of 16 or 25 min per run, ")
+    assert "fine-tuning 1 step more;" in md
     assert "| way | attention | Persuasion | other |" in md
     assert f"- dense (dense): {MAJORITY_ONLY}" in md
     assert [p.name for p in (cmp / "ways").iterdir()] == ["drop-in"]
@@ -167,6 +180,9 @@ def test_evaluate_refusals(tmp_path, capsys):
     assert refused([ck, "--data", str(VALID), "--test-size", "5"]) == (
         "python -m mita.evaluate: error: --test-size is for generated ListOps; with --data the "
         "test set is your file")
+    assert refused([ck]) == (  # generated ListOps means nothing to an image model
+        f"python -m mita.evaluate: error: {ck}: a checkpoint of task 'fashion-mnist-14x14' "
+        "(ids tokens), not ListOps: score it on your labelled file with --data FILE")
     assert refused([ck, "--predictions", "p.csv"]) == (
         "python -m mita.evaluate: error: --predictions needs --data FILE")
     # text rows for an ids (image) checkpoint: refused with the file and line
@@ -235,6 +251,12 @@ def test_silent_classes_are_named_with_their_likely_cause(tmp_path):
                             "'b'); a row is label<TAB>text")
     good = tmp_path / "g.tsv"
     good.write_text("".join(f"{'ab'[i % 2]}\twords of row {i}\n" for i in range(20)))
+    first = tmp_path / "f.tsv"  # swapped on line 1: the swap, not a header, is the cause
+    first.write_text("words of a row\tb\n")
+    with pytest.raises(ValueError) as e:
+        labelled.load(good, first)
+    assert str(e.value).endswith("its text 'b' is a label: are the columns swapped? A row is "
+                                 "label<TAB>text")
     valid = tmp_path / "v.tsv"
     valid.write_text("a\tmore words\nwords of a row\tb\n")
     with pytest.raises(ValueError) as e:

@@ -218,12 +218,12 @@ def unknown_label(ex: Example, known, source: str) -> ValueError:
     ``source``: the training file, a checkpoint): ``"path:line: label … is not in …"``, with
     the likely cause when the row's text is itself one of the labels (swapped columns)."""
     why = ""
-    if ex.line == 1 and ex.path.lower().endswith(TSV_SUFFIXES):
-        why = ("; line 1 looks like a header: the only header read as one is 'label<TAB>text'"
-               "; rename the columns or delete the line")
-    elif ex.text is not None and ex.text.strip() in known:
+    if ex.text is not None and ex.text.strip() in known:
         why = (f"; its text {ex.text.strip()[:40]!r} is a label: are the columns swapped? "
                "A row is label<TAB>text")
+    elif ex.line == 1 and ex.path.lower().endswith(TSV_SUFFIXES):
+        why = ("; line 1 looks like a header: the only header read as one is 'label<TAB>text'"
+               "; rename the columns or delete the line")
     return ValueError(f"{_where(Path(ex.path), ex.line)}: label {ex.label[:60]!r} is not in "
                       f"{source}{why}")
 
