@@ -47,7 +47,6 @@ import torch
 
 from mita import config
 from mita.cost import fig5_setting
-from mita.data import labelled
 from mita.data.listops import ListOpsConfig, encode, generate
 from mita.data.tsv import read_lra_listops, read_text_tsv
 from mita.data.vocab import Vocabulary
@@ -280,18 +279,10 @@ def own_rows(cfg: AdviseConfig, task: Task | None = None) -> list[tuple[list[int
     JSON lines, label names), tokenized by the checkpoint's tokenizer, indexed by its label
     names and cut to its trained length as training cut them (``task.cut``): the rows
     ``python -m mita.evaluate CHECKPOINT --data FILE`` scores. ``task``: the checkpoint's
-    (``mita.task``; read from it by default). Raises ValueError naming the file and line of a
-    label the checkpoint does not know (or ``read_file``'s errors)."""
+    (``mita.task``; read from it by default). Raises ValueError as ``Task.labelled_rows``
+    (the file and line of a label the checkpoint does not know, ``read_file``'s errors)."""
     task = task if task is not None else load_task(cfg.checkpoint)
-    index = {name: i for i, name in enumerate(task.labels)}
-    out = []
-    for ex in labelled.read_file(cfg.data, task.tokenizer).examples[:cfg.size]:
-        if ex.label not in index:
-            raise ValueError(f"{ex.path}:{ex.line}: label {ex.label!r} is not one of the "
-                             f"checkpoint's {len(index)} labels ({', '.join(task.labels[:5])}"
-                             f"{', …' if len(index) > 5 else ''})")
-        out.append((list(task.cut(ex.ids)), index[ex.label]))
-    return out
+    return task.labelled_rows(cfg.data, cfg.size)[0]
 
 
 def _engine(cfg: AdviseConfig, attention: str, setting: Setting | None):

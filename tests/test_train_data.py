@@ -211,8 +211,8 @@ def test_the_advisor_reads_your_file_with_the_checkpoints_task(tmp_path):
     other.write_text("good\tfine\nugly\tno\n")
     with pytest.raises(ValueError) as e:
         advise.load_data(advise.AdviseConfig(**cfg.__dict__ | {"data": str(other)}), 2)
-    assert str(e.value) == (f"{other}:2: label 'ugly' is not one of the checkpoint's 2 labels "
-                            "(bad, good)")
+    assert str(e.value) == (f"{other}:2: label 'ugly' is not in the checkpoint's labels (2: "
+                            "bad, good)")
 
 
 def test_a_subword_tokenizer_learned_from_the_training_split_travels_with_the_checkpoint(
