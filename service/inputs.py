@@ -66,6 +66,27 @@ def _doc(body: bytes | str) -> str:
     return body if isinstance(body, str) else body.decode(errors="replace")
 
 
+def decode_body(body: bytes, charset: str | None) -> str:
+    """``body`` as text: decoded by its declared ``charset``, else by the encoding JSON's
+    first bytes show (``json.detect_encoding``: UTF-8 unless a BOM or NUL bytes say UTF-16/32),
+    strictly. One rule for every invalid byte sequence — CESU-8 surrogates (``ED A0 80``)
+    included, which ``json.loads`` of bytes would let through ("surrogatepass") — a
+    ``json.JSONDecodeError`` (→ 400 "malformed JSON body") naming the byte, its line and
+    column (1-based, counted in bytes) and, with a declared charset, that charset."""
+    encoding = charset or json.detect_encoding(body)
+    try:
+        return body.decode(encoding)
+    except UnicodeDecodeError as e:
+        line = body.count(b"\n", 0, e.start) + 1
+        column = e.start - (body.rfind(b"\n", 0, e.start) + 1) + 1
+        name = charset or ("UTF-8" if encoding.startswith("utf-8") else encoding)
+        why = (f"the body is not valid {name}: byte 0x{body[e.start]:02x} at line {line}, "
+               f"column {column} ({e.reason})")
+        if charset is not None:
+            why += ", the charset its Content-Type declares"
+        raise json.JSONDecodeError(why, _doc(body), 0) from None
+
+
 class StrictJSONRequest(Request):
     """``json()`` that refuses duplicate keys and too-deep nesting with a JSON decode error
     (→ 400 "malformed JSON body") instead of taking the last copy or a RecursionError (500);
@@ -74,15 +95,8 @@ class StrictJSONRequest(Request):
 
     async def json(self):
         if not hasattr(self, "_json"):
-            body = await self.body()
-            charset = declared_charset(self.headers.get("content-type", ""))
-            if charset is not None:
-                try:
-                    body = body.decode(charset)
-                except UnicodeDecodeError as e:
-                    raise json.JSONDecodeError(
-                        f"the body is not valid {charset} (byte {e.start}), the charset its "
-                        "Content-Type declares", _doc(body), 0) from None
+            body = decode_body(await self.body(),
+                               declared_charset(self.headers.get("content-type", "")))
             try:
                 self._json = json.loads(body, object_pairs_hook=_reject_duplicates)
             except RecursionError:

@@ -262,4 +262,15 @@ def test_a_declared_charset_is_honoured_or_refused(service):
     assert r.status_code == 415
     r = post_with(service, "é".encode("latin-1"), "application/json; charset=utf-8")
     assert r.status_code == 400
-    assert "the body is not valid utf-8 (byte 0)" in r.json()["error"]
+    assert "the body is not valid utf-8: byte 0xe9 at line 1, column 1" in r.json()["error"]
+
+
+def test_surrogate_bytes_are_the_400_of_any_invalid_utf8(service):
+    """Issue 62: CESU-8 surrogate bytes were a 422 about '\\ud800', other invalid UTF-8 a
+    400: both are now the 400 naming the byte and column, with or without a charset."""
+    for content_type in ("application/json", "application/json; charset=utf-8"):
+        for body, byte, column in ((b'{"text": "[MAX 2 \xed\xa0\x80 ]"}', "0xed", 18),
+                                   (b'{"text": "[MAX 2 \xff ]"}', "0xff", 18)):
+            r = post_with(service, body, content_type)
+            assert r.status_code == 400, r.text
+            assert f"byte {byte} at line 1, column {column}" in r.json()["error"], r.text

@@ -142,14 +142,48 @@ def json_of(body: bytes, content_type: str | None = None):
     # UTF-16 JSON (Python reads it): its bytes are not UTF-8, the message's doc replaces them
     (("[" * 100_000 + '"é"' + "]" * 100_000).encode("utf-16-le"), "nesting too deep"),
     (b'{"n": ' + b"1" * 5000 + b"}", "an integer with too many digits"),
-    (b'{"a": "\xff"}', "'utf-8' codec can't decode byte 0xff in position 7: invalid start "
-                        "byte"),
+    (b'{"a": "\xff"}', "the body is not valid UTF-8: byte 0xff at line 1, column 8 (invalid "
+                        "start byte)"),
 ])
 def test_strict_json_refusals_are_decode_errors(body, why):
     with pytest.raises(json.JSONDecodeError) as e:
         json_of(body)
     assert e.value.msg == why
-    assert (e.value.doc, e.value.pos) == (body.decode(errors="replace"), 0)
+    # the doc is the text as decoded (UTF-16 here by its NUL bytes), else the bytes replaced
+    utf16 = body[1:2] == b"\x00"
+    assert (e.value.doc, e.value.pos) == (
+        body.decode("utf-16-le") if utf16 else body.decode(errors="replace"), 0)
+
+
+# Issue 62: CESU-8 surrogate bytes (ED A0 80 is U+D800 encoded as if it were a character)
+# went through json.loads's "surrogatepass" and ended in a 422 about '\ud800'; every invalid
+# sequence is now the same 400. The byte and column are counted by hand in each body.
+@pytest.mark.parametrize("body,why", [
+    (b'{"text": "\xed\xa0\x80"}', "byte 0xed at line 1, column 11 (invalid continuation byte)"),
+    (b'{"text": "a\xed\xbf\xbf"}', "byte 0xed at line 1, column 12 (invalid continuation byte)"),
+    (b'{\n  "text":\n "\xc0\xaf"}', "byte 0xc0 at line 3, column 3 (invalid start byte)"),
+    (b'{"text": "\xe2\x82"}', "byte 0xe2 at line 1, column 11 (invalid continuation byte)"),
+    (b'{"text": "\xf4\x90\x80\x80"}', "byte 0xf4 at line 1, column 11 (invalid continuation "
+                                  "byte)"),
+], ids=["surrogate-d800", "surrogate-dfff", "overlong", "truncated", "above-10ffff"])
+def test_every_invalid_utf8_sequence_is_one_refusal(body, why):
+    with pytest.raises(json.JSONDecodeError) as e:
+        json_of(body)
+    assert e.value.msg == "the body is not valid UTF-8: " + why
+    # the same with UTF-8 declared, the charset named as declared
+    with pytest.raises(json.JSONDecodeError) as e:
+        json_of(body, "application/json; charset=utf-8")
+    assert e.value.msg == ("the body is not valid utf-8: " + why
+                           + ", the charset its Content-Type declares")
+
+
+def test_a_lone_surrogate_in_utf16_json_is_refused_too():
+    body = '{"text": "ab"}'.encode("utf-16-le")
+    body = body[:20] + b"\x00\xd8" + body[20:]  # U+D800 alone, after "ab"
+    with pytest.raises(json.JSONDecodeError) as e:
+        json_of(body)
+    assert e.value.msg.startswith("the body is not valid utf-16-le: byte 0x00 at line 1, "
+                                  "column 21 (")
 
 
 def test_strict_json_route_hands_the_endpoint_a_strict_request():
@@ -223,7 +257,8 @@ def test_strict_json_decodes_by_the_declared_charset():
 
 @pytest.mark.parametrize("body,charset,why,doc", [
     (b'{"a": "\xff"}', "utf-8",
-     "the body is not valid utf-8 (byte 7), the charset its Content-Type declares",
+     "the body is not valid utf-8: byte 0xff at line 1, column 8 (invalid start byte), the "
+     "charset its Content-Type declares",
      '{"a": "\ufffd"}'),
     (b'{"a": 1, "a": 2}', "latin-1", "duplicate key 'a'", '{"a": 1, "a": 2}'),
     (b"[" * 100_000 + b"]" * 100_000, "ascii", "nesting too deep",
