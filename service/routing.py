@@ -3,13 +3,17 @@
 Per N bucket (``metrics.n_bucket``, the buckets of the latency metrics), the gateway keeps
 each variant's recent forward times and, from shadowed requests, whether MiTA's label agreed
 with dense's and the KL between their probabilities. A request of that bucket goes to MiTA
-when MiTA's median forward is faster than dense's by ``margin`` **and** the lower bound of the
-agreement's Wilson score interval reaches ``min_agreement``; otherwise to dense, the
-reference. A fraction of ``auto`` requests is also shadowed to the other variant, more while
-a bucket has too little evidence, so both latencies and the agreement stay current.
+when MiTA is faster than dense by ``margin`` **with stated confidence** — the upper end of the
+distribution-free (sign-test) confidence interval of MiTA's median forward is at most
+(1 − margin) × the lower end of dense's, over at least ``min_latency_samples`` forwards of
+each — **and** the lower bound of the agreement's Wilson score interval reaches
+``min_agreement``; otherwise to dense, the reference. A fraction of ``auto`` requests is also
+shadowed to the other variant, more while a bucket is unsettled, so both latencies and the
+agreement stay current.
 
 ``RoutingTable`` holds the evidence (bounded deques, one gateway replica's own) and answers
-``decide``; ``decide_bucket`` is the rule on plain numbers. Ray-free: tested without Serve.
+``decide``; ``decide_bucket`` is the rule on plain numbers, ``median_interval`` the interval.
+Ray-free: tested without Serve.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +38,21 @@ from .settings import VARIANTS, AutoPolicy
 log = logging.getLogger("ray.serve")
 
 # Why a bucket's requests go where they go (the decision counter's ``reason`` label):
-# faster_and_agreeing → mita; slower (MiTA not faster than dense by the margin),
+# faster_and_agreeing → mita; slower (MiTA not shown faster than dense by the margin),
 # agreement_too_low (its lower bound below min_agreement), not_enough_data (too few forwards
-# of a variant, or shadow pairs) → dense
+# of a variant or shadow pairs, or MiTA's medians look faster by the margin but their
+# interval does not show it yet while the windows still have room) → dense
 (_, FASTER_AND_AGREEING), (_, SLOWER), (_, AGREEMENT_TOO_LOW), (_, NOT_ENOUGH_DATA) = (
     ROUTING_DECISIONS)
+
+# Up to this many samples the sign test's binomial tail is summed in exact integers (math.comb
+# and the tail as an exact fraction), so a rank is never off by one from float rounding;
+# above it (only with a ``window`` over 1,000) in float logs via lgamma, whose relative error
+# (~1e-10 at n = 100,000) can only matter where the tail equals the binomial sum to 10 digits.
+EXACT_RANK_UP_TO = 1000
+# The float sum stops once a term is below this share of the sum so far: the terms fall
+# geometrically away from the mode, so what is left is below double precision.
+TAIL_TERM_EPS = 1e-17
 
 
 def wilson_lower(agree: float, pairs: float, z: float) -> float:
@@ -52,17 +69,147 @@ def wilson_lower(agree: float, pairs: float, z: float) -> float:
     return max(0.0, (centre - spread) / (1 + z2 / pairs))
 
 
-def decide_bucket(mita_ms: float | None, dense_ms: float | None, samples: tuple[int, int],
-                  agree: float, pairs: float, policy: AutoPolicy) -> tuple[str, str]:
-    """(variant, reason) for one bucket: ``mita_ms``/``dense_ms`` the variants' median
-    forward times (ms; None without any), ``samples`` how many forwards of (mita, dense) they
-    are medians of, ``agree`` of ``pairs`` shadow comparisons with equal labels. Checked in
-    this order: too few forwards of either → not_enough_data; MiTA not faster than
-    (1 − margin) × dense → slower; too few pairs → not_enough_data; Wilson lower bound below
-    min_agreement → agreement_too_low; else MiTA, faster_and_agreeing."""
-    if min(samples) < policy.min_latency_samples or mita_ms is None or dense_ms is None:
+def confidence(z: float) -> float:
+    """The two-sided confidence of ``z`` standard normal quantiles, erf(z / √2): 0.95 for
+    1.96 (0.9500042). Each end of such an interval holds at one-sided 1 − (1 − confidence)/2
+    (0.975), so two ends of two independent intervals hold together at ≥ the confidence."""
+    return math.erf(z / math.sqrt(2))
+
+
+@lru_cache(maxsize=4096)
+def median_rank(n: int, z: float) -> int:
+    """The 1-based rank j such that the order statistics x_(j) ≤ x_(n+1−j) of ``n`` samples
+    bound their distribution's median m, each end at one-sided confidence ≥ 1 − t, t = ½ erfc(z
+    / √2) (z's upper normal tail: 0.025 for 1.96), so the interval at two-sided ≥ 1 − 2t =
+    ``confidence(z)``: the largest j ≤ (n + 1)/2 with P(Binomial(n, ½) ≤ j − 1) ≤ t.
+
+    Why it holds for any distribution (the sign test's interval): x_(j) > m only when fewer
+    than j samples are ≤ m, and the count of samples ≤ m is Binomial(n, p) with p = P(X ≤ m) ≥
+    ½, so P(x_(j) > m) ≤ P(Binomial(n, ½) ≤ j − 1) ≤ t; the upper end likewise. Exact sums up
+    to ``EXACT_RANK_UP_TO`` samples, float logs above. 0 when even j = 1 misses (2^−n > t:
+    fewer samples than a finite bound needs at this confidence, 6 at 1.96). Raises ValueError
+    unless n ≥ 0 and z is finite and ≥ 0."""
+    if n < 0 or not 0 <= z < math.inf:
+        raise ValueError(f"need n ≥ 0 and a finite z ≥ 0, got {n}, {z}")
+    tail = 0.5 * math.erfc(z / math.sqrt(2))
+    most = (n - 1) // 2  # j − 1 at most: j ≤ n + 1 − j, the lower end is not above the upper
+    if n <= EXACT_RANK_UP_TO:
+        # P(Bin(n, ½) ≤ k) ≤ t ⟺ Σ_{i≤k} C(n, i) ≤ t·2^n, in integers and an exact fraction
+        bound = Fraction(tail) * 2**n
+        k, c, total = -1, 1, 1  # c = C(n, k + 1), total = Σ_{i ≤ k+1} C(n, i)
+        while k < most and total <= bound:
+            k += 1
+            c = c * (n - k) // (k + 1)
+            total += c
+        return k + 1
+    # from the normal approximation of the rank, step to the exact one
+    k = max(-1, min(most, math.floor(n / 2 - z * math.sqrt(n) / 2) - 1))
+    while k >= 0 and _half_binomial_cdf(k, n) > tail:
+        k -= 1
+    while k < most and _half_binomial_cdf(k + 1, n) <= tail:
+        k += 1
+    return k + 1
+
+
+def _half_binomial_cdf(k: int, n: int) -> float:
+    """P(Binomial(n, ½) ≤ k) for 0 ≤ k < n, summed from k down in float logs (lgamma), so
+    that 2^−n does not underflow at large n; exactly ½ at k = (n − 1)/2 (symmetry), the one
+    sum a tail (z = 0) can equal exactly."""
+    if 2 * k + 1 == n:
+        return 0.5
+    log_scale = math.lgamma(n + 1) - n * math.log(2)
+    total = 0.0
+    for i in range(k, -1, -1):
+        term = math.exp(log_scale - math.lgamma(i + 1) - math.lgamma(n - i + 1))
+        total += term
+        if term < TAIL_TERM_EPS * total:
+            break
+    return total
+
+
+def median_interval(times_ms: Sequence[float], z: float
+                    ) -> tuple[float, tuple[float, float] | None]:
+    """(median, its interval or None) of forward times (ms, any order, at least one): the
+    sample median and [x_(j), x_(n+1−j)] with j = ``median_rank(n, z)``, a distribution-free
+    interval of the true median at two-sided confidence ≥ ``confidence(z)`` (each end at
+    one-sided ≥ 1 − ½ erfc(z/√2)); None when ``n`` is too small for a finite one (j = 0).
+    O(n log n). Raises ValueError for no times."""
+    if not times_ms:
+        raise ValueError("no times: a median needs at least one")
+    s = sorted(times_ms)
+    n, h = len(s), len(s) // 2
+    median = s[h] if n % 2 else (s[h - 1] + s[h]) / 2
+    j = median_rank(n, z)
+    return float(median), ((float(s[j - 1]), float(s[n - j])) if j else None)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """One variant's forward times in one bucket as the rule sees them: the median (ms, None
+    without forwards), its ``median_interval`` (ms, None when too few forwards or from a
+    prior), the forwards counted, whether the ``window`` is full (no more evidence will come
+    before old evidence goes), and whether a warm start's prior (a median alone) stands in."""
+
+    median_ms: float | None
+    interval_ms: tuple[float, float] | None
+    count: int
+    full: bool = False
+    from_warm_start: bool = False
+
+    @classmethod
+    def of(cls, times_ms: Sequence[float], z: float, window: int) -> Latency:
+        """The live evidence of ``times_ms`` (ms), the last ``window`` forwards kept."""
+        if not times_ms:
+            return cls(None, None, 0)
+        median, interval = median_interval(times_ms, z)
+        return cls(median, interval, len(times_ms), len(times_ms) >= window)
+
+
+def latency_ratio(mita: Latency, dense: Latency) -> tuple[float | None, float | None]:
+    """(MiTA's median / dense's, its upper confidence bound): the bound is the upper end of
+    MiTA's median interval over the lower end of dense's, both live; it holds at ≥
+    ``confidence(z)`` (each end at one-sided 1 − t, so both at ≥ 1 − 2t: Bonferroni). None
+    where a median (or, for the bound, a live interval) is missing or a divisor is not > 0."""
+    ratio = bound = None
+    if mita.median_ms is not None and dense.median_ms is not None and dense.median_ms > 0:
+        ratio = mita.median_ms / dense.median_ms
+    if (mita.interval_ms is not None and dense.interval_ms is not None
+            and not (mita.from_warm_start or dense.from_warm_start)
+            and dense.interval_ms[0] > 0):
+        bound = mita.interval_ms[1] / dense.interval_ms[0]
+    return ratio, bound
+
+
+def decide_bucket(mita: Latency, dense: Latency, agree: float, pairs: float,
+                  policy: AutoPolicy) -> tuple[str, str]:
+    """(variant, reason) for one bucket from each variant's ``Latency`` and ``agree`` of
+    ``pairs`` shadow comparisons with equal labels. Checked in this order:
+
+    1. a variant without forwards, or with fewer live ones than ``min_latency_samples`` (a
+       warm start's prior is not counted against it) → not_enough_data;
+    2. MiTA faster by the margin: with both live, the ratio's upper bound (``latency_ratio``:
+       MiTA's median interval's upper end / dense's lower end, at ≥ ``confidence(z)``) ≤ 1 −
+       margin; with a prior standing in for either, no interval: the medians' ratio ≤ 1 −
+       margin. Not so → slower, except while both are live, the medians' ratio is ≤ 1 −
+       margin and a window still has room: → not_enough_data, so exploration gets the
+       timings that settle it (once both windows are full the bucket is called slower);
+    3. fewer than ``min_pairs`` pairs → not_enough_data;
+    4. Wilson lower bound of the agreement below ``min_agreement`` → agreement_too_low;
+    5. else MiTA, faster_and_agreeing."""
+    if mita.median_ms is None or dense.median_ms is None or any(
+            not v.from_warm_start and v.count < policy.min_latency_samples
+            for v in (mita, dense)):
         return "dense", NOT_ENOUGH_DATA
-    if mita_ms > (1 - policy.margin) * dense_ms:
+    most = 1 - policy.margin
+    ratio, bound = latency_ratio(mita, dense)
+    point_faster = ratio is not None and ratio <= most
+    if mita.from_warm_start or dense.from_warm_start:
+        faster = point_faster
+    else:
+        faster = bound is not None and bound <= most
+        if not faster and point_faster and not (mita.full and dense.full):
+            return "dense", NOT_ENOUGH_DATA
+    if not faster:
         return "dense", SLOWER
     if pairs < policy.min_pairs:
         return "dense", NOT_ENOUGH_DATA
@@ -82,14 +229,16 @@ class Evidence:
     pairs: deque
     prior: dict | None = None
 
-    def latency(self, policy: AutoPolicy) -> dict[str, tuple[float | None, int, bool]]:
-        """Per variant (median ms or None, forwards counted, from the prior)."""
+    def latency(self, policy: AutoPolicy) -> dict[str, Latency]:
+        """Per variant its ``Latency``: the prior's median (no interval) while the live
+        forwards are fewer than ``min_latency_samples``, else the live ones'."""
         out = {}
         for v, d in self.forwards.items():
             if self.prior is not None and len(d) < policy.min_latency_samples:
-                out[v] = (self.prior["latency_ms"][v], self.prior["latency_samples"][v], True)
+                out[v] = Latency(self.prior["latency_ms"][v], None,
+                                 self.prior["latency_samples"][v], from_warm_start=True)
             else:
-                out[v] = (float(np.median(d)) if d else None, len(d), False)
+                out[v] = Latency.of(d, policy.confidence_z, policy.window)
         return out
 
     def agreement(self, policy: AutoPolicy) -> tuple[float, float, float | None, bool]:
@@ -166,20 +315,23 @@ class RoutingTable:
         return row["variant"], row["reason"], explore
 
     def _row(self, bucket: str) -> dict:
-        e = self._buckets[bucket]
-        lat = e.latency(self.policy)
-        agree, pairs, kl, prior_pairs = e.agreement(self.policy)
-        (mita_ms, mita_n, prior_mita), (dense_ms, dense_n, prior_dense) = (
-            lat["mita"], lat["dense"])
-        variant, reason = decide_bucket(mita_ms, dense_ms, (mita_n, dense_n), agree, pairs,
-                                        self.policy)
+        e, policy = self._buckets[bucket], self.policy
+        lat = e.latency(policy)
+        agree, pairs, kl, prior_pairs = e.agreement(policy)
+        mita, dense = lat["mita"], lat["dense"]
+        variant, reason = decide_bucket(mita, dense, agree, pairs, policy)
+        ratio, bound = latency_ratio(mita, dense)
         return {"n_bucket": bucket, "variant": variant, "reason": reason,
-                "mita_p50_ms": mita_ms, "dense_p50_ms": dense_ms,
-                "mita_forwards": mita_n, "dense_forwards": dense_n,
+                "mita_p50_ms": mita.median_ms, "dense_p50_ms": dense.median_ms,
+                "mita_p50_interval_ms": mita.interval_ms,
+                "dense_p50_interval_ms": dense.interval_ms,
+                "mita_forwards": mita.count, "dense_forwards": dense.count,
+                "latency_ratio": ratio, "latency_ratio_upper_bound": bound,
+                "confidence": confidence(policy.confidence_z),
                 "pairs": int(pairs), "agreement": agree / pairs if pairs else None,
-                "agreement_lower_bound": wilson_lower(agree, pairs,
-                                                      self.policy.confidence_z),
-                "kl_mean": kl, "from_warm_start": prior_mita or prior_dense or prior_pairs}
+                "agreement_lower_bound": wilson_lower(agree, pairs, policy.confidence_z),
+                "kl_mean": kl, "from_warm_start": (mita.from_warm_start
+                                                   or dense.from_warm_start or prior_pairs)}
 
     def table(self) -> list[dict]:
         """Every bucket's row: the decision, its reason and the evidence behind it."""

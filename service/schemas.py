@@ -121,22 +121,44 @@ class ErrorResponse(BaseModel):
 
 
 class RoutingBucket(BaseModel):
-    """One N bucket of policy ``auto`` (``service.routing``)."""
+    """One N bucket of policy ``auto`` (``service.routing``). MiTA is called faster when
+    ``latency_ratio_upper_bound`` ≤ 1 − margin: the upper end of MiTA's median interval over
+    the lower end of dense's, a bound that holds at ≥ ``confidence``. While a warm start's
+    prior (a median alone) stands in for a variant, that variant has no interval, the bound is
+    null and the medians' ratio decides."""
 
     n_bucket: str = Field(description="the bucket's label: N up to the number (le_1024 …)")
     variant: Variant = Field(description="where auto sends this bucket's requests now")
     reason: Literal["faster_and_agreeing", "slower", "agreement_too_low", "not_enough_data"]
     mita_p50_ms: float | None = Field(description="median recent MiTA forward, ms")
     dense_p50_ms: float | None = Field(description="median recent dense forward, ms")
-    mita_forwards: int
-    dense_forwards: int
+    mita_p50_interval_ms: tuple[float, float] | None = Field(
+        description="[low, high] distribution-free (sign-test) confidence interval of MiTA's "
+                    "median forward at confidence, ms; null with too few forwards for a "
+                    "finite one (fewer than 6 at 95 %) or while a warm start's prior stands "
+                    "in")
+    dense_p50_interval_ms: tuple[float, float] | None = Field(
+        description="the same of dense's median forward")
+    mita_forwards: int = Field(description="live MiTA forwards in the window, or the prior's "
+                                           "repeats while it stands in")
+    dense_forwards: int = Field(description="the same of dense")
+    latency_ratio: float | None = Field(description="mita_p50_ms / dense_p50_ms (< 1: MiTA "
+                                                    "faster)")
+    latency_ratio_upper_bound: float | None = Field(
+        description="upper end of MiTA's interval / lower end of dense's: the true ratio of "
+                    "medians is at most this at ≥ confidence; null without both intervals "
+                    "(too few forwards, or a warm start's prior standing in)")
+    confidence: float = Field(description="two-sided confidence of each interval and of the "
+                                          "agreement's bound, erf(confidence_z / √2) (0.95 "
+                                          "for 1.96); the ratio bound holds at ≥ this too")
     pairs: int = Field(description="shadow comparisons (MiTA and dense on one request)")
     agreement: float | None = Field(description="share of pairs with equal labels")
     agreement_lower_bound: float = Field(description="its Wilson score lower bound (0 "
                                                      "without pairs)")
     kl_mean: float | None = Field(description="mean KL(dense ‖ MiTA) of the pairs, nats")
     from_warm_start: bool = Field(description="a warm start's prior still stands in for "
-                                              "missing live evidence")
+                                              "missing live evidence (its latencies have no "
+                                              "interval)")
 
 
 class RoutingResponse(BaseModel):

@@ -104,33 +104,54 @@ def validated(model: type[BaseModel], values: dict | None, where: str) -> BaseMo
 
 class AutoPolicy(BaseModel):
     """The thresholds of the gateway's ``policy: auto`` (``service.routing``): per N bucket,
-    MiTA serves when its median forward is at most (1 − ``margin``) × dense's and the lower
-    bound of its label agreement with dense (Wilson score interval at ``confidence_z``, over
-    at least ``min_pairs`` shadow comparisons) is at least ``min_agreement``; else dense."""
+    MiTA serves when it is faster than dense by ``margin`` with confidence — the upper end of
+    the sign-test interval of MiTA's median forward is at most (1 − ``margin``) × the lower
+    end of dense's, each interval at two-sided erf(``confidence_z``/√2), over at least
+    ``min_latency_samples`` forwards of each — and the lower bound of its label agreement with
+    dense (Wilson score interval at ``confidence_z``, over at least ``min_pairs`` shadow
+    comparisons) is at least ``min_agreement``; else dense. ``min_latency_samples`` and
+    ``min_pairs`` must fit in the ``window`` (a bucket could never settle)."""
 
     model_config = STRICT_CONFIG
 
     margin: float = Field(0.1, ge=0, lt=1, description="MiTA must be faster than dense by "
-                          "this fraction of dense's median forward")
+                          "this fraction of dense's median forward, at the confidence")
     min_agreement: float = Field(0.95, ge=0, le=1, description="lowest admissible lower "
                                  "confidence bound of MiTA's label agreement with dense")
     confidence_z: float = Field(1.96, ge=0, le=5, description="standard normal quantile of "
-                                "the Wilson bound (1.96: two-sided 95 %)")
+                                "the Wilson bound and of both medians' intervals (1.96: "
+                                "two-sided 95 %; MiTA called faster at ≥ that confidence)")
     min_pairs: int = Field(30, ge=1, le=100_000, description="shadow comparisons a bucket "
                            "needs before MiTA can serve it")
-    min_latency_samples: int = Field(5, ge=1, le=10_000, description="forwards of each "
+    # 20: at 1.96 a finite sign-test bound needs 6 forwards, but then it is the sample's
+    # extreme, set by one timing; at 20 it is the 6th from each end, so 5 lucky (or unlucky)
+    # timings cannot settle a bucket, and 20 is what exploration at 50 % gathers in ~40
+    # requests of a bucket.
+    min_latency_samples: int = Field(20, ge=1, le=10_000, description="forwards of each "
                                      "variant a bucket needs before either can be called "
                                      "faster")
     explore: float = Field(0.05, ge=0, le=1, description="fraction of auto requests also "
-                           "shadowed to the other variant in a bucket with enough data")
+                           "shadowed to the other variant in a settled bucket")
     explore_unsettled: float = Field(0.5, ge=0, le=1, description="the same while the bucket "
-                                     "has too few forwards or pairs")
+                                     "has too few forwards or pairs, or MiTA's medians look "
+                                     "faster without the confidence yet (not_enough_data)")
     window: int = Field(200, ge=10, le=100_000, description="recent forwards per variant and "
-                        "shadow comparisons kept per bucket")
+                        "shadow comparisons kept per bucket; once both variants' are full, "
+                        "MiTA not shown faster is called slower")
     warm_start: str | None = Field(None, min_length=1, max_length=4096, description="an "
                                    "advisor report (python -m profiler advise's advise.json) "
                                    "whose latencies and agreement for the served MiTA "
                                    "setting stand in until live evidence replaces them")
+
+    @field_validator("window")
+    @classmethod
+    def _fits_the_window(cls, window, info):
+        # the fields above it, as validated (a refused one is absent)
+        for name in ("min_pairs", "min_latency_samples"):
+            if info.data.get(name, 0) > window:
+                raise ValueError(f"{name} ({info.data[name]}) must be ≤ window ({window}): "
+                                 f"the window keeps no more, so a bucket could never settle")
+        return window
 
 
 class GatewayConfig(BaseModel):

@@ -228,7 +228,7 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
     variant in the colour /v1/stats gives (the load tester's too)."""
     body = stats_body(counted_window().summary())
     # policy auto's table on fixed evidence: le_1024 dense (MiTA slower), le_4096 MiTA
-    table = RoutingTable(AutoPolicy(min_agreement=0.45, min_pairs=10))
+    table = RoutingTable(AutoPolicy(min_agreement=0.45, min_pairs=10, min_latency_samples=6))
     for _ in range(6):
         table.add_forward("mita", 64, 1.5)
         table.add_forward("dense", 64, 1.0)
@@ -274,8 +274,9 @@ def test_dashboard_draws_counts_kl_and_the_policy_split(browser):
         ["le_4096", "mita", "faster_and_agreeing",
          ["N ≤ 4,096", "mita", "faster and agreeing", "12.5 ms (6)", "100 ms (6)",
           "80.0 % (≥ 49.0 %, 10)", "0.125"]]]
-    assert policy == ("policy auto: MiTA where its median forward is at least 10 % faster than "
-                      "dense's and the lower bound of its agreement is at least 45 % (10+ "
+    assert policy == ("policy auto: MiTA where the upper end of its median forward's 95 % "
+                      "interval is at least 10 % below the lower end of dense's (6+ forwards "
+                      "each) and the lower bound of its agreement is at least 45 % (10+ "
                       "shadow pairs)")
     got = {(b, v, st): (cls, op, text, fill) for b, v, st, cls, op, text, fill in bars}
     assert got["le_1024", "mita", "qkv_proj"] == ("bar few", "0.3", "13.2 ms n=2",

@@ -18,7 +18,7 @@ from mita.config import ModelConfig
 from mita.task import checkpoint_task
 from service.gateway import Gateway
 from service.http import ARRIVED, query_refusal
-from service.routing import RoutingTable, advisor_priors, decide_bucket, wilson_lower
+from service.routing import Latency, RoutingTable, advisor_priors, decide_bucket, wilson_lower
 from service.settings import AutoPolicy, GatewayConfig
 
 from .helpers import spied_recorder
@@ -43,18 +43,35 @@ def test_wilson_lower_bound_values():
 POLICY = AutoPolicy(margin=0.1, min_agreement=0.8, min_pairs=30, min_latency_samples=5)
 
 
-@pytest.mark.parametrize("mita_ms, dense_ms, samples, agree, pairs, want", [
-    (5.0, 40.0, (10, 10), 95, 100, ("mita", "faster_and_agreeing")),  # bound 0.888 ≥ 0.8
-    (5.0, 40.0, (10, 10), 80, 100, ("dense", "agreement_too_low")),  # bound 0.711 < 0.8
-    (5.0, 40.0, (10, 10), 29, 29, ("dense", "not_enough_data")),  # 29 pairs < 30
-    (1.0, 0.8, (10, 10), 100, 100, ("dense", "slower")),  # dense faster
-    (0.91, 1.0, (10, 10), 100, 100, ("dense", "slower")),  # faster, not by the 10 % margin
-    (0.9, 1.0, (10, 10), 100, 100, ("mita", "faster_and_agreeing")),  # exactly the margin
-    (5.0, 40.0, (4, 10), 100, 100, ("dense", "not_enough_data")),  # 4 MiTA forwards < 5
-    (None, 40.0, (0, 10), 0, 0, ("dense", "not_enough_data")),
+def tight(ms: float, n: int = 10) -> Latency:
+    """``n`` live forwards of exactly ``ms``: the median's interval is [ms, ms]."""
+    return Latency(ms, (ms, ms), n)
+
+
+@pytest.mark.parametrize("mita, dense, agree, pairs, want", [
+    (tight(5.0), tight(40.0), 95, 100, ("mita", "faster_and_agreeing")),  # bound 0.888 ≥ 0.8
+    (tight(5.0), tight(40.0), 80, 100, ("dense", "agreement_too_low")),  # bound 0.711 < 0.8
+    (tight(5.0), tight(40.0), 29, 29, ("dense", "not_enough_data")),  # 29 pairs < 30
+    (tight(1.0), tight(0.8), 100, 100, ("dense", "slower")),  # dense faster
+    (tight(0.91), tight(1.0), 100, 100, ("dense", "slower")),  # faster, not by the 10 % margin
+    (tight(0.9), tight(1.0), 100, 100, ("mita", "faster_and_agreeing")),  # exactly the margin
+    (tight(5.0, 4), tight(40.0), 100, 100, ("dense", "not_enough_data")),  # 4 forwards < 5
+    (Latency(None, None, 0), tight(40.0), 0, 0, ("dense", "not_enough_data")),
+    # medians 5 against 40 ms, but MiTA's interval reaches 37 ms: 37 > 0.9 × 39, not shown
+    (Latency(5.0, (4.0, 37.0), 10), Latency(40.0, (39.0, 41.0), 10), 100, 100,
+     ("dense", "not_enough_data")),
+    # the same once both windows are full: no more evidence will come, slower
+    (Latency(5.0, (4.0, 37.0), 10, full=True), Latency(40.0, (39.0, 41.0), 10, full=True),
+     100, 100, ("dense", "slower")),
+    # no interval yet (too few forwards for one at 95 %): not shown either
+    (Latency(5.0, None, 5), Latency(40.0, None, 5), 100, 100, ("dense", "not_enough_data")),
+    # a warm start's medians (no interval, 3 repeats below min_latency_samples) still decide
+    (Latency(5.0, None, 3, from_warm_start=True), tight(40.0), 100, 100,
+     ("mita", "faster_and_agreeing")),
+    (Latency(39.0, None, 3, from_warm_start=True), tight(40.0), 100, 100, ("dense", "slower")),
 ])
-def test_decision_rule_on_fixed_numbers(mita_ms, dense_ms, samples, agree, pairs, want):
-    assert decide_bucket(mita_ms, dense_ms, samples, agree, pairs, POLICY) == want
+def test_decision_rule_on_fixed_numbers(mita, dense, agree, pairs, want):
+    assert decide_bucket(mita, dense, agree, pairs, POLICY) == want
 
 
 def feed(table: RoutingTable, n: int, mita_ms: float, dense_ms: float, forwards: int,
@@ -70,8 +87,8 @@ def test_routing_table_decides_per_bucket_and_explores_less_once_settled():
     table = RoutingTable(AutoPolicy(min_agreement=0.55, min_pairs=20, explore=0.05,
                                     explore_unsettled=0.5))
     assert table.decide(64) == ("dense", "not_enough_data", 0.5)  # no data: dense, explore
-    feed(table, 64, mita_ms=1.0, dense_ms=0.8, forwards=10, agree=20, pairs=20)
-    feed(table, 4096, mita_ms=13.0, dense_ms=108.0, forwards=10, agree=16, pairs=20)
+    feed(table, 64, mita_ms=1.0, dense_ms=0.8, forwards=20, agree=20, pairs=20)
+    feed(table, 4096, mita_ms=13.0, dense_ms=108.0, forwards=20, agree=16, pairs=20)
     assert table.decide(64) == ("dense", "slower", 0.05)
     assert table.decide(1024) == ("dense", "slower", 0.05)  # one bucket: le_1024
     assert table.decide(4096) == ("mita", "faster_and_agreeing", 0.05)  # bound 0.584 ≥ 0.55
@@ -80,6 +97,11 @@ def test_routing_table_decides_per_bucket_and_explores_less_once_settled():
     assert (long["mita_p50_ms"], long["dense_p50_ms"], long["pairs"]) == (13.0, 108.0, 20)
     assert long["agreement"] == 0.8 and long["kl_mean"] == pytest.approx(0.05)
     assert long["agreement_lower_bound"] == pytest.approx(wilson_lower(16, 20, 1.96))
+    # 20 equal forwards each: both intervals are the one time, the ratio bound 13 / 108
+    assert (long["mita_p50_interval_ms"], long["dense_p50_interval_ms"]) == ((13.0, 13.0),
+                                                                           (108.0, 108.0))
+    assert long["latency_ratio"] == long["latency_ratio_upper_bound"] == 13.0 / 108.0
+    assert long["confidence"] == pytest.approx(0.95, abs=1e-5)  # erf(1.96 / √2) = 0.9500042
     assert rows["le_16384"]["reason"] == "not_enough_data" and not long["from_warm_start"]
     # a stricter guard, live: the same evidence now keeps dense
     table.configure(AutoPolicy(min_agreement=0.6, min_pairs=20))
@@ -87,12 +109,12 @@ def test_routing_table_decides_per_bucket_and_explores_less_once_settled():
 
 
 def test_the_window_keeps_the_most_recent_evidence():
-    table = RoutingTable(AutoPolicy(window=10, min_pairs=10, min_agreement=0.5))
-    feed(table, 4096, 50.0, 10.0, forwards=10, agree=0, pairs=10)  # old: MiTA slow, disagrees
-    feed(table, 4096, 5.0, 10.0, forwards=10, agree=10, pairs=10)  # new evidence replaces it
+    table = RoutingTable(AutoPolicy(window=20, min_pairs=20, min_agreement=0.5))
+    feed(table, 4096, 50.0, 10.0, forwards=20, agree=0, pairs=20)  # old: MiTA slow, disagrees
+    feed(table, 4096, 5.0, 10.0, forwards=20, agree=20, pairs=20)  # new evidence replaces it
     assert table.decide(4096)[:2] == ("mita", "faster_and_agreeing")
-    table.configure(AutoPolicy(window=20, min_pairs=10, min_agreement=0.5))
-    feed(table, 4096, 50.0, 10.0, forwards=11, agree=0, pairs=11)  # now the median is slow
+    table.configure(AutoPolicy(window=40, min_pairs=20, min_agreement=0.5))
+    feed(table, 4096, 50.0, 10.0, forwards=21, agree=0, pairs=21)  # now the median is slow
     assert table.decide(4096)[:2] == ("dense", "slower")
 
 
@@ -154,7 +176,7 @@ def request(headers: dict | None = None) -> Request:
 def test_the_gateway_routes_by_the_table_and_lets_override_and_sticky_win():
     g, handles = gateway(weights={"mita": 0.0, "dense": 1.0},
                          auto=AutoPolicy(min_agreement=0.5, min_pairs=10, explore=0.0))
-    feed(g.recorder.routing, 4096, 5.0, 50.0, forwards=10, agree=10, pairs=10)
+    feed(g.recorder.routing, 4096, 5.0, 50.0, forwards=20, agree=10, pairs=10)
     ids = np.ones(4096, dtype=np.uint8)
 
     async def main():
@@ -194,6 +216,10 @@ def test_auto_explores_a_share_of_requests_in_shadow():
     ({"auto": {"window": 5}}, "greater than or equal to 10"),
     ({"auto": {"guard": 0.9}}, "Extra inputs are not permitted"),
     ({"auto": {"warm_start": ""}}, "at least 1 character"),
+    # more than the window keeps: the bucket could never settle
+    ({"auto": {"window": 19, "min_pairs": 10}},
+     r"min_latency_samples \(20\) must be ≤ window \(19\)"),
+    ({"auto": {"window": 50, "min_pairs": 51}}, r"min_pairs \(51\) must be ≤ window"),
 ])
 def test_auto_fields_are_parsed_strictly(raw, why):
     with pytest.raises(ValueError, match=why):
@@ -231,28 +257,39 @@ def test_a_warm_start_stands_in_until_live_evidence_is_enough_on_its_own():
     # found by a user: one live forward replaced a 5-forward prior (and one pair 1,000 prior
     # pairs), and the bucket fell back to dense for want of data
     table = RoutingTable()
-    policy = AutoPolicy(warm_start=REPORT, min_agreement=0.6, min_latency_samples=5,
+    policy = AutoPolicy(warm_start=REPORT, min_agreement=0.6, min_latency_samples=20,
                         min_pairs=30)
     table.configure(policy, "m8 k8 s1 paper")
     assert table.decide(4096)[:2] == ("mita", "faster_and_agreeing")
+    row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
+    # the report's medians (5 repeats each, fewer than min_latency_samples: a prior is not
+    # held to it) decide alone: no interval, no ratio bound
+    assert (row["mita_forwards"], row["dense_forwards"], row["mita_p50_interval_ms"],
+            row["dense_p50_interval_ms"], row["latency_ratio_upper_bound"]) == (
+        5, 5, None, None, None)
+    assert row["latency_ratio"] == row["mita_p50_ms"] / row["dense_p50_ms"]
     table.add_forward("mita", 4096, 101.0)  # one slow live forward: the prior still stands
     table.add_pair(4096, False, 2.0)
     row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
     assert (row["variant"], row["mita_forwards"], row["pairs"], row["from_warm_start"]) == (
         "mita", 5, 1000, True)
-    for _ in range(4):  # five live MiTA forwards: theirs is the median now
+    for _ in range(19):  # twenty live MiTA forwards: theirs is the median now
         table.add_forward("mita", 4096, 101.0)
     row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
     assert (row["variant"], row["reason"], row["mita_p50_ms"], row["mita_forwards"]) == (
-        "dense", "slower", 101.0, 5)
-    assert row["from_warm_start"]  # dense's median and the pairs are still the report's
-    for _ in range(5):
+        "dense", "slower", 101.0, 20)
+    # dense's median and the pairs are still the report's: MiTA's live interval is shown,
+    # but no ratio bound (the prior has none), and the medians decide
+    assert row["from_warm_start"] and row["mita_p50_interval_ms"] == (101.0, 101.0)
+    assert row["dense_p50_interval_ms"] is None and row["latency_ratio_upper_bound"] is None
+    for _ in range(20):
         table.add_forward("dense", 4096, 400.0)
     for _ in range(29):
         table.add_pair(4096, True, 0.5)
     row = next(r for r in table.table() if r["n_bucket"] == "le_4096")
     assert (row["variant"], row["pairs"], row["agreement"], row["from_warm_start"]) == (
         "mita", 30, 29 / 30, False)
+    assert row["latency_ratio_upper_bound"] == 101.0 / 400.0
 
 
 def test_routing_takes_no_query_parameters():

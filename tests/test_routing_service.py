@@ -4,12 +4,15 @@ the short bucket to dense and the long one to MiTA; ``/v1/routing`` and the deci
 say so; an explicit variant still wins; the default guard keeps dense. The guard met is low:
 at 3,000–4,096 tokens, beyond the 500–2,000 the shipped model was trained on, its two variants
 give the same label to 4 of the first 15 long expressions here (Wilson lower bound 0.109; 8 of
-all 25) — the honest answer for this model is dense. The decision rule on fixed numbers:
-``test_routing.py``."""
+all 25) — the honest answer for this model is dense. MiTA is called faster in the long bucket
+only once the upper end of its median's interval is below 0.9 × the lower end of dense's (95 %;
+``/v1/routing`` shows both intervals and the ratio's bound). The decision rule on fixed
+numbers: ``test_routing.py``, ``test_routing_bound.py``."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from mita.data.listops import ListOpsConfig, generate
 
@@ -45,6 +48,11 @@ def test_auto_sends_short_to_dense_and_long_to_mita(service, serve_reset):
     assert long["mita_p50_ms"] < 0.9 * long["dense_p50_ms"]
     assert long["pairs"] >= 15 and long["agreement_lower_bound"] >= 0.05
     assert long["mita_forwards"] >= 5 and long["dense_forwards"] >= 5
+    # "faster" with its bound: MiTA's upper end against dense's lower end, at 95 %
+    (_, mita_high), (dense_low, _) = long["mita_p50_interval_ms"], long["dense_p50_interval_ms"]
+    assert long["latency_ratio_upper_bound"] == mita_high / dense_low <= 0.9
+    assert long["latency_ratio"] <= long["latency_ratio_upper_bound"]
+    assert long["confidence"] == pytest.approx(0.95, abs=1e-5)
     served = [service.client.post("/v1/classify", json={"text": t}).json()["variant"]
               for pair in zip(SHORT[20:], LONG[20:25], strict=True) for t in pair]
     assert served == ["dense", "mita"] * 5

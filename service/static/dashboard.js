@@ -176,8 +176,12 @@ function fmtShare(x) {
 
 function renderRouting(r) {
   const a = r.auto, ws = r.warm_start;
-  const rule = `MiTA where its median forward is at least ${+(100 * a.margin).toFixed(1)} % ` +
-    `faster than dense's and the lower bound of its agreement is at least ` +
+  // The rule of service.routing.decide_bucket: the ends of each median's interval, not the
+  // medians, must clear the margin.
+  const conf = r.buckets.length ? ` ${+(100 * r.buckets[0].confidence).toFixed(1)} %` : "";
+  const rule = `MiTA where the upper end of its median forward's${conf} interval is at least ` +
+    `${+(100 * a.margin).toFixed(1)} % below the lower end of dense's ` +
+    `(${a.min_latency_samples}+ forwards each) and the lower bound of its agreement is at least ` +
     `${+(100 * a.min_agreement).toFixed(1)} % (${a.min_pairs}+ shadow pairs)`;
   const head = html("div", { class: "note", id: "routing-policy" }, (r.policy === "auto"
     ? "policy auto: " : "policy weighted (requests follow the A/B split); auto would send ") +
