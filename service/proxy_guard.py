@@ -18,6 +18,17 @@ answered then with a plain-text 408: 256 such connections froze ``/healthz``, ``
 Each refusal is counted in ``mita_serve_proxy_refusals_total{reason}`` (Prometheus: ``ray_``
 prefix), ``reason`` ∈ ``REASONS``.
 
+It also resends what a dying Gateway replica took with it (``ResendLost``): a request the
+proxy got no answer for at all — Serve's proxy then ends the exchange without a response, and
+uvicorn answered a plain-text ``500 Internal Server Error`` that no metric counted — is sent
+again when it is idempotent (every GET, and the classify POSTs: an answer depends only on the
+input), after ``RESEND_BACKOFF_S``, at most ``MAX_RESENDS`` times within ``RESEND_WITHIN_S``
+(a request that itself kills gateways must not take every replacement down). Serve holds a
+resend until a live Gateway replica runs — at once with two replicas, after the replacement
+starts with one. What gets no answer then is a JSON ``503`` with ``Retry-After``. Each lost
+request is counted in ``mita_serve_proxy_resends_total{outcome}``: ``answered`` (a resend was
+answered) or ``gave_up`` (the 503), which the high-error-rate alert adds to the gateway's 5xx.
+
 Installed through Ray Serve's proxy hook: ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 service.proxy_guard:middlewares`` in the environment of the Ray nodes (``service.launch``
 sets it for the Ray it starts; a cluster's nodes need it set when started). The callback runs
@@ -43,6 +54,18 @@ MAX_BUFFERED_BODY_BYTES = 256 * 1024 * 1024
 REASONS = ("header_timeout", "body_timeout", "too_many_bodies", "too_many_connections",
            "bad_request")
 RETRY_AFTER_S = 1
+# Resends of a request lost with its Gateway replica. Serve replaces a dead replica after its
+# health check (health_check_period_s, 2 s in the shipped configs) and the replica's start
+# (~3-10 s on 2 cores); a resend that reaches the dead replica before Serve's router has
+# dropped it fails at once, so the waits grow: 0.5 + 2 + 4 s before the third resend, and
+# none is sent later than RESEND_WITHIN_S after the first loss.
+RESEND_BACKOFF_S = (0.5, 2.0, 4.0)
+MAX_RESENDS = len(RESEND_BACKOFF_S)
+RESEND_WITHIN_S = 30.0
+RESEND_OUTCOMES = ("answered", "gave_up")
+# The service's POST routes (service.http.CLASSIFY_PATHS, after any route prefix) are
+# idempotent; another application's POST on a shared cluster proxy may not be: never resent.
+RESENT_POSTS = ("/v1/classify", "/v1/classify/batch", "/v1/classify/binary")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
@@ -56,32 +79,44 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-class _Refusals:
-    """``mita_serve_proxy_refusals_total`` once Ray is there (the proxy); counts kept here
-    too (``counts``), so the guard also runs, and is tested, without Ray."""
+class _Counted:
+    """A counter of the proxy process by one label: Ray's ``Counter`` once Ray is there (the
+    proxy); counts kept here too (``counts``), so the guard also runs, and is tested, without
+    Ray."""
 
-    def __init__(self):
-        self.counts = dict.fromkeys(REASONS, 0)
-        self.counter = None
+    def __init__(self, name: str, description: str, label: str, values: tuple[str, ...]):
+        self.counts = dict.fromkeys(values, 0)
+        self.label, self.counter = label, None
         try:
             from ray.util.metrics import Counter
         except ImportError:
             return
-        self.counter = Counter("mita_serve_proxy_refusals_total",
-                               description="connections and requests refused by the HTTP "
-                                           "proxy before any replica: stalled headers or "
-                                           "body, too many at once, unparsable HTTP",
-                               tag_keys=("reason",))
-        for reason in REASONS:  # every series from start-up, at 0 (as service.metrics)
-            self.counter._record(0, tags={"reason": reason})
+        self.counter = Counter(name, description=description, tag_keys=(label,))
+        for value in values:  # every series from start-up, at 0 (as service.metrics)
+            self.counter._record(0, tags={label: value})
 
-    def add(self, reason: str) -> None:
-        self.counts[reason] += 1
+    def add(self, value: str) -> None:
+        self.counts[value] += 1
         if self.counter is not None:
-            self.counter.inc(tags={"reason": reason})
+            self.counter.inc(tags={self.label: value})
 
 
-refusals: _Refusals | None = None
+def _Refusals() -> _Counted:
+    return _Counted("mita_serve_proxy_refusals_total",
+                    "connections and requests refused by the HTTP proxy before any replica: "
+                    "stalled headers or body, too many at once, unparsable HTTP",
+                    "reason", REASONS)
+
+
+def _Resends() -> _Counted:
+    return _Counted("mita_serve_proxy_resends_total",
+                    "requests the HTTP proxy got no answer for (their Gateway replica died "
+                    "holding them): answered by a resend, or gave_up (answered 503)",
+                    "outcome", RESEND_OUTCOMES)
+
+
+refusals: _Counted | None = None
+resends: _Counted | None = None
 
 
 def _refused(reason: str) -> None:
@@ -89,6 +124,13 @@ def _refused(reason: str) -> None:
     if refusals is None:
         refusals = _Refusals()
     refusals.add(reason)
+
+
+def _resent(outcome: str) -> None:
+    global resends
+    if resends is None:
+        resends = _Resends()
+    resends.add(outcome)
 
 
 class BodyDeadline:
@@ -144,6 +186,77 @@ class BodyDeadline:
             size += len(message.get("body", b""))
             if not message.get("more_body", False):
                 return messages
+
+
+class ResendLost:
+    """ASGI middleware: a request the app ends without any response — Serve's proxy does so
+    when the replica holding the request died (it would be uvicorn's plain-text 500) — is sent
+    again if idempotent (``_resendable``) and its client is still there, ``MAX_RESENDS``
+    times at most, after ``backoff_s``, within ``within_s`` of the first loss; then a JSON
+    503 with ``Retry-After``. The request's messages are kept to be replayed to each resend.
+    Counted in ``mita_serve_proxy_resends_total{outcome}``."""
+
+    def __init__(self, app, backoff_s: tuple[float, ...] = RESEND_BACKOFF_S,
+                 within_s: float = RESEND_WITHIN_S):
+        self.app, self.backoff_s, self.within_s = app, backoff_s, within_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not _resendable(scope):
+            return await self.app(scope, receive, send)
+        kept: list[dict] = []  # the request's messages, as the first try read them
+        state = {"started": False, "left": False}
+
+        async def answer(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        async def first_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                kept.append(message)
+            elif message["type"] == "http.disconnect":
+                state["left"] = True
+            return message
+
+        await self.app(dict(scope), first_receive, answer)
+        if state["started"] or state["left"]:
+            return None
+        loop = asyncio.get_running_loop()
+        lost_at, sent = loop.time(), 0
+        for wait in self.backoff_s:
+            if loop.time() + wait - lost_at > self.within_s:
+                break
+            await asyncio.sleep(wait)
+            sent += 1
+            replay = list(kept)
+
+            async def again(replay=replay):
+                if replay:
+                    return replay.pop(0)
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    state["left"] = True
+                return message
+            await self.app(dict(scope), again, answer)
+            if state["started"]:
+                _resent("answered")
+                return None
+            if state["left"]:
+                return None
+        _resent("gave_up")
+        took = loop.time() - lost_at
+        await _send_error(send, 503, f"the gateway replica handling this request was lost "
+                          f"and {sent} resend{'s' * (sent != 1)} within {took:.0f} s got no "
+                          "answer; retry later", {"retry-after": str(RETRY_AFTER_S)})
+        return None
+
+
+def _resendable(scope) -> bool:
+    """Idempotent: a GET or HEAD, or a POST to one of the service's classify routes."""
+    method = scope.get("method", "GET")
+    return method in ("GET", "HEAD") or (
+        method == "POST" and scope.get("path", "").rstrip("/").endswith(RESENT_POSTS))
 
 
 def _declares_body(scope) -> bool:
@@ -242,6 +355,7 @@ def middlewares() -> list:
     else:  # h11 only: no header deadline (ray[serve] installs httptools)
         print("mita-serve: warning: uvicorn runs without httptools: no header deadline in "
               "the HTTP proxy", flush=True)
-    global refusals
-    refusals = _Refusals()
-    return [Middleware(BodyDeadline)]
+    global refusals, resends
+    refusals, resends = _Refusals(), _Resends()
+    # BodyDeadline outside: the whole body is read once, then replayed to every resend.
+    return [Middleware(BodyDeadline), Middleware(ResendLost)]

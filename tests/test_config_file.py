@@ -119,7 +119,7 @@ BAD_FILES = [
     (SHIPPED.replace("- name: DenseClassifier", "- name: MiTAClassifier"),
      "deployment(s) MiTAClassifier listed more than once"),
     (SHIPPED.replace("health_check_period_s: 2", "health_check_period_s: .inf", 1),
-     "deployments.1.health_check_period_s: Input should be a finite number"),
+     "deployments.0.health_check_period_s: Input should be a finite number"),
     (SHIPPED.replace("target_ongoing_requests: 8", "target_ongoing_requests: .nan", 1),
      "autoscaling_config.target_ongoing_requests: Input should be a finite number"),
     (SHIPPED.replace("min_replicas: 1", "min_replicas: 3", 1),

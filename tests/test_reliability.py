@@ -15,7 +15,7 @@ import ray
 
 from loadtest.engine import LoadConfig, run_load
 from mita.data.listops import encode, generate_long
-from service import launch
+from service import launch, proxy_guard
 
 from .helpers import CHECKPOINT, delta, set_gateway, wait_for
 
@@ -327,3 +327,62 @@ def test_readiness_does_not_wait_behind_classify_work(service):
     assert still_busy > 16  # the readiness call overlapped a full classifier queue
     assert ready.status_code == 200 and took < 2.0, (ready.text, took)
     assert all(r.status_code == 200 for r in answers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gateway failure: kill the only Gateway replica during a load run (issue 62).
+
+def test_gateway_killed_mid_load(service, serve_reset):
+    """The Gateway replica is killed (as SIGKILL: ``ray.kill``) under a closed loop of 8: the
+    requests it held got uvicorn's plain-text 500, counted nowhere (6 and 5 in two runs on
+    main). The HTTP proxy now resends them (``proxy_guard.ResendLost``); Serve holds the
+    resends until the replacement runs (health_check_period_s 2), so none fails, each resend
+    answered is counted in proxy_resends_total{outcome="answered"}, and none gave up.
+    N = 8,192 keeps the gateway holding requests (waiting on ~25-100 ms forwards) when it
+    dies."""
+    gateways = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#Gateway#" in a["name"]]
+    assert len(gateways) == 1, gateways
+    cfg = LoadConfig(url=service.url, ns=[8192], variants=["mita"], warmup=0, mode="closed",
+                     concurrency=8, requests=100_000, duration_s=12, timeout_s=60)
+    result: dict = {}
+    text0 = service.metrics_text()
+
+    def run():
+        result["samples"] = asyncio.run(run_load(cfg))
+    import threading
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        time.sleep(4)
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(gateways[0], namespace="serve"), no_restart=True)
+
+        def replaced():
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if "#Gateway#" in a["name"]]
+            return names and gateways[0] not in names and service.post(
+                "/v1/classify", json={"ids": [3, 4, 5]}).status_code == 200
+        assert wait_for(replaced, timeout_s=90, interval_s=0.25)
+        recovery_s = time.monotonic() - killed_at
+    finally:
+        thread.join(timeout=180)
+    samples = result["samples"]
+    statuses = [s.status for s in samples]
+    latencies = np.array([s.latency_s for s in samples])
+
+    def resent():
+        text = service.metrics_text()
+        answered = delta(text, text0, "ray_mita_serve_proxy_resends_total", outcome="answered")
+        return (answered, delta(text, text0, "ray_mita_serve_proxy_resends_total",
+                                outcome="gave_up")) if answered else None
+    counted = wait_for(resent, timeout_s=20)
+    report = dict(sent=len(samples), ok=statuses.count(200),
+                  failed_by_status={st: statuses.count(st) for st in set(statuses) if st != 200},
+                  resends_answered_gave_up=counted, recovery_s=round(recovery_s, 1),
+                  p50_s=round(float(np.percentile(latencies, 50)), 3),
+                  max_s=round(float(latencies.max()), 2))
+    save_report("gateway_kill", report)
+    assert statuses == [200] * len(samples), report  # nothing lost with the gateway
+    assert counted is not None and counted[0] >= 1 and counted[1] == 0, report
+    assert latencies.max() < proxy_guard.RESEND_WITHIN_S + 10, report
