@@ -3,6 +3,17 @@
 Metrics go through ``ray.serve.metrics`` and are exported on Ray's metrics endpoint with the
 prefix ``ray_`` (``mita_serve_stage_duration_seconds`` → ``ray_mita_serve_stage_duration_seconds
 _bucket/_count/_sum``). Serve adds the ``deployment``, ``replica`` and ``application`` tags.
+
+Counters and histograms are kept in the process (``TotalCounter``, ``TotalHistogram``) and
+exported as Ray gauges of their running totals (``_total``; ``_bucket`` by ``le``, ``_sum``,
+``_count``), which PromQL reads as it reads counters (``rate``, ``increase``,
+``histogram_quantile``). Why: Ray 2.60's metrics agent never drops a dead worker's counter or
+histogram series — all 439 series of a killed Gateway replica were still exported 5 minutes
+later, and each death added a set — while it drops a gauge series ~20 s after its worker
+stopped reporting it. A dead replica's series thus leave ``/metrics`` within ``DEAD_SERIES_S``,
+and its last counts are lost for at most ``EXPORT_INTERVAL_S`` plus one of Ray's export
+intervals (``metrics_report_interval_ms``). The histograms' ``_sum`` is now exact (Ray's own
+histograms export bucket midpoint × count).
 Label values come from small fixed sets: ``variant`` ∈ {mita, dense}, ``stage`` ∈ the
 profiler's stage names, ``n_bucket`` ∈ ``N_BUCKETS``, ``status`` ∈ HTTP status codes.
 Every counter series the service can produce exists from start-up, at 0 (``start_at_zero``).
@@ -14,8 +25,11 @@ of a gateway replica): classifier replicas export none, so one scrape target has
 from __future__ import annotations
 
 import bisect
+import threading
+import time
 
-from ray.serve.metrics import Counter, Gauge, Histogram
+from prometheus_client.utils import floatToGoString
+from ray.serve.metrics import Gauge
 
 from .settings import MAX_REQUEST_TIMEOUT_S, VARIANTS
 
@@ -49,6 +63,12 @@ DURATION_BUCKETS_S = _one_two_five(-5, MAX_REQUEST_TIMEOUT_S)
 # Ray drops a gauge series that is not set again for a while (~20 s): the service's gauges
 # are set again this often.
 GAUGE_REFRESH_S = 5.0
+# A counter's or histogram's changed series are exported this often, and every series again
+# each GAUGE_REFRESH_S (Ray drops a gauge series no longer reported).
+EXPORT_INTERVAL_S = 0.5
+# How long a dead replica's series stay on Ray's exporter: its agent keeps a gauge series for
+# two of its export intervals (10 s by default) after the last report (measured: 18-20 s).
+DEAD_SERIES_S = 30
 # KL in nats has no upper bound; past 100 nats the two answers are simply different.
 KL_BUCKETS = [0.0001, 0.001, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
 
@@ -92,47 +112,164 @@ def exported(metric: str) -> str:
     return EXPORTED_PREFIX + METRIC_NAMES[metric]
 
 
+class _Exported:
+    """Series kept in this process and exported as Ray gauges by one daemon thread: the
+    changed ones every ``EXPORT_INTERVAL_S``, all of them every ``GAUGE_REFRESH_S``."""
+
+    _all: list[_Exported] = []
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    def __init__(self):
+        self._dirty: set[tuple] = set()
+        with _Exported._lock:
+            _Exported._all.append(self)
+            if _Exported._thread is None:
+                _Exported._thread = threading.Thread(target=_Exported._run, daemon=True,
+                                                     name="metrics-export")
+                _Exported._thread.start()
+
+    @staticmethod
+    def _run() -> None:
+        last_all = time.monotonic()
+        while True:
+            time.sleep(EXPORT_INTERVAL_S)
+            every = time.monotonic() - last_all >= GAUGE_REFRESH_S
+            if every:
+                last_all = time.monotonic()
+            for metric in list(_Exported._all):
+                metric.export(every)
+
+    def export(self, every: bool = False) -> None:
+        """Set the gauges of the series changed since the last export (``every``: of all)."""
+        with _Exported._lock:
+            keys = list(self._series()) if every else list(self._dirty)
+            self._dirty.clear()
+            values = [self._values(key) for key in keys]
+        for rows in values:
+            for gauge, value, tags in rows:
+                gauge.set(value, tags)
+
+
+class TotalCounter(_Exported):
+    """A counter (``inc``) exported as a gauge of its running total per tag set, named as
+    the counter (``..._total``)."""
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()):
+        self._gauge = Gauge(name, description=description + " (a running total)",
+                            tag_keys=tag_keys)
+        self._totals: dict[tuple, float] = {}
+        super().__init__()
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        """Add ``value`` (> 0) to the series of ``tags``. Raises ValueError for value ≤ 0."""
+        if value <= 0:
+            raise ValueError(f"a counter only grows: inc({value})")
+        self._add(value, tags)
+
+    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
+        """The series of ``tags`` plus ``value`` (0 too: ``start_at_zero``), exported now."""
+        key = self._add(value, tags)
+        for gauge, total, t in self._values(key):
+            gauge.set(total, t)
+
+    def _add(self, value: float, tags: dict[str, str] | None) -> tuple:
+        key = tuple(sorted((tags or {}).items()))
+        with _Exported._lock:
+            self._totals[key] = self._totals.get(key, 0.0) + float(value)
+            self._dirty.add(key)
+        return key
+
+    def _series(self):
+        return self._totals.keys()
+
+    def _values(self, key: tuple) -> list:
+        return [(self._gauge, self._totals[key], dict(key))]
+
+
+class TotalHistogram(_Exported):
+    """A histogram (``observe``) exported as gauges of its running totals per tag set:
+    ``name_bucket`` by ``le`` (cumulative, ``+Inf`` last), ``name_sum`` (exact) and
+    ``name_count`` — the series ``histogram_quantile`` reads."""
+
+    def __init__(self, name: str, description: str, boundaries: list[float],
+                 tag_keys: tuple[str, ...] = ()):
+        self._edges = [float(b) for b in boundaries]
+        self._le = [floatToGoString(b) for b in self._edges] + ["+Inf"]
+        self._bucket = Gauge(name + "_bucket", description=description + " (cumulative "
+                             "count per upper edge le)", tag_keys=(*tag_keys, "le"))
+        self._sum = Gauge(name + "_sum", description=description + " (sum)",
+                          tag_keys=tag_keys)
+        self._count = Gauge(name + "_count", description=description + " (count)",
+                            tag_keys=tag_keys)
+        self._rows: dict[tuple, list] = {}  # key -> [counts per bucket (not cumulative), sum]
+        super().__init__()
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        """One observation of ``value`` in the series of ``tags``."""
+        key = tuple(sorted((tags or {}).items()))
+        i = bisect.bisect_left(self._edges, value)  # le is inclusive: value == edge goes there
+        with _Exported._lock:
+            row = self._rows.get(key)
+            if row is None:
+                row = self._rows[key] = [[0] * (len(self._edges) + 1), 0.0]
+            row[0][i] += 1
+            row[1] += float(value)
+            self._dirty.add(key)
+
+    def _series(self):
+        return self._rows.keys()
+
+    def _values(self, key: tuple) -> list:
+        counts, total = self._rows[key]
+        tags, out, running = dict(key), [], 0
+        for le, c in zip(self._le, counts, strict=True):
+            running += c
+            out.append((self._bucket, float(running), tags | {"le": le}))
+        return out + [(self._sum, total, tags), (self._count, float(running), tags)]
+
+
 class ServiceMetrics:
     """The service's metrics, recorded by the gateway's ``Recorder``: requests, durations and
     shadow comparisons, and — from the profile each classifier answer carries — stages,
     forwards, tokens, FLOPs and peak memory."""
 
     def __init__(self):
-        self.stage_duration = Histogram(
+        self.stage_duration = TotalHistogram(
             METRIC_NAMES["stage_duration"],
             description="Time of one model stage for one request (summed over layers).",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "stage", "n_bucket"))
-        self.forward_duration = Histogram(
+        self.forward_duration = TotalHistogram(
             METRIC_NAMES["forward_duration"],
             description="End-to-end model forward time for one request's batch.",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
-        self.request_duration = Histogram(
+        self.request_duration = TotalHistogram(
             METRIC_NAMES["request_duration"],
             description="Gateway time from request received to response ready.",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
-        self.requests = Counter(
+        self.requests = TotalCounter(
             METRIC_NAMES["requests"],
             description="Classification requests answered, by variant and HTTP status "
                         "(overload refusals are not here: see rejections_total).",
             tag_keys=("variant", "status"))
-        self.rejections = Counter(
+        self.rejections = TotalCounter(
             METRIC_NAMES["rejections"],
             description="Requests refused by a classifier's back-pressure "
                         "(max_queued_requests) and answered 503 + Retry-After; role=shadow "
                         "when only the shadow call was refused (the primary answered).",
             tag_keys=("variant", "role"))
-        self.retries = Counter(
+        self.retries = TotalCounter(
             METRIC_NAMES["retries"],
             description="Primary classifications sent again by the gateway within their "
                         "deadline after their classifier replica failed mid-request: "
                         "reason=replica_died (the actor died) or replica_unavailable (it "
                         "became unreachable); shadow calls are never resent.",
             tag_keys=("variant", "reason"))
-        self.tokens = Counter(
+        self.tokens = TotalCounter(
             METRIC_NAMES["tokens"],
             description="Tokens of the forwards whose answers reached the gateway.",
             tag_keys=("variant",))
-        self.flops = Counter(
+        self.flops = TotalCounter(
             METRIC_NAMES["flops"],
             description="Analytic FLOPs of the forwards whose answers reached the gateway: "
                         "each request's share (forward FLOPs of the padded batch / requests "
@@ -143,12 +280,12 @@ class ServiceMetrics:
             description="Peak memory of a classifier replica's last forward (CUDA: measured "
                         "max allocated; CPU: analytic activation estimate, see kind).",
             tag_keys=("variant", "kind", "classifier_replica"))
-        self.shadow_comparisons = Counter(
+        self.shadow_comparisons = TotalCounter(
             METRIC_NAMES["shadow_comparisons"],
             description="Shadow-mode comparisons of primary and shadow variant; agree=true "
                         "when the labels match.",
             tag_keys=("primary", "agree"))
-        self.shadow_dropped = Counter(
+        self.shadow_dropped = TotalCounter(
             METRIC_NAMES["shadow_dropped"],
             description="Shadow calls that gave no comparison: reason=busy when shed before "
                         "the call (the variant had shadow_max_inflight shadow calls or primary "
@@ -157,12 +294,12 @@ class ServiceMetrics:
                         "Back-pressure refusals of shadow calls are rejections_total"
                         "{role=shadow}.",
             tag_keys=("variant", "reason"))
-        self.shadow_kl = Histogram(
+        self.shadow_kl = TotalHistogram(
             METRIC_NAMES["shadow_kl"],
             description="KL(dense || MiTA) of the class probabilities of a shadow comparison, "
                         "in nats, whichever variant is primary.",
             boundaries=KL_BUCKETS, tag_keys=("primary",))
-        self.routing_decisions = Counter(
+        self.routing_decisions = TotalCounter(
             METRIC_NAMES["routing_decisions"],
             description="Requests routed by policy auto, by N bucket, the variant chosen and "
                         "why: faster_and_agreeing (mita), slower, agreement_too_low, "
@@ -195,11 +332,11 @@ class ServiceMetrics:
             counter._record(0, tags)
 
 
-def config_updates() -> Counter:
+def config_updates() -> TotalCounter:
     """``mita_serve_config_updates_total``: the live ``user_config`` updates a gateway replica
     applied or refused (``outcome``; Serve adds the ``deployment`` and ``replica`` tags). A
     refused update left the replica on its old config."""
-    counter = Counter("mita_serve_config_updates_total",
+    counter = TotalCounter("mita_serve_config_updates_total",
                       description="Live user_config updates applied or refused by a gateway "
                                   "replica (outcome); a refused one leaves the replica on its "
                                   "old config.",

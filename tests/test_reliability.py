@@ -15,7 +15,7 @@ import ray
 
 from loadtest.engine import LoadConfig, run_load
 from mita.data.listops import encode, generate_long
-from service import launch, proxy_guard
+from service import launch, metrics, proxy_guard
 
 from .helpers import CHECKPOINT, delta, set_gateway, wait_for
 
@@ -339,7 +339,9 @@ def test_gateway_killed_mid_load(service, serve_reset):
     resends until the replacement runs (health_check_period_s 2), so none fails, each resend
     answered is counted in proxy_resends_total{outcome="answered"}, and none gave up.
     N = 8,192 keeps the gateway holding requests (waiting on ~25-100 ms forwards) when it
-    dies."""
+    dies. The dead replica's answers are all counted, and its series leave /metrics within
+    ``metrics.DEAD_SERIES_S`` (its 439 series stayed for good when its counters and
+    histograms were Ray's own)."""
     gateways = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if "#Gateway#" in a["name"]]
     assert len(gateways) == 1, gateways
@@ -362,7 +364,7 @@ def test_gateway_killed_mid_load(service, serve_reset):
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                      if "#Gateway#" in a["name"]]
             return names and gateways[0] not in names and service.post(
-                "/v1/classify", json={"ids": [3, 4, 5]}).status_code == 200
+                "/v1/classify", json={"ids": [3, 4, 5], "variant": "dense"}).status_code == 200
         assert wait_for(replaced, timeout_s=90, interval_s=0.25)
         recovery_s = time.monotonic() - killed_at
     finally:
@@ -376,13 +378,36 @@ def test_gateway_killed_mid_load(service, serve_reset):
         answered = delta(text, text0, "ray_mita_serve_proxy_resends_total", outcome="answered")
         return (answered, delta(text, text0, "ray_mita_serve_proxy_resends_total",
                                 outcome="gave_up")) if answered else None
-    counted = wait_for(resent, timeout_s=20)
+    counted = wait_for(resent, timeout_s=10)
+
+    # Every answer counted, the dead replica's last counts included: the MiTA 200s of both
+    # replicas are the load's 200s (the probes above went to dense), read before the dead
+    # replica's series leave.
+    seen = []
+
+    def mita_ok():
+        seen.append(delta(service.metrics_text(), text0, "ray_mita_serve_requests_total",
+                          variant="mita", status="200"))
+        return seen[-1] == statuses.count(200)
+    wait_for(mita_ok, timeout_s=5, interval_s=0.25)
+    answers_counted = seen[-1]
+    dead = gateways[0].rsplit("#", 1)[1]  # the replica tag of its series
+    assert dead in text0  # the string its series carry, before the kill
+
+    def dead_series_gone():  # the service's series (Serve's own keep theirs: Ray counters)
+        return not any(line.startswith("ray_mita_serve_") and dead in line
+                       for line in service.metrics_text().splitlines())
+    gone = wait_for(dead_series_gone, timeout_s=metrics.DEAD_SERIES_S, interval_s=1)
+    gone_s = time.monotonic() - killed_at
     report = dict(sent=len(samples), ok=statuses.count(200),
                   failed_by_status={st: statuses.count(st) for st in set(statuses) if st != 200},
                   resends_answered_gave_up=counted, recovery_s=round(recovery_s, 1),
+                  answers_counted=answers_counted, dead_series_gone_s=round(gone_s, 1),
                   p50_s=round(float(np.percentile(latencies, 50)), 3),
                   max_s=round(float(latencies.max()), 2))
     save_report("gateway_kill", report)
     assert statuses == [200] * len(samples), report  # nothing lost with the gateway
     assert counted is not None and counted[0] >= 1 and counted[1] == 0, report
     assert latencies.max() < proxy_guard.RESEND_WITHIN_S + 10, report
+    assert answers_counted == statuses.count(200), report  # no count lost with the replica
+    assert gone and gone_s <= metrics.DEAD_SERIES_S, report  # its series left /metrics
