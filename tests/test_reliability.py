@@ -188,6 +188,26 @@ def test_overloaded_shadow_does_not_fail_primary(service):
 # ---------------------------------------------------------------------------------------------
 # Replica failure: kill the MiTA classifier replica during a load run.
 
+def kill_mid_load(cfg: LoadConfig, actor: str, back) -> tuple[list, float, float]:
+    """Run ``cfg``'s load in a thread, kill the Serve actor ``actor`` (as SIGKILL:
+    ``ray.kill``) 4 s in, wait until ``back()`` is true: (the load's samples, the monotonic
+    time of the kill, seconds until ``back``)."""
+    import threading
+
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(samples=asyncio.run(run_load(cfg))))
+    thread.start()
+    try:
+        time.sleep(4)
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
+        assert wait_for(back, timeout_s=90, interval_s=0.25)
+        recovery_s = time.monotonic() - killed_at
+    finally:
+        thread.join(timeout=180)
+    return result["samples"], killed_at, recovery_s
+
+
 def test_replica_killed_mid_load(service, serve_reset):
     """The only MiTA replica is killed under a closed loop of 8: the requests it held are sent
     again by the gateway (counted in retries_total) and answered once Serve's replacement
@@ -202,31 +222,16 @@ def test_replica_killed_mid_load(service, serve_reset):
                 if "MiTAClassifier" in a["name"] and old in a["name"])
     cfg = LoadConfig(url=service.url, ns=[8192], variants=["mita"], warmup=0, mode="closed",
                      concurrency=8, requests=100_000, duration_s=20, timeout_s=45)
-    result: dict = {}
     text0 = service.metrics_text()
 
-    def run():
-        result["samples"] = asyncio.run(run_load(cfg))
-    import threading
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        time.sleep(4)
-        killed_at = time.monotonic()
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-
-        def healthy_again():
-            try:
-                ids = replica_ids(service)
-            except (httpx.HTTPError, KeyError, ValueError):
-                return None
-            return ids["mita"] != old and service.post(
-                "/v1/classify", json={"ids": [3, 4, 5], "variant": "mita"}).status_code == 200
-        assert wait_for(healthy_again, timeout_s=90, interval_s=0.25)
-        recovery_s = time.monotonic() - killed_at
-    finally:
-        thread.join(timeout=120)
-    samples = result["samples"]
+    def healthy_again():
+        try:
+            ids = replica_ids(service)
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
+        return ids["mita"] != old and service.post(
+            "/v1/classify", json={"ids": [3, 4, 5], "variant": "mita"}).status_code == 200
+    samples, _, recovery_s = kill_mid_load(cfg, name, healthy_again)
     statuses = [s.status for s in samples]
     latencies = np.array([s.latency_s for s in samples])
 
@@ -347,29 +352,14 @@ def test_gateway_killed_mid_load(service, serve_reset):
     assert len(gateways) == 1, gateways
     cfg = LoadConfig(url=service.url, ns=[8192], variants=["mita"], warmup=0, mode="closed",
                      concurrency=8, requests=100_000, duration_s=12, timeout_s=60)
-    result: dict = {}
     text0 = service.metrics_text()
 
-    def run():
-        result["samples"] = asyncio.run(run_load(cfg))
-    import threading
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        time.sleep(4)
-        killed_at = time.monotonic()
-        ray.kill(ray.get_actor(gateways[0], namespace="serve"), no_restart=True)
-
-        def replaced():
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if "#Gateway#" in a["name"]]
-            return names and gateways[0] not in names and service.post(
-                "/v1/classify", json={"ids": [3, 4, 5], "variant": "dense"}).status_code == 200
-        assert wait_for(replaced, timeout_s=90, interval_s=0.25)
-        recovery_s = time.monotonic() - killed_at
-    finally:
-        thread.join(timeout=180)
-    samples = result["samples"]
+    def replaced():
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "#Gateway#" in a["name"]]
+        return names and gateways[0] not in names and service.post(
+            "/v1/classify", json={"ids": [3, 4, 5], "variant": "dense"}).status_code == 200
+    samples, killed_at, recovery_s = kill_mid_load(cfg, gateways[0], replaced)
     statuses = [s.status for s in samples]
     latencies = np.array([s.latency_s for s in samples])
 

@@ -154,3 +154,11 @@ def test_an_answered_500_is_not_resent(counts):
     sent, _ = exchange(app)
     assert status_and_body(sent)[0] == 500 and app.tries == 1
     assert counts == {"answered": 0, "gave_up": 0}
+
+
+def test_the_resent_posts_are_the_services_classify_routes():
+    # proxy_guard keeps its own copy (the proxy process must not import the service's FastAPI
+    # app and torch): it must not drift from the routes the gateway serves
+    from service.http import CLASSIFY_PATHS
+
+    assert set(proxy_guard.RESENT_POSTS) == set(CLASSIFY_PATHS)
