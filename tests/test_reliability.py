@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import time
 from pathlib import Path
 
@@ -370,17 +371,21 @@ def test_gateway_killed_mid_load(service, serve_reset):
                                 outcome="gave_up")) if answered else None
     counted = wait_for(resent, timeout_s=10)
 
-    # Every answer counted, the dead replica's last counts included: the MiTA 200s of both
-    # replicas are the load's 200s (the probes above went to dense), read before the dead
-    # replica's series leave.
+    # The answers counted by both replicas, the dead one's included, read before its series
+    # leave (the probes above went to dense): all of the load's 200s but what the dead replica
+    # counted in its last export window (EXPORT_INTERVAL_S + the suite's 0.5 s Ray export
+    # interval) before the SIGKILL; allowed: the answers of two such windows at the load's
+    # mean rate. Measured: 0 of 114 and 4 of 137 lost.
     seen = []
 
     def mita_ok():
         seen.append(delta(service.metrics_text(), text0, "ray_mita_serve_requests_total",
                           variant="mita", status="200"))
         return seen[-1] == statuses.count(200)
-    wait_for(mita_ok, timeout_s=5, interval_s=0.25)
+    wait_for(mita_ok, timeout_s=3, interval_s=0.25)
     answers_counted = seen[-1]
+    rate = statuses.count(200) / max(s.start_s + s.latency_s for s in samples)
+    may_lose = math.ceil(2 * rate * (metrics.EXPORT_INTERVAL_S + 0.5))
     dead = gateways[0].rsplit("#", 1)[1]  # the replica tag of its series
     assert dead in text0  # the string its series carry, before the kill
 
@@ -392,12 +397,13 @@ def test_gateway_killed_mid_load(service, serve_reset):
     report = dict(sent=len(samples), ok=statuses.count(200),
                   failed_by_status={st: statuses.count(st) for st in set(statuses) if st != 200},
                   resends_answered_gave_up=counted, recovery_s=round(recovery_s, 1),
-                  answers_counted=answers_counted, dead_series_gone_s=round(gone_s, 1),
+                  answers_counted=answers_counted, may_lose=may_lose,
+                  dead_series_gone_s=round(gone_s, 1),
                   p50_s=round(float(np.percentile(latencies, 50)), 3),
                   max_s=round(float(latencies.max()), 2))
     save_report("gateway_kill", report)
     assert statuses == [200] * len(samples), report  # nothing lost with the gateway
     assert counted is not None and counted[0] >= 1 and counted[1] == 0, report
     assert latencies.max() < proxy_guard.RESEND_WITHIN_S + 10, report
-    assert answers_counted == statuses.count(200), report  # no count lost with the replica
+    assert 0 <= statuses.count(200) - answers_counted <= may_lose, report
     assert gone and gone_s <= metrics.DEAD_SERIES_S, report  # its series left /metrics
