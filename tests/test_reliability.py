@@ -375,7 +375,7 @@ def test_gateway_killed_mid_load(service, serve_reset):
     # leave (the probes above went to dense): all of the load's 200s but what the dead replica
     # counted in its last export window (EXPORT_INTERVAL_S + the suite's 0.5 s Ray export
     # interval) before the SIGKILL; allowed: the answers of two such windows at the load's
-    # mean rate. Measured: 0 of 114 and 4 of 137 lost.
+    # mean rate. Measured: 0 of 114, 4 of 137 and 9 of 134 lost (22 allowed in the last).
     seen = []
 
     def mita_ok():
