@@ -4,22 +4,18 @@ Metrics go through ``ray.serve.metrics`` and are exported on Ray's metrics endpo
 prefix ``ray_`` (``mita_serve_stage_duration_seconds`` → ``ray_mita_serve_stage_duration_seconds
 _bucket/_count/_sum``). Serve adds the ``deployment``, ``replica`` and ``application`` tags.
 
-Counters and histograms are kept in the process (``TotalCounter``, ``TotalHistogram``) and
-exported as Ray gauges of their running totals (``_total``; ``_bucket`` by ``le``, ``_sum``,
-``_count``), which PromQL reads as it reads counters (``rate``, ``increase``,
-``histogram_quantile``). Why: Ray 2.60's metrics agent never drops a dead worker's counter or
-histogram series — all 439 series of a killed Gateway replica were still exported 5 minutes
-later, and each death added a set — while it drops a gauge series ~20 s after its worker
-stopped reporting it. A dead replica's series thus leave ``/metrics`` within ``DEAD_SERIES_S``,
-and its last counts are lost for at most ``EXPORT_INTERVAL_S`` plus one of Ray's export
-intervals (``metrics_report_interval_ms``). The histograms' ``_sum`` is now exact (Ray's own
-histograms export bucket midpoint × count).
-Label values come from small fixed sets: ``variant`` ∈ {mita, dense}, ``stage`` ∈ the
-profiler's stage names, ``n_bucket`` ∈ ``N_BUCKETS``, ``status`` ∈ HTTP status codes.
-Every counter series the service can produce exists from start-up, at 0 (``start_at_zero``).
-
-Only the gateway records them (``service.recorder.Recorder`` holds the one ``ServiceMetrics``
-of a gateway replica): classifier replicas export none, so one scrape target has them all.
+Counters are kept in the process (``TotalCounter``) and exported as Ray gauges of their
+running totals, under the counter's name (``..._total``), which PromQL reads as it reads a
+counter (``rate``, ``increase``). Why: Ray 2.60's metrics agent never drops a dead worker's
+counter series — all of a killed Gateway replica's series were still exported 5 minutes later,
+one more set per death — while it drops a gauge series two of its export intervals after the
+last report. A dead replica's ``_total`` series thus leave ``/metrics`` within
+``DEAD_SERIES_S``, and its last counts are lost for at most ``EXPORT_INTERVAL_S`` plus one of
+Ray's export intervals (``metrics_report_interval_ms``). Histograms stay Ray's own (their
+series of a dead replica stay, frozen, until the node's Ray restarts: ``rate()`` reads them as
+0): as gauges, one series per bucket edge, a replica's stage histogram alone reached Ray's
+agent's limit of 2,000 attribute sets per metric (OpenTelemetry's default; the agent never
+releases a set), and every set past it was folded into one overflow series without labels.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ import bisect
 import threading
 import time
 
-from prometheus_client.utils import floatToGoString
-from ray.serve.metrics import Gauge
+from ray.serve.metrics import Gauge, Histogram
 
 from .settings import MAX_REQUEST_TIMEOUT_S, VARIANTS
 
@@ -187,63 +182,21 @@ class TotalCounter(_Exported):
         return [(self._gauge, self._totals[key], dict(key))]
 
 
-class TotalHistogram(_Exported):
-    """A histogram (``observe``) exported as gauges of its running totals per tag set:
-    ``name_bucket`` by ``le`` (cumulative, ``+Inf`` last), ``name_sum`` (exact) and
-    ``name_count`` — the series ``histogram_quantile`` reads."""
-
-    def __init__(self, name: str, description: str, boundaries: list[float],
-                 tag_keys: tuple[str, ...] = ()):
-        self._edges = [float(b) for b in boundaries]
-        self._le = [floatToGoString(b) for b in self._edges] + ["+Inf"]
-        self._bucket = Gauge(name + "_bucket", description=description + " (cumulative "
-                             "count per upper edge le)", tag_keys=(*tag_keys, "le"))
-        self._sum = Gauge(name + "_sum", description=description + " (sum)",
-                          tag_keys=tag_keys)
-        self._count = Gauge(name + "_count", description=description + " (count)",
-                            tag_keys=tag_keys)
-        self._rows: dict[tuple, list] = {}  # key -> [counts per bucket (not cumulative), sum]
-        super().__init__()
-
-    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
-        """One observation of ``value`` in the series of ``tags``."""
-        key = tuple(sorted((tags or {}).items()))
-        i = bisect.bisect_left(self._edges, value)  # le is inclusive: value == edge goes there
-        with _Exported._lock:
-            row = self._rows.get(key)
-            if row is None:
-                row = self._rows[key] = [[0] * (len(self._edges) + 1), 0.0]
-            row[0][i] += 1
-            row[1] += float(value)
-            self._dirty.add(key)
-
-    def _series(self):
-        return self._rows.keys()
-
-    def _values(self, key: tuple) -> list:
-        counts, total = self._rows[key]
-        tags, out, running = dict(key), [], 0
-        for le, c in zip(self._le, counts, strict=True):
-            running += c
-            out.append((self._bucket, float(running), tags | {"le": le}))
-        return out + [(self._sum, total, tags), (self._count, float(running), tags)]
-
-
 class ServiceMetrics:
     """The service's metrics, recorded by the gateway's ``Recorder``: requests, durations and
     shadow comparisons, and — from the profile each classifier answer carries — stages,
     forwards, tokens, FLOPs and peak memory."""
 
     def __init__(self):
-        self.stage_duration = TotalHistogram(
+        self.stage_duration = Histogram(
             METRIC_NAMES["stage_duration"],
             description="Time of one model stage for one request (summed over layers).",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "stage", "n_bucket"))
-        self.forward_duration = TotalHistogram(
+        self.forward_duration = Histogram(
             METRIC_NAMES["forward_duration"],
             description="End-to-end model forward time for one request's batch.",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
-        self.request_duration = TotalHistogram(
+        self.request_duration = Histogram(
             METRIC_NAMES["request_duration"],
             description="Gateway time from request received to response ready.",
             boundaries=DURATION_BUCKETS_S, tag_keys=("variant", "n_bucket"))
@@ -294,7 +247,7 @@ class ServiceMetrics:
                         "Back-pressure refusals of shadow calls are rejections_total"
                         "{role=shadow}.",
             tag_keys=("variant", "reason"))
-        self.shadow_kl = TotalHistogram(
+        self.shadow_kl = Histogram(
             METRIC_NAMES["shadow_kl"],
             description="KL(dense || MiTA) of the class probabilities of a shadow comparison, "
                         "in nats, whichever variant is primary.",

@@ -233,7 +233,8 @@ class RequestCount(BaseModel):
     count: float
 
 
-SUM_MS = "sum of the durations (exact in both modes)"
+SUM_MS = ("sum of the durations; exact in local mode, in prometheus mode Ray's exported "
+          "histogram sum (bucket midpoint × count, an approximation)")
 
 
 class LatencyStat(BaseModel):
@@ -300,7 +301,7 @@ class ShadowStat(BaseModel):
     kl_mean: float | None = Field(
         description="mean KL(dense ‖ MiTA) of the class probabilities, nats, whichever "
                     "variant is primary; in "
-                    "prometheus mode from the histogram's exact _sum and _count")
+                    "prometheus mode from Ray's histogram sum (bucket midpoints: approximate)")
     kl_p50: float | None = Field(
         description="median of the same KL, nats (prometheus mode: histogram_quantile)")
     dropped: float = Field(0.0, description="shadow calls that gave no comparison: shed or "

@@ -282,7 +282,7 @@ INSTANT = {
     **{f"stage_p{q}": f"histogram_quantile(0.{q}, sum by (le, variant, stage, n_bucket) "
                       f"(rate({STAGE}_bucket[{{w}}])))" for q in (50, 95)},
     "shadow": f"sum by (agree) (increase({SHADOW}[{{w}}]))",
-    # The service's histograms export an exact _sum (service.metrics.TotalHistogram).
+    # Ray exports a histogram's _sum as bucket midpoint × count: the mean is approximate.
     "kl_mean": f"sum(increase({KL}_sum[{{w}}])) / sum(increase({KL}_count[{{w}}]))",
     "kl_p50": f"histogram_quantile(0.5, sum by (le) (rate({KL}_bucket[{{w}}])))",
     "shadow_dropped": f"sum(increase({DROPPED}[{{w}}])) + "

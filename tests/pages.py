@@ -119,6 +119,9 @@ README_COMMANDS = {
         "test", "tests/test_proxy_guard.py runs its measurement (point) on the test service"),
     ".venv/bin/python benchmarks/request_overhead.py": (
         "run", "shrink: --n 512 --requests 1"),
+    ".venv/bin/python benchmarks/soak_memory.py": (
+        "no", "a soak of ~13 min per mode; tests/test_replica_memory.py is its short form (the "
+              "engine over 2,000 new lengths, no Ray)"),
     "ray start --head --port 6379 --metrics-export-port 9100 "
     "--resources '{\"mita_gateway\": 1}'": (
         "test", "tests/test_cluster.py starts such a head with ray.cluster_utils.Cluster "

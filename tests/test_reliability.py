@@ -345,14 +345,14 @@ def test_gateway_killed_mid_load(service, serve_reset):
     resends until the replacement runs (health_check_period_s 2), so none fails, each resend
     answered is counted in proxy_resends_total{outcome="answered"}, and none gave up.
     N = 8,192 keeps the gateway holding requests (waiting on ~25-100 ms forwards) when it
-    dies. The dead replica's answers are all counted, and its series leave /metrics within
-    ``metrics.DEAD_SERIES_S`` (its 439 series stayed for good when its counters and
-    histograms were Ray's own)."""
+    dies. The dead replica's answers stay counted, and its counter series leave /metrics
+    within ``metrics.DEAD_SERIES_S`` (they stayed for good as Ray's own counters)."""
     gateways = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if "#Gateway#" in a["name"]]
     assert len(gateways) == 1, gateways
     cfg = LoadConfig(url=service.url, ns=[8192], variants=["mita"], warmup=0, mode="closed",
                      concurrency=8, requests=100_000, duration_s=12, timeout_s=60)
+    time.sleep(metrics.EXPORT_INTERVAL_S + 1)  # earlier tests' counts exported first
     text0 = service.metrics_text()
 
     def replaced():
@@ -389,9 +389,9 @@ def test_gateway_killed_mid_load(service, serve_reset):
     dead = gateways[0].rsplit("#", 1)[1]  # the replica tag of its series
     assert dead in text0  # the string its series carry, before the kill
 
-    def dead_series_gone():  # the service's series (Serve's own keep theirs: Ray counters)
-        return not any(line.startswith("ray_mita_serve_") and dead in line
-                       for line in service.metrics_text().splitlines())
+    def dead_series_gone():  # the service's counters (its histograms and Serve's own stay)
+        return not any(line.startswith("ray_mita_serve_") and "_total{" in line
+                       and dead in line for line in service.metrics_text().splitlines())
     gone = wait_for(dead_series_gone, timeout_s=metrics.DEAD_SERIES_S, interval_s=1)
     gone_s = time.monotonic() - killed_at
     report = dict(sent=len(samples), ok=statuses.count(200),
@@ -405,5 +405,7 @@ def test_gateway_killed_mid_load(service, serve_reset):
     assert statuses == [200] * len(samples), report  # nothing lost with the gateway
     assert counted is not None and counted[0] >= 1 and counted[1] == 0, report
     assert latencies.max() < proxy_guard.RESEND_WITHIN_S + 10, report
-    assert 0 <= statuses.count(200) - answers_counted <= may_lose, report
+    # a request the dying gateway answered (and counted) but whose answer never reached the
+    # proxy is resent and counted again: at most one extra count per answered resend
+    assert -counted[0] <= statuses.count(200) - answers_counted <= may_lose, report
     assert gone and gone_s <= metrics.DEAD_SERIES_S, report  # its series left /metrics
