@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mita.config import BACKENDS, SHARED_SCALES
 
@@ -143,15 +151,24 @@ class AutoPolicy(BaseModel):
                                    "whose latencies and agreement for the served MiTA "
                                    "setting stand in until live evidence replaces them")
 
-    @field_validator("window")
-    @classmethod
-    def _fits_the_window(cls, window, info):
-        # the fields above it, as validated (a refused one is absent)
+    @model_validator(mode="after")
+    def _can_settle(self):
+        # After all fields (a field validator on window was skipped when window was left at
+        # its default): thresholds the live evidence could never meet are refused.
         for name in ("min_pairs", "min_latency_samples"):
-            if info.data.get(name, 0) > window:
-                raise ValueError(f"{name} ({info.data[name]}) must be ≤ window ({window}): "
-                                 f"the window keeps no more, so a bucket could never settle")
-        return window
+            if getattr(self, name) > self.window:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be ≤ window "
+                                 f"({self.window}): the window keeps no more, so a bucket "
+                                 "could never settle")
+        # The Wilson lower bound of `window` agreeing pairs out of `window` is
+        # window / (window + z²): the most the live evidence can show.
+        best = self.window / (self.window + self.confidence_z ** 2)
+        if best < self.min_agreement:
+            raise ValueError(f"min_agreement ({self.min_agreement}) is above what {self.window} "
+                             f"pairs can show: even with all of them agreeing, the lower bound "
+                             f"at confidence_z {self.confidence_z} is {best:.4f}; raise window "
+                             "(or lower confidence_z or min_agreement)")
+        return self
 
 
 class GatewayConfig(BaseModel):

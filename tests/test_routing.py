@@ -220,6 +220,15 @@ def test_auto_explores_a_share_of_requests_in_shadow():
     ({"auto": {"window": 19, "min_pairs": 10}},
      r"min_latency_samples \(20\) must be ≤ window \(19\)"),
     ({"auto": {"window": 50, "min_pairs": 51}}, r"min_pairs \(51\) must be ≤ window"),
+    # the same against the default window (refused only when window was given, before)
+    ({"auto": {"min_latency_samples": 500}},
+     r"min_latency_samples \(500\) must be ≤ window \(200\)"),
+    ({"auto": {"min_pairs": 1000}}, r"min_pairs \(1000\) must be ≤ window \(200\)"),
+    # an agreement bound the window's pairs cannot reach even all agreeing: n / (n + z²),
+    # 50 / 53.8416 = 0.9286 and 200 / 225 = 0.8889 (it said agreement_too_low at 100 %)
+    ({"auto": {"window": 50}}, r"min_agreement \(0.95\) is above what 50 pairs can show: .* "
+                               r"is 0\.9286"),
+    ({"auto": {"confidence_z": 5}}, r"above what 200 pairs can show: .* 5\.0 is 0\.8889"),
 ])
 def test_auto_fields_are_parsed_strictly(raw, why):
     with pytest.raises(ValueError, match=why):
