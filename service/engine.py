@@ -98,6 +98,28 @@ HEAP_TRIM_ENV = "MITA_SERVE_HEAP_TRIM_MIB"
 HEAP_TRIM_MIB = 128.0
 
 
+MAX_HEAP_TRIM_MIB = 1024.0 * 1024  # 1 TiB: above any RSS, the same as off
+
+
+def heap_trim_mib(raw: str | None) -> float:
+    """The trim budget in MiB from ``$MITA_SERVE_HEAP_TRIM_MIB``'s value ``raw``: unset or blank
+    → ``HEAP_TRIM_MIB``; ``0`` → off; else a number from 1 to ``MAX_HEAP_TRIM_MIB``. Raises
+    ValueError naming the variable for anything else (negative, NaN, infinite, below 1 MiB:
+    it would round to off, or not a number). ``python -m service`` checks it before it starts
+    anything; a bad value would fail every classifier replica at start."""
+    text = (raw or "").strip()
+    if not text:
+        return HEAP_TRIM_MIB
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not (value == 0 or 1 <= value <= MAX_HEAP_TRIM_MIB):
+        raise ValueError(f"{HEAP_TRIM_ENV}={raw!r}: the classifiers' heap trim budget in MiB, "
+                         f"0 (off) or a number from 1 to {MAX_HEAP_TRIM_MIB:.0f}")
+    return value
+
+
 class HeapTrim:
     """Keeps the process's resident memory within ``budget_mib`` of where the last trim left it,
     by ``malloc_trim(0)`` after a forward that ended above that.
@@ -105,19 +127,16 @@ class HeapTrim:
     Args: ``budget_mib`` (MiB; None: ``$MITA_SERVE_HEAP_TRIM_MIB``, else ``HEAP_TRIM_MIB``);
     0 turns trimming off (what ``benchmarks/soak_memory.py --no-trim`` measures against).
     Without glibc's ``malloc_trim`` or ``/proc/self/statm`` (macOS, musl) it does nothing.
-    Raises ValueError when the budget (argument or variable) is not a finite number ≥ 0.
+    Raises ValueError when the budget (argument or variable) is not 0 or 1 … 2^20 MiB
+    (``heap_trim_mib``).
     """
 
     def __init__(self, budget_mib: float | None = None):
         if budget_mib is None:
-            raw = os.environ.get(HEAP_TRIM_ENV, "").strip()
-            try:
-                budget_mib = float(raw) if raw else HEAP_TRIM_MIB
-            except ValueError:
-                raise ValueError(f"{HEAP_TRIM_ENV}={raw!r}: a number of MiB (0: off)") from None
-        if not (math.isfinite(budget_mib) and budget_mib >= 0):
-            raise ValueError(f"heap trim budget must be a finite number of MiB >= 0, "
-                             f"got {budget_mib!r}")
+            budget_mib = heap_trim_mib(os.environ.get(HEAP_TRIM_ENV))
+        if not (budget_mib == 0 or 1 <= budget_mib <= MAX_HEAP_TRIM_MIB):
+            raise ValueError(f"heap trim budget must be 0 (off) or 1 … {MAX_HEAP_TRIM_MIB:.0f} "
+                             f"MiB, got {budget_mib!r}")
         self.budget_bytes = int(budget_mib * 2**20)
         self.trims = 0  # malloc_trim calls made
         self._lock = threading.Lock()

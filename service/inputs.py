@@ -53,9 +53,13 @@ def charset_refusal(charset: str | None) -> str | None:
     if charset is None:
         return None
     try:
-        b"{}".decode(charset)  # b"".decode looks nothing up
-    except UnicodeError:  # a text encoding (utf-32 needs 4 bytes)
-        return None
+        # a round trip of JSON text: b"".decode looks nothing up, and "undefined" or a codec
+        # that cannot encode "{}" is no text encoding to read JSON in
+        if '{"a": 1}'.encode(charset).decode(charset) != '{"a": 1}':
+            raise UnicodeError
+    except UnicodeError:
+        return (f"charset {charset[:40]!r} cannot encode JSON text; send UTF-8 (JSON's "
+                "encoding, RFC 8259) or name a text encoding")
     except LookupError:
         return (f"charset {charset[:40]!r} is not a text encoding this service knows; send "
                 "UTF-8 (JSON's encoding, RFC 8259) or name a known charset")
@@ -73,7 +77,11 @@ def decode_body(body: bytes, charset: str | None) -> str:
     included, which ``json.loads`` of bytes would let through ("surrogatepass") — a
     ``json.JSONDecodeError`` (→ 400 "malformed JSON body") naming the byte, its line and
     column (1-based, counted in bytes) and, with a declared charset, that charset."""
+    # A UTF-8 byte-order mark is skipped whether UTF-8 is declared or detected (RFC 8259 §8.1
+    # lets a parser ignore it; detected UTF-8 read it as utf-8-sig, declared UTF-8 refused it).
     encoding = charset or json.detect_encoding(body)
+    if encoding.replace("_", "-") in ("utf-8", "utf8"):
+        encoding = "utf-8-sig"
     try:
         return body.decode(encoding)
     except UnicodeDecodeError as e:
@@ -85,6 +93,9 @@ def decode_body(body: bytes, charset: str | None) -> str:
         if charset is not None:
             why += ", the charset its Content-Type declares"
         raise json.JSONDecodeError(why, _doc(body), 0) from None
+    except UnicodeError as e:  # a codec's own error, without a position (punycode, idna)
+        raise json.JSONDecodeError(f"the body is not valid {charset or encoding}: {e}"[:300],
+                                   _doc(body), 0) from None
 
 
 class StrictJSONRequest(Request):

@@ -22,6 +22,7 @@ import torch
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
+from .engine import HEAP_TRIM_ENV, heap_trim_mib
 from .settings import DEPLOYMENTS, VARIANTS, AppArgs, ClassifierConfig, GatewayConfig, validated
 
 # The ports a start listens on unless told otherwise (``launch.start``, ``python -m service``).
@@ -255,6 +256,8 @@ def preflight(config: ServeDeploySchema, *, address: str | None = None,
     warnings = []
     if address is None:  # on a cluster the nodes' devices count, not this machine's
         check_devices(config)
+        # the replicas of the Ray started here inherit this environment
+        heap_trim_mib(os.environ.get(HEAP_TRIM_ENV))
     else:
         check_cluster_reachable(address)
     verify_checkpoints(config)

@@ -276,3 +276,25 @@ def test_api_error_defaults():
                                                                     "busy")
     e = ApiError(503, "busy", {"Retry-After": "1"}, rejected=True)
     assert (e.headers, e.rejected) == ({"Retry-After": "1"}, True)
+
+
+def test_a_utf8_bom_is_skipped_declared_or_not():
+    # A new user's review: with no charset the BOM was skipped (utf-8-sig), with
+    # charset=utf-8 it was refused ("Unexpected UTF-8 BOM"), naming no byte.
+    body = b'\xef\xbb\xbf{"ids": [1, 2]}'
+    for content_type in (None, "application/json; charset=utf-8",
+                         "application/json; charset=UTF8"):
+        assert json_of(body, content_type) == {"ids": [1, 2]}
+
+
+def test_charsets_that_cannot_carry_json_are_refused_or_named():
+    # "undefined" passed the charset check (its decode error was taken for a short probe) and
+    # then failed as "There was an error parsing the body": it is refused up front (415)
+    assert charset_refusal("undefined") == (
+        "charset 'undefined' cannot encode JSON text; send UTF-8 (JSON's encoding, RFC 8259) "
+        "or name a text encoding")
+    assert charset_refusal("utf-32") is None and charset_refusal("latin-1") is None
+    # a codec whose errors carry no position: the 400 names the charset and the codec's words
+    with pytest.raises(json.JSONDecodeError) as e:
+        json_of(b'{"ids": [1]}', "application/json; charset=punycode")
+    assert e.value.msg.startswith("the body is not valid punycode: ")

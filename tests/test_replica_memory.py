@@ -90,10 +90,25 @@ def test_budget_comes_from_the_variable_and_bad_values_are_refused(monkeypatch):
     monkeypatch.setenv(HEAP_TRIM_ENV, "0")  # off: never trims, whatever the RSS
     off = HeapTrim()
     assert not off.active and not off.after_forward() and off.trims == 0
-    for bad in ("lots", "-1", "nan", "inf"):
+    # every bad value names the variable (a new user's review: -1, nan, inf and 1e400 did
+    # not, and 0.0000001 rounded to 0 bytes, silently off)
+    for bad in ("lots", "-1", "nan", "inf", "1e400", "0.0000001", "0.5", "2e6"):
         monkeypatch.setenv(HEAP_TRIM_ENV, bad)
-        with pytest.raises(ValueError, match="MiB"):
+        with pytest.raises(ValueError, match=f"^{HEAP_TRIM_ENV}='{bad}': the classifiers' heap "
+                                             r"trim budget in MiB, 0 \(off\) or a number from "
+                                             "1 to 1048576$"):
             HeapTrim()
+
+
+def test_python_m_service_refuses_a_bad_budget_before_starting(monkeypatch):
+    # the replicas of the Ray it starts inherit the variable: a bad one failed them all, 23 s
+    # into the start, as "Failed to update the deployments", and --check said OK
+    from service import launch, preflight
+
+    monkeypatch.setenv(HEAP_TRIM_ENV, "-1")
+    config = launch.load_config(launch.CPU_CONFIG)
+    with pytest.raises(ValueError, match=f"^{HEAP_TRIM_ENV}='-1'"):
+        preflight.preflight(config, check_only=True)
 
 
 def test_a_trim_happens_only_above_the_budget_and_moves_the_floor():
