@@ -285,10 +285,12 @@ def main() -> None:
         target = f"http://{report['sd_targets'][0]}/metrics"
         want_count = float(len(examples))
 
-        def exported():
+        def exported():  # the histograms and the counters (exported apart, every 0.5 s)
             m = metric_sums(target)
             return all(m.get(f"ray_mita_serve_stage_duration_seconds_count|variant={v}"
-                             f"|stage=attention", 0) >= want_count for v in ("mita", "dense"))
+                             f"|stage=attention", 0) >= want_count
+                       and m.get(f"ray_mita_serve_requests_total|variant={v}|status=200", 0)
+                       >= want_count for v in ("mita", "dense"))
         deadline = time.monotonic() + 30
         while not exported() and time.monotonic() < deadline:
             time.sleep(0.5)
