@@ -16,6 +16,12 @@ series of a dead replica stay, frozen, until the node's Ray restarts: ``rate()``
 0): as gauges, one series per bucket edge, a replica's stage histogram alone reached Ray's
 agent's limit of 2,000 attribute sets per metric (OpenTelemetry's default; the agent never
 releases a set), and every set past it was folded into one overflow series without labels.
+
+Label values come from small fixed sets: ``variant`` ∈ {mita, dense}, ``stage`` ∈ the
+profiler's stage names, ``n_bucket`` ∈ ``N_BUCKETS``, ``status`` ∈ HTTP status codes.
+Every counter series the service can produce exists from start-up, at 0 (``start_at_zero``).
+Only the gateway records them (``service.recorder.Recorder`` holds the one ``ServiceMetrics``
+of a gateway replica): classifier replicas export none, so one scrape target has them all.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ DURATION_BUCKETS_S = _one_two_five(-5, MAX_REQUEST_TIMEOUT_S)
 # Ray drops a gauge series that is not set again for a while (~20 s): the service's gauges
 # are set again this often.
 GAUGE_REFRESH_S = 5.0
-# A counter's or histogram's changed series are exported this often, and every series again
-# each GAUGE_REFRESH_S (Ray drops a gauge series no longer reported).
+# A counter's changed series are exported this often, and every series again each
+# GAUGE_REFRESH_S (Ray drops a gauge series no longer reported).
 EXPORT_INTERVAL_S = 0.5
 # How long a dead replica's series stay on Ray's exporter: its agent keeps a gauge series for
 # two of its export intervals (10 s by default) after the last report (measured: 18-20 s).
@@ -107,22 +113,26 @@ def exported(metric: str) -> str:
     return EXPORTED_PREFIX + METRIC_NAMES[metric]
 
 
-class _Exported:
-    """Series kept in this process and exported as Ray gauges by one daemon thread: the
-    changed ones every ``EXPORT_INTERVAL_S``, all of them every ``GAUGE_REFRESH_S``."""
+class TotalCounter:
+    """A counter (``inc``) kept in this process and exported as a Ray gauge of its running total
+    per tag set, named as the counter (``..._total``), by one daemon thread for all of them:
+    the changed series every ``EXPORT_INTERVAL_S``, every series each ``GAUGE_REFRESH_S``."""
 
-    _all: list[_Exported] = []
+    _all: list[TotalCounter] = []
     _lock = threading.Lock()
     _thread: threading.Thread | None = None
 
-    def __init__(self):
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()):
+        self._gauge = Gauge(name, description=description + " (a running total)",
+                            tag_keys=tag_keys)
+        self._totals: dict[tuple, float] = {}
         self._dirty: set[tuple] = set()
-        with _Exported._lock:
-            _Exported._all.append(self)
-            if _Exported._thread is None:
-                _Exported._thread = threading.Thread(target=_Exported._run, daemon=True,
-                                                     name="metrics-export")
-                _Exported._thread.start()
+        with TotalCounter._lock:
+            TotalCounter._all.append(self)
+            if TotalCounter._thread is None:
+                TotalCounter._thread = threading.Thread(target=TotalCounter._run, daemon=True,
+                                                        name="metrics-export")
+                TotalCounter._thread.start()
 
     @staticmethod
     def _run() -> None:
@@ -132,29 +142,17 @@ class _Exported:
             every = time.monotonic() - last_all >= GAUGE_REFRESH_S
             if every:
                 last_all = time.monotonic()
-            for metric in list(_Exported._all):
-                metric.export(every)
+            for counter in list(TotalCounter._all):
+                counter.export(every)
 
     def export(self, every: bool = False) -> None:
-        """Set the gauges of the series changed since the last export (``every``: of all)."""
-        with _Exported._lock:
-            keys = list(self._series()) if every else list(self._dirty)
+        """Set the gauge of each series changed since the last export (``every``: of all)."""
+        with TotalCounter._lock:
+            keys = self._totals if every else self._dirty
+            values = [(self._totals[key], key) for key in keys]
             self._dirty.clear()
-            values = [self._values(key) for key in keys]
-        for rows in values:
-            for gauge, value, tags in rows:
-                gauge.set(value, tags)
-
-
-class TotalCounter(_Exported):
-    """A counter (``inc``) exported as a gauge of its running total per tag set, named as
-    the counter (``..._total``)."""
-
-    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()):
-        self._gauge = Gauge(name, description=description + " (a running total)",
-                            tag_keys=tag_keys)
-        self._totals: dict[tuple, float] = {}
-        super().__init__()
+        for total, key in values:
+            self._gauge.set(total, dict(key))
 
     def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
         """Add ``value`` (> 0) to the series of ``tags``. Raises ValueError for value ≤ 0."""
@@ -164,22 +162,14 @@ class TotalCounter(_Exported):
 
     def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
         """The series of ``tags`` plus ``value`` (0 too: ``start_at_zero``), exported now."""
-        key = self._add(value, tags)
-        for gauge, total, t in self._values(key):
-            gauge.set(total, t)
+        self._gauge.set(self._add(value, tags), dict(tags or {}))
 
-    def _add(self, value: float, tags: dict[str, str] | None) -> tuple:
+    def _add(self, value: float, tags: dict[str, str] | None) -> float:
         key = tuple(sorted((tags or {}).items()))
-        with _Exported._lock:
-            self._totals[key] = self._totals.get(key, 0.0) + float(value)
+        with TotalCounter._lock:
+            total = self._totals[key] = self._totals.get(key, 0.0) + float(value)
             self._dirty.add(key)
-        return key
-
-    def _series(self):
-        return self._totals.keys()
-
-    def _values(self, key: tuple) -> list:
-        return [(self._gauge, self._totals[key], dict(key))]
+        return total
 
 
 class ServiceMetrics:
