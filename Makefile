@@ -49,9 +49,9 @@ test-fast: lint
 DATA ?= data
 data: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[data]'
-	$(BIN)/python -m mita.datasets fashion-mnist --out $(DATA)/fashion-mnist
-	$(BIN)/python -m mita.datasets austen --window 512 --out $(DATA)/austen-512
-	$(BIN)/python -m mita.datasets austen-persuasion --out $(DATA)/austen-persuasion
+	$(BIN)/python -m mita.data.datasets fashion-mnist --out $(DATA)/fashion-mnist
+	$(BIN)/python -m mita.data.datasets austen --window 512 --out $(DATA)/austen-512
+	$(BIN)/python -m mita.data.datasets austen-persuasion --out $(DATA)/austen-persuasion
 
 # The compiled resources of every Triton kernel specialisation (264 compiles, 8-25 min on 2
 # cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it
@@ -66,12 +66,12 @@ kernels-table: $(DEV_STAMP)
 MUTATE_SCOPE := \
 	'loadtest.engine.x_summarize*' 'loadtest.engine.x_check_loopback*' 'loadtest.report.*' \
 	'mita.quality.*' 'mita.timer.*' 'mita.records.*' 'mita.config.x_parse_setting*' \
-	'mita.data.vocab.*' 'mita.plots.x_figure*' 'mita.plots.x_save*' 'mita.plots.x_write_csv*' \
-	'profiler.advise.x_compare*' 'profiler.advise.xǁConstraintǁ*' \
-	'profiler.advise.x_parse_setting*' 'profiler.advise.x_default_grid*' \
+	'mita.data.vocab.*' 'mita.tools.plots.x_figure*' 'mita.tools.plots.x_save*' 'mita.tools.plots.x_write_csv*' \
+	'profiler.advise.x_compare*' 'profiler.advise_config.xǁConstraintǁ*' \
+	'profiler.advise_config.x_parse_setting*' 'profiler.advise_config.x_default_grid*' \
 	'profiler.advise.x_sequence_of_length*' 'profiler.recommend.x_report*' \
 	'profiler.recommend.x__eligible*' 'profiler.recommend.x__recommend*' \
-	'profiler.recommend.x__overall*' 'profiler.recommend.x_drop_points*' \
+	'profiler.recommend.x__overall*' 'profiler.advise_config.x_drop_points*' \
 	'profiler.advise_report.x_serve_snippet*' 'profiler.advise_report.x_markdown*' \
 	'profiler.advise_report.x_cpu_sharing_warning*' 'profiler.advise_report.x_write_outputs*' \
 	'profiler.sweep.x_landmarks_for*' 'profiler.sweep.x_attention_ms*' 'profiler.sweep.x_speedups*' \

@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 import yaml
 
-from mita.argtypes import Parser
 from mita.data.listops import ListOpsConfig, encode, generate
+from mita.tools.argtypes import Parser
 from profiler.advise import compare
 from service import launch
 

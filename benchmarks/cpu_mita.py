@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from mita import mita_attention
-from mita.argtypes import Parser
 from mita.cost import fig5_setting
 from mita.model import EncoderClassifier, ModelConfig
+from mita.tools.argtypes import Parser
 
 
 def timed(fn) -> float:

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from mita.argtypes import Parser
+from mita.tools.argtypes import Parser
 
 
 def median_us(fn, repeats: int) -> float:

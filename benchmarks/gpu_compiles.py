@@ -16,7 +16,7 @@ every path, as it does on its first call on a GPU.
 Per step it prints the specialisations a step compiles that no earlier step compiled (the
 steps share Triton's cache, ``TRITON_CACHE_DIR``) against ``BUDGET``; the exit status is 1
 when a step is over its budget, so a change that adds compiles fails ``make test``
-(``tests/test_gpu_compiles.py``). ``--warm`` compiles the same list for the GPU at hand in
+(``tests/kernels/test_gpu_compiles.py``). ``--warm`` compiles the same list for the GPU at hand in
 one process per core (``WARM_WORKERS``) into Triton's cache, before the steps run; the GPU
 command prints the fresh compiles each step still made beside these.
 

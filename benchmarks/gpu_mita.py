@@ -11,7 +11,7 @@ One prepared script for a short GPU lease (it must finish within 6 minutes on on
       PyTorch stages given the fused path's routing decisions (16-bit scores may route a
       near-tie differently from float64; the decisions are checked exactly in b), for
       float32 / bfloat16 / float16, s = 1, 2, 3, d = 32, 64, 128, masks, N < m, k = 300.
-      Tolerances as in ``tests/test_kernels.py``: 1e-5 / 1.5e-2 / 2e-3 relative to the
+      Tolerances as in ``tests/kernels/test_kernels.py``: 1e-5 / 1.5e-2 / 2e-3 relative to the
       largest output. The error against the float64 loop reference (``mita/reference.py``)
       is reported beside it.
    b. The routing kernels vs the PyTorch stages on small-integer inputs (exact scores, ties
@@ -39,7 +39,7 @@ One prepared script for a short GPU lease (it must finish within 6 minutes on on
    16K for comparison).
 
 ``--smoke`` runs the same code on the CPU at tiny N with ``TRITON_INTERPRET=1`` and float32,
-so CI checks the script itself (``tests/test_kernels.py``); its timings mean nothing.
+so CI checks the script itself (``tests/kernels/test_kernels.py``); its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ from benchmarks.gpu_mita_checks import (  # noqa: E402
     rel_err,
 )
 from mita import attention as A  # noqa: E402
-from mita.argtypes import Parser  # noqa: E402
 from mita.cost import fig5_setting  # noqa: E402
 from mita.hooks import NULL_HOOK  # noqa: E402
 from mita.kernels import choose  # noqa: E402
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend  # noqa: E402
 from mita.timer import StageTimer  # noqa: E402
+from mita.tools.argtypes import Parser  # noqa: E402
 
 PAPER_FIG5 = {16384: 4.7, 65536: 19.0, 262144: 56.0, 1 << 20: 159.0}
 GRAPH_MAX_N = 65536  # whole forwards also replayed from a CUDA graph up to this N

@@ -6,7 +6,7 @@ classifier replica runs) for MiTA and dense on the shipped checkpoint.
 
 1. Checks (real ListOps, 24 sequences of 100-600 tokens): the GPU engine vs the CPU float32
    engine — float32 on the GPU within 1e-4 of the CPU's probabilities with every label equal;
-   bfloat16 (the GPU default) within 0.03 (``tests/test_engine.py``'s bound) — and a padded
+   bfloat16 (the GPU default) within 0.03 (``tests/no_ray/test_engine.py``'s bound) — and a padded
    batch vs one forward per sequence on the GPU (float32: 1e-5; bfloat16: 0.03); CUDA-graph
    replays vs plain forwards (1e-6).
 2. Requests: N = 1K, 4K, 16K, 64K, 256K, 1M random ids, batch 1 and 8 (8 requests of the same
@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))  # mita, profiler, service without an install
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
 from mita.timer import StageTimer  # noqa: E402
+from mita.tools.argtypes import Parser  # noqa: E402
 from service.engine import ClassifierEngine  # noqa: E402
 from service.settings import VARIANTS  # noqa: E402
 

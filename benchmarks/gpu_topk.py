@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mita import stages as S  # noqa: E402
-from mita.argtypes import Parser  # noqa: E402
 from mita.kernels import routing, topk  # noqa: E402
+from mita.tools.argtypes import Parser  # noqa: E402
 
 PATHS = ("select", "bitonic", "torch")
 NS = [1 << 14, 1 << 16, 1 << 18, 1 << 20]  # on a GPU

@@ -16,9 +16,9 @@ import httpx
 import numpy as np
 import torch
 
-from mita.argtypes import Parser
 from mita.data.listops import encode, generate_long
 from mita.model import load_checkpoint
+from mita.tools.argtypes import Parser
 from service import launch
 
 CHECKPOINT = "checkpoints/listops-default"

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import torch
 
-from mita.argtypes import Parser
 from mita.model import EncoderClassifier, ModelConfig
 from mita.timer import profile_forward
+from mita.tools.argtypes import Parser
 from profiler.sweep import landmarks_for
 
 

@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import torch
 
-from mita.argtypes import Parser
+from mita.tools.argtypes import Parser
 from service import launch
 
 

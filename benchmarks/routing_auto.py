@@ -27,8 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, generate  # noqa: E402
+from mita.tools.argtypes import Parser  # noqa: E402
 from service import launch  # noqa: E402
 
 GROUPS = {"short": ListOpsConfig(min_length=40, max_length=64),

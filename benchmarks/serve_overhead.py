@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from mita.argtypes import Parser
+from mita.tools.argtypes import Parser
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = (64, 1024, 16384)

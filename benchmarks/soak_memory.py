@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mita.argtypes import Parser, bounded
+from mita.tools.argtypes import Parser, bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"trim": {}, "no-trim": {"MITA_SERVE_HEAP_TRIM_MIB": "0"}}

@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import torch
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_INT, Parser
+from mita.tools.argtypes import NONNEGATIVE_INT, POSITIVE_INT, Parser
 from service import launch, proxy_guard
 
 POST = (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

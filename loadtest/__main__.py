@@ -8,8 +8,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
 from mita.data.labelled import read_file
+from mita.tools.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
 
 from .engine import LoadConfig, check_loopback, fetch_models, run_load, summarize
 from .inputs import GENERATED, build, error_gate, input_unit, refusal, warnings

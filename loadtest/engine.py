@@ -21,7 +21,7 @@ import numpy as np
 
 from mita.data.listops import encode, generate_long
 from mita.hooks import stage_sorted
-from mita.progress import Progress
+from mita.tools.progress import Progress
 
 
 def check_loopback(url: str) -> None:

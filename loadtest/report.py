@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mita.hooks import MIN_STAGE_SAMPLES, VARIANT_COLORS, stage_sorted
-from mita.plots import figure, save, stage_lines, write_csv
+from mita.tools.plots import figure, save, stage_lines, write_csv
 
 from .engine import Sample
 from .inputs import GENERATED, UNIT_NOTES

@@ -1,6 +1,6 @@
 """MiTA attention, the long-sequence classifier, its data and training.
 
-The names below are imported on first use (PEP 562): ``import mita.argtypes`` or
+The names below are imported on first use (PEP 562): ``import mita.tools.argtypes`` or
 ``mita.data`` (the load tester's, every CLI's argument checks) must not import torch, which
 takes 1.5-2 s on 2 cores before a command can even refuse a bad flag."""
 

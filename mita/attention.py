@@ -1,5 +1,7 @@
 """MiTA (Mixture-of-Top-k Attention) and dense attention on ``(B, H, N, d)`` tensors: the public
-``mita_attention`` (check the inputs once, then dispatch to a backend) and ``dense_attention``.
+``mita_attention`` (check the inputs once, then dispatch to a backend), its unchecking core
+``mita_attention_unchecked`` (for ``mita.layers``, whose inputs were checked once per model or
+forward) and ``dense_attention``.
 The stages themselves are in ``mita.stages``; within ``mita`` this is the only module that
 imports ``mita.kernels``' launchers.
 
@@ -36,7 +38,10 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
                    landmark_grid: tuple[int, int] | None = None, shared_scale: str = "paper",
                    backend: str = "auto", hook: StageHook = NULL_HOOK,
                    check_mask: bool = True) -> Tensor:
-    """MiTA attention, eqs. 5-12 of arXiv:2602.01219 (§3.2), exactly.
+    """MiTA attention, eqs. 5-12 of arXiv:2602.01219 (§3.2), exactly. The checking entry point:
+    the shapes, the setting (``check_setting``) and the backend (``check_backend``) are
+    checked on every call, then ``mita_attention_unchecked`` (the unchecking core the model's layers
+    call, having checked them once) computes.
 
     Args:
         q, k: ``(B, H, N, d)``; v: ``(B, H, N, dv)``; float16/bfloat16/float32/float64.
@@ -81,11 +86,33 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k (B, H, N, d) and v (B, H, N, dv) with equal B, H, N; "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, H, N, _ = q.shape
-    if N == 0:
+    if q.shape[2] == 0:  # before the setting, as always (mita_attention_unchecked checks it again)
         raise ValueError("sequence length N must be ≥ 1")
     check_setting(num_landmarks, topk, route_topk, shared_scale)
     check_backend(backend)
+    return mita_attention_unchecked(q, k, v, num_landmarks=num_landmarks, topk=topk,
+                           route_topk=route_topk, key_padding_mask=key_padding_mask,
+                           landmark_grid=landmark_grid, shared_scale=shared_scale,
+                           backend=backend, hook=hook, check_mask=check_mask)
+
+
+def mita_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk: int,
+                    route_topk: int, key_padding_mask: Tensor | None,
+                    landmark_grid: tuple[int, int] | None, shared_scale: str, backend: str,
+                    hook: StageHook, check_mask: bool) -> Tensor:
+    """``mita_attention`` without its checks of the q/k/v shapes, the setting
+    (``check_setting``) and the backend (``check_backend``): for callers that checked them
+    once already (``layers.MiTAAttention``: q, k, v from its own projection, the setting from
+    ``ModelConfig``, the backend where it is set), so that no layer of a forward checks them
+    again. Same arguments, results (bit for bit) and remaining errors as ``mita_attention``:
+    N = 0, the mask (when ``check_mask``), the grid and the backend's own conditions
+    (``"cpu"``/``"triton"`` where they cannot run) are still refused with ValueError. Wrong
+    shapes or settings here are not diagnosed (the error, if any, comes from deeper down)."""
+    B, H, N, _ = q.shape
+    # Kept here too: the model does not check N once per forward, and this is the error a
+    # (B, 0) input to it has always raised.
+    if N == 0:
+        raise ValueError("sequence length N must be ≥ 1")
     if check_mask:
         S.check_padding_mask(key_padding_mask, B, N)
     out_dtype = q.dtype

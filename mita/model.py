@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .config import CONFIG_FILE, ModelConfig, check_backend, checkpoint_config, checkpoint_metadata
 from .hooks import NULL_HOOK, StageHook, check_cancelled
-from .layers import DenseAttention, MiTAAttention
+from .layers import ATTENTION_MODULES, MiTAAttention
 from .stages import check_padding_mask
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
-        if cfg.attention == "dense":
-            self.attn = DenseAttention(cfg)
-        else:
-            self.attn = MiTAAttention(cfg)
+        # ModelConfig refused any name outside config.ATTENTIONS, the keys of this mapping
+        self.attn = ATTENTION_MODULES[cfg.attention](cfg)
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mita.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
 from mita.config import BACKENDS
-from mita.scores import HEADLINE
+from mita.tools.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
+from mita.tools.scores import HEADLINE
 from service.engine import pick_device
 
-from . import advise, advise_report
+from . import advise, advise_config, advise_report
 from .sweep import SweepConfig, markdown, run_sweep, write_outputs
 
 
@@ -75,7 +75,7 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                    help="'generated' (LRA-procedure ListOps, see --min/--max-length) or a "
                         "file: LRA ListOps TSV (--format lra), label<TAB>text with integer "
                         "labels (--format text, byte-level) or your labelled file as "
-                        "python -m mita.train --train reads it (--format own, the default for "
+                        "python -m mita.training --train reads it (--format own, the default for "
                         "a checkpoint trained on one)")
     s.add_argument("--format", dest="data_format", choices=["lra", "text", "own"],
                    default=None, help="a --data file's format (default: own for a checkpoint "
@@ -127,18 +127,18 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         meta = checkpoint_metadata(resolve_checkpoint(a.checkpoint))
         scales = a.shared_scales or [meta["config"]["shared_scale"]]
         ns = sorted(set(a.n))
-        grid = ([advise.parse_setting(g, sc) for sc in scales for g in a.grid] if a.grid
-                else advise.default_grid(ns, scales))
+        grid = ([advise_config.parse_setting(g, sc) for sc in scales for g in a.grid] if a.grid
+                else advise_config.default_grid(ns, scales))
         grid = list(dict.fromkeys(grid))  # a setting given twice runs once
-        constraint = (advise.Constraint("accuracy_drop", a.max_accuracy_drop, a.metric)
+        constraint = (advise_config.Constraint("accuracy_drop", a.max_accuracy_drop, a.metric)
                       if a.max_accuracy_drop is not None else
-                      advise.Constraint("agreement", 0.99 if a.min_agreement is None
-                                        else a.min_agreement, a.metric))
+                      advise_config.Constraint("agreement", 0.99 if a.min_agreement is None
+                                               else a.min_agreement, a.metric))
         if a.data != "generated" and not Path(a.data).is_file():
             raise ValueError(f"--data {a.data}: " + ("a folder, not a file"
                                                      if Path(a.data).is_dir() else "no such file"))
         pick_device(a.device, "the advisor", auto=False)
-        cfg = advise.AdviseConfig(
+        cfg = advise_config.AdviseConfig(
             checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
             data_format=a.data_format or ("own" if "task" in meta else "lra"),
             size=a.size, min_length=a.min_length,

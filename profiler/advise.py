@@ -7,12 +7,12 @@ dense variant on the same inputs, through the serving code (``service.engine.Cla
 one unpadded forward per sequence, as the service's ``deterministic`` mode):
 
 - quality on the user's labelled sequences, each cut as training cut them when the checkpoint
-  was trained with ``--max-len`` (``mita.task.Task.cut``, as the service and
-  ``python -m mita.evaluate`` cut them): label accuracy, macro-F1 and balanced accuracy with
-  their errors and per-class precision / recall / F1 (``mita.scores``), agreement of the
-  predicted labels with dense, mean KL(dense ‖ MiTA) of the class probabilities (nats), and
-  retention = MiTA accuracy / dense accuracy (the paper's Fig. 9 measure for a swap without
-  retraining);
+  was trained with ``--max-len`` (``mita.data.task.Task.cut``, as the service and
+  ``python -m mita.training.evaluate`` cut them): label accuracy, macro-F1 and balanced
+  accuracy with their errors and per-class precision / recall / F1 (``mita.tools.scores``),
+  agreement of the predicted labels with dense, mean KL(dense ‖ MiTA) of the class
+  probabilities (nats), and retention = MiTA accuracy / dense accuracy (the paper's Fig. 9
+  measure for a swap without retraining);
 - cost at each N served: forward latency (p50 of repeats, after one warm-up) with the
   per-stage breakdown the forward reports, and peak memory (CUDA: measured; CPU: the analytic
   activation estimate); the speed-up over dense is the ratio of p50s with dense's forwards
@@ -34,103 +34,30 @@ budget (or Ctrl-C) resumes where it stopped when started again with the same inp
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import torch
 
-from mita import config
-from mita.cost import fig5_setting
 from mita.data.listops import ListOpsConfig, encode, generate
+from mita.data.task import Task, checkpoint_task
 from mita.data.tsv import read_lra_listops, read_text_tsv
 from mita.data.vocab import Vocabulary
 from mita.hooks import stage_sorted
 from mita.model import checkpoint_config, checkpoint_metadata
-from mita.progress import Progress
 from mita.quality import kl_divergence
-from mita.scores import HEADLINE, classification_scores, paired_bootstrap
-from mita.task import Task, checkpoint_task
+from mita.tools.progress import Progress
+from mita.tools.scores import HEADLINE, classification_scores, paired_bootstrap
 
-from .advise_report import METRIC_NAMES, cpu_sharing_warning
+from .advise_config import AdviseConfig, Setting, checkpoint_folder
+from .advise_report import cpu_sharing_warning
 from .advise_units import UnitStore, load_dense_probs
-from .recommend import DROP_DIGITS, drop_points, report
+from .recommend import report
 
-FIXED_SIDES = (8, 16, 32, 64)  # m = k of the fixed small settings in the default grid
 RUN_FILE = "advise.jsonl"
-UNIT_FORMAT = 3  # in the run key: units written by another version are not mixed in
 DENSE_PROBS = "dense_probabilities.npy"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One MiTA setting: m, k, s and the shared-branch scaling (``mita.config.ModelConfig``
-    names in ``overrides``)."""
-
-    m: int
-    k: int
-    s: int = 1
-    shared_scale: str = "paper"
-
-    @property
-    def name(self) -> str:
-        return config.setting_name(self.m, self.k, self.s, self.shared_scale)
-
-    def overrides(self) -> dict:
-        return {"num_landmarks": self.m, "topk": self.k, "route_topk": self.s,
-                "shared_scale": self.shared_scale}
-
-
-def parse_setting(text: str, shared_scale: str = "paper") -> Setting:
-    """``"MxK"`` or ``"MxKxS"`` (e.g. ``32x32x2``) → ``Setting``, read by
-    ``mita.config.parse_setting`` (its errors: ValueError)."""
-    return Setting(*config.parse_setting(text), shared_scale)
-
-
-def default_grid(ns: list[int], shared_scales: list[str]) -> list[Setting]:
-    """The paper's Fig. 5 setting of each N (m = k ≈ √(N/4), so m·k ≈ N/4) and the fixed
-    m = k ∈ {8, 16, 32, 64}, each with s = 1 and s = 2, for each shared scaling."""
-    sides = sorted({fig5_setting(n)[0] for n in ns} | set(FIXED_SIDES))
-    return [Setting(side, side, s, scale) for scale in shared_scales for side in sides
-            for s in (1, 2) if s <= side]
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """``kind``: ``"agreement"`` (predicted labels equal dense's on at least ``value``, a
-    fraction) or ``"accuracy_drop"`` (the ``metric`` at most ``value`` points below dense's).
-    ``metric``: the score a drop is measured in (``mita.scores.HEADLINE``: ``"accuracy"``,
-    ``"macro_f1"`` or ``"balanced_accuracy"``; points = 100 × the score), also the drop the
-    report shows under an agreement constraint."""
-
-    kind: str
-    value: float
-    metric: str = "accuracy"
-
-    def met(self, row: dict, dense: dict) -> bool:
-        """At the value is met: agreement and accuracy are counts over the same n sequences,
-        so the drop is taken at ``DROP_DIGITS`` (far below the data's resolution of 100 / n
-        points) and ``100 * (0.36 - 0.35)`` is 1 point, not 1.0000000000000009."""
-        if self.kind == "agreement":
-            return round(row["agreement"], DROP_DIGITS) >= self.value
-        return drop_points(dense, row, self.metric) <= self.value
-
-    def shortfall(self, row: dict, dense: dict) -> float:
-        """How far ``row`` is from meeting the constraint (lower is closer): the setting
-        that comes closest is the one a refusal names."""
-        if self.kind == "agreement":
-            return -row["agreement"]
-        return drop_points(dense, row, self.metric)
-
-    def describe(self) -> str:
-        if self.kind == "agreement":
-            return f"agreement with dense ≥ {100 * self.value:.1f} %"
-        return f"{METRIC_NAMES[self.metric]} drop ≤ {self.value:g} points"
 
 
 def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -153,13 +80,13 @@ def compare(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> dic
 def metric_scores(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray,
                   names, resamples: int | None = None) -> dict:
     """The scores beyond accuracy of ``probs`` (``(n, classes)``; its argmax the predicted
-    classes) against the true ``labels`` ``(n,)``: ``scores`` (``mita.scores.
+    classes) against the true ``labels`` ``(n,)``: ``scores`` (``mita.tools.scores.
     classification_scores`` with the class ``names``: accuracy ± SE, macro-F1 and balanced
     accuracy ± bootstrap SE, per-class precision / recall / F1, the majority rate), and for
     macro-F1 and balanced accuracy the standard error of dense's score minus this one, in
     points (``{metric}_drop_se_points``), from a paired bootstrap of the same resampled rows
-    (``mita.scores.paired_bootstrap``; the reference is dense's ``(n, classes)``
-    probabilities). ``resamples``: the bootstrap's (default ``mita.scores``')."""
+    (``mita.tools.scores.paired_bootstrap``; the reference is dense's ``(n, classes)``
+    probabilities). ``resamples``: the bootstrap's (default ``mita.tools.scores``')."""
     pred, ref = probs.argmax(1), reference.argmax(1)
     more = {} if resamples is None else {"resamples": resamples}
     out = {"scores": classification_scores(labels, pred, list(names), **more)}
@@ -170,56 +97,10 @@ def metric_scores(reference: np.ndarray, probs: np.ndarray, labels: np.ndarray,
     return out
 
 
-@dataclass
-class AdviseConfig:
-    """Inputs of one advisor run (``python -m profiler advise --help``)."""
-
-    checkpoint: str
-    ns: list[int]
-    grid: list[Setting]
-    constraint: Constraint
-    data: str = "generated"  # "generated", or a file path
-    # for a file: "lra" (LRA ListOps TSV), "text" (label<TAB>text, integer labels) or "own"
-    # (your labelled file, label names: mita.data.labelled, the checkpoint's task)
-    data_format: str = "lra"
-    size: int = 1000
-    min_length: int = 500  # generated data: LRA's test distribution, 500 < length < 2000
-    max_length: int = 2000
-    seed: int = 1_000_003
-    device: str = "cpu"
-    dtype: str = "auto"
-    mita_backend: str = "auto"
-    repeats: int = 5
-    budget_s: float = 600.0
-    out: Path = field(default_factory=lambda: Path("runs/advise"))
-
-    def key(self) -> dict:
-        """What makes two runs' units interchangeable (``advise.jsonl``'s header)."""
-        meta = checkpoint_metadata(_resolve(self.checkpoint))
-        task = meta.get("task") or {}
-        data_id = (self.data if self.data == "generated" else
-                   hashlib.sha256(Path(self.data).read_bytes()).hexdigest())
-        generated = self.data == "generated"
-        return {"unit_format": UNIT_FORMAT, "weights_sha256": meta["weights_sha256"],
-                "data": data_id,
-                "format": None if generated else self.data_format, "size": self.size,
-                "lengths": [self.min_length, self.max_length] if generated else None,
-                "seed": self.seed if generated else None,
-                "device": self.device, "dtype": self.dtype, "mita_backend": self.mita_backend,
-                "repeats": self.repeats, "torch": torch.__version__,
-                "cut": [task.get("max_length"), task.get("truncate")]}
-
-
-def _resolve(checkpoint: str) -> Path:
-    from service.engine import resolve_checkpoint
-
-    return resolve_checkpoint(checkpoint)
-
-
 def load_task(checkpoint: str) -> Task:
-    """The checkpoint's task (``mita.task.checkpoint_task``): its label names, tokenizer and
+    """The checkpoint's task (``mita.data.task.checkpoint_task``): its label names, tokenizer and
     trained length."""
-    folder = _resolve(checkpoint)
+    folder = checkpoint_folder(checkpoint)
     meta = checkpoint_metadata(folder)
     return checkpoint_task(meta, checkpoint_config(folder, meta), folder)
 
@@ -275,11 +156,11 @@ def sequence_of_length(data: list[tuple[list[int], int]], n: int) -> np.ndarray:
 
 
 def own_rows(cfg: AdviseConfig, task: Task | None = None) -> list[tuple[list[int], int]]:
-    """The first ``size`` rows of a labelled file as ``mita.train --train`` reads it (TSV or
-    JSON lines, label names), tokenized by the checkpoint's tokenizer, indexed by its label
-    names and cut to its trained length as training cut them (``task.cut``): the rows
-    ``python -m mita.evaluate CHECKPOINT --data FILE`` scores. ``task``: the checkpoint's
-    (``mita.task``; read from it by default). Raises ValueError as ``Task.labelled_rows``
+    """The first ``size`` rows of a labelled file as ``python -m mita.training --train`` reads
+    it (TSV or JSON lines, label names), tokenized by the checkpoint's tokenizer, indexed by its
+    label names and cut to its trained length as training cut them (``task.cut``): the rows
+    ``python -m mita.training.evaluate CHECKPOINT --data FILE`` scores. ``task``: the checkpoint's
+    (``mita.data.task``; read from it by default). Raises ValueError as ``Task.labelled_rows``
     (the file and line of a label the checkpoint does not know, ``read_file``'s errors)."""
     task = task if task is not None else load_task(cfg.checkpoint)
     return task.labelled_rows(cfg.data, cfg.size)[0]
@@ -329,7 +210,7 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     warning = cpu_sharing_warning()
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    meta = checkpoint_metadata(_resolve(cfg.checkpoint))
+    meta = checkpoint_metadata(checkpoint_folder(cfg.checkpoint))
     model_cfg = meta["config"]
     task = load_task(cfg.checkpoint)
     data = load_data(cfg, model_cfg["num_classes"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mita.plots import figure, save, write_csv
+from mita.tools.plots import figure, save, write_csv
 
 NOISY = 1.5  # max/min of a point's timed forwards above which the report warns
 # A 1-minute load average above this many runnable processes per core when the advisor starts:
@@ -50,7 +50,7 @@ def serve_snippet(row: dict, checkpoint: str) -> str:
             f"    route_topk: {row['s']}\n    shared_scale: {row['shared_scale']}\n")
 
 
-# --metric's names as the report writes them (mita.scores.HEADLINE)
+# --metric's names as the report writes them (mita.tools.scores.HEADLINE)
 METRIC_NAMES = {"accuracy": "accuracy", "macro_f1": "macro-F1",
                 "balanced_accuracy": "balanced accuracy"}
 

@@ -2,7 +2,7 @@
 quality (accuracy, macro-F1, balanced accuracy with their errors and drops from dense), and
 latency per N with the speed-up over dense timed side by side — the recommendation at each N
 and over the whole range under the user's constraint, and the warnings a reader must not miss
-(``mita.scores.score_warnings`` on dense's and the recommended settings' predictions; timings
+(``mita.tools.scores.score_warnings`` on dense's and the recommended settings' predictions; timings
 at an N the served model would cut)."""
 
 from __future__ import annotations
@@ -11,31 +11,18 @@ import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from mita.scores import score_warnings
+from mita.tools.scores import score_warnings
 
+from .advise_config import AdviseConfig, drop_points
 from .advise_report import METRIC_NAMES, NOISY, drop_keys, serve_snippet
 
 if TYPE_CHECKING:
-    from mita.task import Task
-
-    from .advise import AdviseConfig
-
-
-# Accuracies and agreements are k / n for n sequences (n far below 10⁹): rounding at 9 digits
-# removes float noise of a subtraction and can never merge two distinct values.
-DROP_DIGITS = 9
-
-
-def drop_points(dense: dict, row: dict, metric: str = "accuracy") -> float:
-    """Dense's ``metric`` (accuracy, macro-F1 or balanced accuracy) minus ``row``'s, in points
-    (100 × the difference), rounded at ``DROP_DIGITS``: exact for accuracies that are counts
-    over the same sequences."""
-    return round(100 * (dense[metric] - row[metric]), DROP_DIGITS) + 0.0
+    from mita.data.task import Task
 
 
 def _quality(q: dict) -> dict:
     """A quality unit's fields as a report row holds them: accuracy, agreement, KL and the
-    accuracy drop's SE; with the unit's ``scores`` (``mita.scores``), also accuracy's SE,
+    accuracy drop's SE; with the unit's ``scores`` (``mita.tools.scores``), also accuracy's SE,
     macro-F1 and balanced accuracy with their SEs, 95 % intervals and drops' SEs, and the
     scores themselves."""
     row = {k: q[k] for k in ("accuracy", "agreement", "kl", "drop_se_points")}
@@ -110,7 +97,7 @@ def report_warnings(cfg: AdviseConfig, rows: list[dict], recs: list[dict], overa
              task: Task | None = None) -> list[str]:
     """What a reader must not miss: timings at an N longer than the trained length (the
     served model cuts such a sequence, so the service never runs that forward), and
-    ``mita.scores.score_warnings`` on dense's predictions and on each recommended setting's,
+    ``mita.tools.scores.score_warnings`` on dense's predictions and on each recommended setting's,
     each prefixed with the setting's name."""
     out = []
     if task is not None and task.max_length is not None:

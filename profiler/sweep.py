@@ -24,9 +24,9 @@ from mita.config import clamp_topk, parse_setting
 from mita.cost import fig5_setting, model_stage_flops
 from mita.hooks import MITA_STAGES, stage_sorted
 from mita.model import EncoderClassifier, ModelConfig, set_mita_backend
-from mita.plots import figure, save, stage_lines, write_csv
-from mita.progress import Progress
 from mita.timer import profile_forward
+from mita.tools.plots import figure, save, stage_lines, write_csv
+from mita.tools.progress import Progress
 from service.engine import pick_device
 
 

@@ -28,8 +28,8 @@ import subprocess  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mita.argtypes import Parser, bounded  # noqa: E402
-from mita.task import Task  # noqa: E402
+from mita.data.task import Task  # noqa: E402
+from mita.tools.argtypes import Parser, bounded  # noqa: E402
 
 from . import launch, preflight, running  # noqa: E402
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray.serve import Application
 
 from mita.config import ModelConfig, checkpoint_config, checkpoint_metadata, setting_name
-from mita.task import Task, checkpoint_task
+from mita.data.task import Task, checkpoint_task
 
 from . import resolve_checkpoint
 from .classifier import Classifier
@@ -20,7 +20,7 @@ from .settings import DEPLOYMENTS, AppArgs, validated
 def served_config(args: dict) -> tuple[AppArgs, ModelConfig, Task]:
     """The parsed application args, the ``ModelConfig`` the MiTA classifier will serve (the
     checkpoint's, with ``mita_setting`` applied) and the checkpoint's ``Task`` (label names,
-    tokenizer; ``mita.task``). Used by ``build_app`` and by ``python -m service --check``
+    tokenizer; ``mita.data.task``). Used by ``build_app`` and by ``python -m service --check``
     (``preflight.verify_checkpoints``), so both refuse the same. Raises ValueError for refused
     args, a malformed config.json or task, or a setting ``ModelConfig`` refuses;
     FileNotFoundError for a checkpoint without config.json."""
@@ -48,7 +48,7 @@ def build_app(args: dict) -> Application:
     checkpoint's (``settings.MiTASetting``). Parsed strictly by ``settings.AppArgs``.
 
     The gateway validates token ids against the checkpoint's vocabulary and tokenizes text
-    with its tokenizer (its config.json, ``mita.task``).
+    with its tokenizer (its config.json, ``mita.data.task``).
 
     Raises as ``served_config`` (at deploy time, not in a replica).
     """

@@ -6,7 +6,6 @@ no sink reshapes what another one reads. Ray-free: the engine runs without Ray."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from mita import records
 
@@ -17,7 +16,7 @@ PROFILE_FIELDS = tuple(StageProfile.model_fields)
 
 
 @dataclass(frozen=True)
-class ForwardStats:
+class ForwardStats(records.ForwardSums):
     """A forward of ``batch_size`` requests padded to ``padded_n`` tokens.
 
     Times in milliseconds (``total_ms``: the whole forward; ``records``: each stage of each
@@ -29,9 +28,10 @@ class ForwardStats:
     ``cuda_graph``: replayed from a CUDA graph; ``topk_path``: the Triton top-k path that
     served it (None off the Triton path).
 
-    ``stages_ms``, ``layers_ms`` and ``gflops_per_s`` are computed when first read, not in the
-    classifier: most answers travel to the gateway and are recorded without them (they are
-    read for a staged forward's stage metrics and for a response that asks for the profile)."""
+    ``stages_ms``, ``layers_ms`` and ``gflops_per_s`` are ``records.ForwardSums``' (the same
+    sums as the timer's ``ForwardProfile``), computed when first read, not in the classifier:
+    most answers travel to the gateway and are recorded without them (they are read for a
+    staged forward's stage metrics and for a response that asks for the profile)."""
 
     device: str
     dtype: str
@@ -47,18 +47,6 @@ class ForwardStats:
     started_at: float
     cuda_graph: bool = False
     topk_path: str | None = None
-
-    @cached_property
-    def stages_ms(self) -> dict[str, float]:
-        return records.stages_ms(self.records)
-
-    @cached_property
-    def layers_ms(self) -> list[dict[str, float]]:
-        return records.layers_ms(self.records)
-
-    @cached_property
-    def gflops_per_s(self) -> dict[str, float]:
-        return records.gflops_per_s(self.flops, self.stages_ms)
 
     @classmethod
     def of(cls, profile: records.ForwardProfile, **context) -> ForwardStats:

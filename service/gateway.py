@@ -31,21 +31,17 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from mita.data.task import Task
 from mita.hooks import STAGE_COLORS, VARIANT_COLORS
-from mita.task import Task
 
 from . import replica_state
 from .calls import call_classifier
 from .http import (
-    AFTER_RESPONSE,
-    ARRIVED,
     BINARY_PATH,
     CLASSIFY_RESPONSES,
     DASHBOARD_HTML,
     DASHBOARD_JS,
     ERRORS,
-    FORWARD_MS,
-    ROUTED,
     STATIC_HEADERS,
     app,
 )
@@ -54,6 +50,7 @@ from .live_config import LiveConfig, store_key
 from .policy import choose_variant, shadow_comparison
 from .recorder import Recorder
 from .replicas import fetch_classifier_replicas, watch_classifier_configs
+from .request_book import RequestBook
 from .routing import check_warm_start
 from .schemas import (
     BatchRequest,
@@ -96,10 +93,10 @@ def classify_response(body: dict, request: Request) -> JSONResponse:
     response model's JSON form — FastAPI's validation would only copy it) with a
     ``Server-Timing`` header (W3C Server Timing: browsers' developer tools and load testers
     read it) giving the forward's milliseconds, ``forward;dur=…``, which is the profile's
-    ``total_ms`` — so a client can tell the service's own time from the model's without
-    asking for the whole profile."""
-    return JSONResponse(body, headers={
-        "server-timing": f"forward;dur={request.scope[FORWARD_MS]:.3f}"})
+    ``total_ms`` (the request book's ``forward_ms``) — so a client can tell the service's own
+    time from the model's without asking for the whole profile."""
+    timing = RequestBook.of(request.scope).server_timing()
+    return JSONResponse(body, headers={"server-timing": timing} if timing else None)
 
 
 @serve.deployment
@@ -124,7 +121,9 @@ class Gateway:
                                check=lambda c: check_warm_start(c, mita_setting))
         self.recorder = Recorder()
         watch_classifier_configs(self.handles, context.app_name)
-        replica_state.gateway = self
+        # what the HTTP layer needs of this replica (service.replica_state): the recording
+        # of the classify requests it answers without routing them
+        replica_state.record_unrouted = partial(self.recorder.request, "none")
         self.rng = random.Random()
         # Shadow work is bounded and shed while it would compete with primary work: per
         # variant, the shadow calls in flight from this replica (at most shadow_max_inflight)
@@ -141,6 +140,7 @@ class Gateway:
             return
         self.config = self.live.value
         replica_state.max_body_bytes = self.config.max_body_bytes
+        replica_state.retry_after_s = self.config.retry_after_s
         self.recorder.window.retention_s = self.config.stats_window_s
         self.recorder.routing.configure(self.config.auto, self.mita_setting)
 
@@ -159,7 +159,7 @@ class Gateway:
         recorded whenever an answer comes back. Raises ApiError as ``call_classifier``, and
         500 for an answer with an error (non-finite logits). ``after``: the forward's
         recording of an answer without error is appended here instead of run at once
-        (``http.AFTER_RESPONSE``)."""
+        (the request book's ``after_response``: ``service.request_book``)."""
         result = await call_classifier(
             self._classify_calls[variant], variant, ids, staged, self.config,
             partial(self.recorder.retry, variant) if retry else None)
@@ -206,7 +206,8 @@ class Gateway:
         ``service.routing``), record the outcome and answer; ``profile``: False, True or
         ``"staged"`` (the forward times every stage apart); ``cut``: the answer's fields about
         the cut to the trained length (``Served.report``). Raises ApiError as ``_call``."""
-        arrived_at = request.scope[ARRIVED]
+        book = RequestBook.of(request.scope)
+        arrived_at = book.arrived_at
         client_key = request.headers.get(self.config.sticky_header)
         primary, shadow = choose_variant(self.config, variant, client_key, self.rng)
         if self.config.policy == "auto" and variant is None and not client_key:
@@ -218,10 +219,10 @@ class Gateway:
             else:
                 shadow = None
             self.recorder.routed(len(ids), primary, reason)
-        request.scope[ROUTED] = True
+        book.routed = True
         self._primaries[primary] += 1
         # the answer's recording runs once the response is out (CheckBody)
-        after = request.scope.setdefault(AFTER_RESPONSE, [])
+        after = book.after_response
         try:
             result = await self._call(primary, ids, profile == "staged", after=after)
         except ApiError as e:
@@ -232,7 +233,7 @@ class Gateway:
             raise
         finally:
             self._primaries[primary] -= 1
-        request.scope[FORWARD_MS] = result["profile"].total_ms
+        book.forward_ms = result["profile"].total_ms
         after.append(partial(self.recorder.request, primary, 200, len(ids),
                              time.time() - arrived_at, override=variant is not None))
         if shadow is not None and not self._start_shadow(primary, shadow, ids, result):

@@ -4,11 +4,11 @@ dashboard's static files.
 
 A classify request refused before routing is counted once, by the ``CheckBody`` middleware,
 whichever layer refused it; a routed one is recorded by ``Gateway._classify``. The handlers
-here read the replica's state as ``replica_state.X`` (why: ``service.replica_state``).
+here read the replica's state as ``replica_state.X`` (why: ``service.replica_state``); what
+they note about one request travels in its scope as a ``service.request_book.RequestBook``.
 """
 
 import asyncio
-import time
 from importlib.metadata import version
 from importlib.resources import files
 
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import replica_state
 from .inputs import ApiError, StrictJSONRoute, charset_refusal, declared_charset
+from .request_book import RequestBook
 from .schemas import ErrorResponse
 
 
@@ -48,13 +49,6 @@ app = ServiceAPI(
 app.router.route_class = StrictJSONRoute
 BINARY_PATH = "/v1/classify/binary"
 CLASSIFY_PATHS = ("/v1/classify", "/v1/classify/batch", BINARY_PATH)
-ARRIVED = "mita_serve.arrived_at"  # ASGI scope key: Unix seconds the request reached the gateway
-ROUTED = "mita_serve.routed"  # ASGI scope key: set once a variant is chosen; recorded by _classify
-# ASGI scope key: a list of callables (the recording of an answered request) that CheckBody
-# runs once the response has been handed to Serve, so the client does not wait for them.
-AFTER_RESPONSE = "mita_serve.after_response"
-# ASGI scope key: the served forward's total_ms, for gateway.classify_response's Server-Timing
-FORWARD_MS = "mita_serve.forward_ms"
 # The query parameters each endpoint takes; on these paths any other is refused (422), so a
 # ?variant= sent to the JSON endpoint is not silently ignored. Other paths (the dashboard
 # page reads its own ?refresh_s=) are not checked.
@@ -103,13 +97,15 @@ def query_refusal(request: Request, path: str) -> tuple[int, str] | None:
 class CheckBody:
     """Before any parsing: POST bodies to the classify endpoints must be JSON (binary ids for
     ``/v1/classify/binary``) with a Content-Length within the limit (other paths and methods
-    go on to routing: 404/405). Stamps the arrival time the response's ``pre_forward_ms`` and
-    the request latency count from.
+    go on to routing: 404/405). Opens the request's ``RequestBook`` (its arrival time, which
+    the response's ``pre_forward_ms`` and the request latency count from) and runs the book's
+    ``after_response`` calls once the response has been handed to Serve.
 
     The one place a classify request refused before routing is counted
     (``requests_total{variant="none"}`` and the stats window), whichever layer refused it:
-    this middleware, routing (404/405), parsing, validation or the endpoint's own checks.
-    Requests that were routed were recorded with their variant where they were routed.
+    this middleware, routing (404/405), parsing, validation or the endpoint's own checks
+    (``replica_state.record_unrouted``). Requests that were routed (the book's ``routed``)
+    were recorded with their variant where they were routed.
 
     A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) runs
     the app in a task of its own behind a memory stream, a cost on every request
@@ -121,7 +117,7 @@ class CheckBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        scope[ARRIVED] = time.time()
+        book = RequestBook.open(scope)
         request = Request(scope)
         path = route_path(request)
         status = 500
@@ -140,20 +136,14 @@ class CheckBody:
                 await self.app(scope, receive, send_status)
             finally:
                 replica_state.inflight -= 1
-                if scope.get(AFTER_RESPONSE):
+                if book.after_response:
                     # on the loop's next pass: Serve's sender, woken by the response's
                     # messages, is queued before it and ships them first
-                    asyncio.get_running_loop().call_soon(_run_all, scope[AFTER_RESPONSE])
+                    asyncio.get_running_loop().call_soon(book.run_after_response)
         else:
             await self.app(scope, receive, send_status)
-        gateway = replica_state.gateway
-        if gateway is not None and path in CLASSIFY_PATHS and not scope.get(ROUTED):
-            gateway.recorder.request("none", status)
-
-
-def _run_all(calls: list) -> None:
-    for call in calls:
-        call()
+        if path in CLASSIFY_PATHS and not book.routed:
+            replica_state.record_unrouted(status)
 
 
 def refusal_of(request: Request, path: str) -> JSONResponse | None:
@@ -161,9 +151,8 @@ def refusal_of(request: Request, path: str) -> JSONResponse | None:
     classify endpoints' Content-Type, -Encoding and -Length), or None."""
     if replica_state.draining and path != "/healthz":
         # shutting down: in-flight requests finish, new ones go elsewhere (liveness stays ok)
-        retry = replica_state.gateway.config.retry_after_s if replica_state.gateway else 1
         return _error(503, "the service is shutting down; retry on another instance",
-                      headers={"Retry-After": str(retry)})
+                      headers={"Retry-After": str(replica_state.retry_after_s)})
     refusal = query_refusal(request, path)
     if refusal is None and request.method == "POST" and path in CLASSIFY_PATHS:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()

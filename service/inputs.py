@@ -10,9 +10,9 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 
 from mita.data.listops import check_expression
+from mita.data.task import Task
 from mita.data.tokenizers import LISTOPS, Tokenizer
 from mita.data.vocab import Vocabulary
-from mita.task import Task
 
 from .schemas import ClassifyRequest
 
@@ -192,7 +192,7 @@ def check_ids(ids: np.ndarray, max_n: int, vocab: Vocabulary, hint: str = "") ->
 def served_ids(req: ClassifyRequest, max_n: int, vocab: Vocabulary,
                tokenizer: Tokenizer = LISTOPS, task: Task | None = None) -> Served:
     """The ``Served`` sequence of a JSON request (``checked``): a ``text`` tokenized by the
-    checkpoint's ``tokenizer`` (``mita.task``; an ids-only one refuses text), or the ``ids``,
+    checkpoint's ``tokenizer`` (``mita.data.task``; an ids-only one refuses text), or the ``ids``,
     cut as ``task`` says. A ``text`` for a ListOps checkpoint must also be one well-formed
     expression (``check_expression``: after the length check, which bounds its work); ``ids``
     stay free-form. Raises ApiError(422) naming the fault and its token position."""

@@ -19,7 +19,7 @@ from pydantic import (
 from .settings import AutoPolicy, Variant
 
 # The top-k paths of MiTA's Triton launcher (mita.kernels.choose.PATHS, the same names;
-# tests/test_topk_choice.py keeps them equal).
+# tests/kernels/test_topk_choice.py keeps them equal).
 TopkPath = Literal["select", "bitonic", "torch"]
 
 

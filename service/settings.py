@@ -20,11 +20,11 @@ from mita.config import BACKENDS, SHARED_SCALES
 
 Variant = Literal["mita", "dense"]
 # The API's word for a model's ``attention`` (mita.config.ATTENTIONS, the same two names;
-# tests/test_ids.py keeps them equal), MiTA listed first in answers.
+# tests/no_ray/test_ids.py keeps them equal), MiTA listed first in answers.
 VARIANTS: tuple[str, ...] = get_args(Variant)
 # The Serve deployment names (``service.app`` gives them): the gateway, and the classifier of
 # each variant. Config files name deployments by these (deploy/*.yaml spell them out;
-# tests/test_deployment_names.py keeps them equal).
+# tests/no_ray/test_deployment_names.py keeps them equal).
 DEPLOYMENTS: dict[str, str] = {"gateway": "Gateway", "mita": "MiTAClassifier",
                                "dense": "DenseClassifier"}
 

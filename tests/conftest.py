@@ -10,6 +10,8 @@ import os
 import httpx
 import pytest
 
+from . import lanes
+
 # The Triton kernels are tested under the interpreter in this process (test_kernels.py).
 # Triton fixes interpreted vs compiled mode for its own helpers (tl.max …) when it is first
 # imported, and torch imports it by itself (torch._dynamo, e.g. when a model is built on the
@@ -29,14 +31,15 @@ finally:
 
 
 # Parallel workers (make test: pytest -n 3 --dist loadgroup). Each worker is a process of its
-# own; what they start on this machine is kept apart:
+# own; which tests go where is their folder's lane (``lanes.py``); what they start on this
+# machine is kept apart:
 # - the tests that take the session's service run in one worker, in order (xdist group "ray");
 #   the tests that start a Ray instance of their own (a subprocess, a cluster) in another
 #   (group "ray-own"). A test of either group holds the cores lock (``pytest_runtest_protocol``)
 #   while it runs, so that its timing checks (load shedding, p99 ratios, drains, exit times)
-#   meet no other Ray test's load, as in a serial run; only the session's tests in ``SHARING``,
-#   which mostly wait (for Prometheus' scrapes, a deadline) and check nothing a busier machine
-#   moves, run beside one of them without it, first in their worker;
+#   meet no other Ray test's load, as in a serial run; only the session's tests marked
+#   ``sharing``, which mostly wait (for Prometheus' scrapes, a deadline) and check nothing a
+#   busier machine moves, run beside one of them without it, first in their worker;
 # - every other test (no Ray: kernels, the interpreter, compiles, CLIs) runs in the background
 #   (``cpu_priority``): in a worker that is a session of its own (a scheduling autogroup of its
 #   own, where the kernel has them: Linux's default) at nice 19, it takes only what the Ray
@@ -55,42 +58,6 @@ if WORKERS > 1:
         os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", str(low))
         os.environ.setdefault(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT",
                               str(low + 1000 // WORKERS - 1))
-# Node ids (file::name; parameters left out) of the tests that start a Ray instance of their
-# own (group "ray-own"), and of those whose timing checks a background process could miss
-# (Poisson arrivals' gaps, a refusal within 30 s).
-SERIAL = ("tests/test_cluster.py::", "tests/test_gpu_placement.py::",
-          "tests/test_readme.py::test_readme_walkthrough",
-          "tests/test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly",
-          "tests/test_start_and_stop.py::test_ctrl_c_drains_in_flight_requests",
-          "tests/test_start_and_stop.py::test_second_sigterm_stops_at_once_and_leaves_no_ray_behind",
-          "tests/test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_message_and_no_ray_left",
-          "tests/test_start_and_stop.py::test_requests_beyond_the_drain_time_are_cut_when_it_ends",
-          "tests/test_loadtest_numbers.py::",
-          "tests/test_launch.py::test_busy_port_and_bad_config_refused_before_ray_starts")
-# Tests of the session's service that run beside another Ray test (no cores lock), and before
-# the rest of their group: each mostly waits (busy 6-40 % of the cores when run alone) and its
-# checks are counts, Prometheus' answers, bucket-wide percentiles and deadlines of seconds.
-# (With the non-finite, binary and fused-profile tests here too, the policy auto test failed
-# once, its shadow agreement None: 'agreement_too_low'; cause not found, so they stay out.)
-SHARING = ("tests/test_prometheus.py::", "tests/test_stats_endpoint.py::",
-           "tests/test_proxy_guard.py::test_stalled_uploads_beyond_the_gateways_slots_leave",
-           "tests/test_live_update.py::test_refused_live_update_keeps_the_running_version")
-# Tests of the session's service whose latency ratios the background tests moved, nice 19 or
-# not: the shadow flood's dense p99, shadow on over off (bound 2x), was 0.8x in a serial run and
-# 2.1-2.5x beside background tests (1.9x beside a busy loop). No background test runs beside them.
-QUIET = ("tests/test_shadow_load.py::",)
-# The files without Ray that cost the most, most first (CPU seconds in a serial run: 90, 83, 48,
-# 46, 39, 38): the background workers take them before the rest, so that the run does not end
-# on one of them alone. The compile sample first of all: the commit's seed draws its 16 rows,
-# and a draw with one of the largest kernels (select at sm_80, a 2.4 MB cubin) took 362 s of a
-# clean-clone run against 32 s for the previous commit's; started last, it ended the run.
-HEAVY = ("tests/test_kernel_compile.py", "tests/test_kernels.py", "tests/test_topk_select.py",
-         "tests/test_kernel_build.py", "tests/test_launches.py", "tests/test_readme.py")
-# Tests without Ray that are not for the background: an in-process server's deadlines of
-# 0.5-1.5 s, measured to within 1 s. In the group "ray", under the cores lock.
-FOREGROUND = ("tests/test_proxy_guard.py::",)
-
-
 def pytest_configure(config):
     """An xdist worker starts a session of its own before anything (the session's service, a
     module's cluster) starts processes: ``cpu_priority`` sets the session's priority per test,
@@ -217,7 +184,7 @@ def cpu_priority(request):
     if WORKERS > 1:
         from .helpers import set_priority
 
-        set_priority(0 if lane(request.node) in RAY_LANES else BACKGROUND_NICE)
+        set_priority(0 if lanes.lane(request.node) in lanes.RAY_LANES else BACKGROUND_NICE)
     yield
 
 
@@ -258,15 +225,8 @@ def serve_reset(service):
             set_classifier(service, name, **undo)
 
 
-# The groups of the Ray tests; every other test runs in the background, at BACKGROUND_NICE
-# (``cpu_priority``), the Ray tests at 0.
-RAY_LANES = ("ray", "ray-own")
+# The background tests' priority (``cpu_priority``); the Ray tests run at 0.
 BACKGROUND_NICE = 19
-
-
-def lane(item) -> str:
-    """The xdist group ``pytest_collection_modifyitems`` gave ``item``."""
-    return item.get_closest_marker("xdist_group").args[0]
 
 
 def _locked(item, name: str, mode: int):
@@ -284,20 +244,20 @@ def _locked(item, name: str, mode: int):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, from a test's fixtures' set-up (a module's cluster is started there) to
-    their teardown: a Ray test (not in ``SHARING``) holds the cores lock; a test in ``QUIET``
+    their teardown: a Ray test (not marked ``sharing``) holds the cores lock; a ``quiet`` test
     also holds the quiet lock, which waits for the background tests running and keeps new ones
-    from starting (each takes it shared, after a turnstile the QUIET test holds while it
+    from starting (each takes it shared, after a turnstile the quiet test holds while it
     waits, so that back-to-back background tests cannot keep it out)."""
     import fcntl
 
     held = []
     if WORKERS > 1:
-        if lane(item) not in RAY_LANES:
+        if lanes.lane(item) not in lanes.RAY_LANES:
             _locked(item, "turnstile", fcntl.LOCK_SH).close()
             held.append(_locked(item, "quiet", fcntl.LOCK_SH))
-        elif not item.nodeid.startswith(SHARING):
+        elif not item.get_closest_marker("sharing"):
             held.append(_locked(item, "cores", fcntl.LOCK_EX))
-            if item.nodeid.startswith(QUIET):
+            if item.get_closest_marker("quiet"):
                 turnstile = _locked(item, "turnstile", fcntl.LOCK_EX)
                 held.append(_locked(item, "quiet", fcntl.LOCK_EX))
                 turnstile.close()
@@ -308,41 +268,54 @@ def pytest_runtest_protocol(item, nextitem):
             f.close()
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker; after the folders' hooks
+def pytest_collection_modifyitems(config, items):
     """A test that takes the session's Ray Serve app (``service``, directly or through another
     fixture) is a ``service`` test: no hand-written mark to forget, so ``make test-fast``
     (``-m "not service and not slow"``) never starts Ray. Tests that start Ray another way
-    (a subprocess, their own cluster) mark themselves.
+    (a subprocess, their own cluster) live in ``tests/own_ray/``.
 
-    Every test gets an xdist group, the unit that ``make test``'s workers take whole: "ray"
-    (the session's service, ``FOREGROUND``), "ray-own" (``SERIAL``), else its file, so that a
-    file's tests run in one process in their order, as serially (module fixtures once; a test
-    that reads what the tests before it counted)."""
+    Every test gets the xdist group of its lane (``lanes.group``: its folder says which), and
+    the workers take the groups in ``lanes.rank``'s order (stable: the tests keep their order
+    otherwise). A test outside its lane stops the run (``lanes.check``)."""
+    wrong = lanes.check(items)
+    if wrong:
+        raise pytest.UsageError("tests outside their lane (tests/lanes.py):\n" + "\n".join(wrong))
     for item in items:
         if "service" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.service)
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif item.nodeid.startswith(SERIAL):
-            item.add_marker(pytest.mark.xdist_group("ray-own"))
-        elif item.nodeid.startswith(FOREGROUND):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    # The session-service tests first, those in SHARING first of all (they run beside the
-    # tests with a Ray of their own, which start at once in another worker); the service stops
-    # after its last test, not idling beside the Ray instances started after it. Then those
-    # with a Ray of their own; then the files without Ray, HEAVY first, then those with slow
-    # tests (the interpreter, compiles, subprocesses), so that the workers end together. The
-    # workers take the groups in this order (make test: --no-loadscope-reorder). Stable: the
-    # tests keep their order otherwise.
-    def rank(item) -> tuple[int, int]:
-        if lane(item) == "ray":
-            return (0 if item.nodeid.startswith(SHARING) else 1, 0)
-        if lane(item) == "ray-own":
-            return (2, 0)
-        if lane(item) in HEAVY:
-            return (3, HEAVY.index(lane(item)))
-        return (4 if item.get_closest_marker("service") or item.get_closest_marker("slow")
-                else 5, 0)
-    items.sort(key=rank)
+        item.add_marker(pytest.mark.xdist_group(lanes.group(item)))
+    items.sort(key=lanes.rank)
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium driven by its chromedriver (selenium), with a fresh profile: the
+    dashboard's tests, on the running service and without it."""
+    import shutil
+    import tempfile
+
+    from .helpers import CHROMIUM_FLAGS, CHROMIUM_REQUIRED
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    if not (chromium and driver and webdriver):
+        if CHROMIUM_REQUIRED:
+            pytest.fail("chromium, chromium-driver or selenium missing but "
+                        "MITA_SERVE_REQUIRE_CHROMIUM=1")
+        pytest.skip("chromium/chromium-driver not installed (.ci/run installs Debian's)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+            opts.add_argument(flag)
+        opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        b = webdriver.Chrome(options=opts, service=Service(driver))
+        try:
+            yield b
+        finally:
+            b.quit()

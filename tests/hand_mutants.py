@@ -39,7 +39,7 @@ MUTANTS = [
      "max_replicas: int = Field(1, ge=0,", "a config with no replicas accepted"),
     ("profiler/advise.py", "(b - c) ** 2 / n", "(b + c) ** 2 / n",
      "a paired standard error too small (0 when b + c = n)"),
-    ("profiler/advise.py", 'round(row["agreement"], DROP_DIGITS) >= self.value',
+    ("profiler/advise_config.py", 'round(row["agreement"], DROP_DIGITS) >= self.value',
      'round(row["agreement"], DROP_DIGITS) > self.value',
      "a setting that meets the agreement constraint exactly refused"),
 ]

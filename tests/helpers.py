@@ -6,6 +6,7 @@ the dashboard, a fake clock, the smoke runs of the GPU scripts. Fixtures and hoo
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib
 import os
@@ -24,6 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mita.data.listops import ListOpsConfig, generate
 from mita.hooks import STAGE_COLORS, VARIANT_COLORS
+from mita.records import StageRecord
+from service.forward_stats import ForwardStats
 
 if TYPE_CHECKING:  # imported where used: the kernels' tests need no service modules
     from service.stats import StatsWindow
@@ -71,7 +74,7 @@ def random_mask(B, N, seed, suffix=True):
 KERNEL_MODULES = (("mita.kernels.triton_common", "dot"),
                   ("mita.kernels.bisect", "_bisect_topk_kernel"),
                   ("mita.kernels.tile_table", "_tile_count_kernel"),
-                  ("mita.kernels.mita_attention", "_mita_fused_kernel"),
+                  ("mita.kernels.triton_fused", "_mita_fused_kernel"),
                   ("mita.kernels.routing", "_landmark_topk_kernel"),
                   ("mita.kernels.topk", "_select_kernel"),
                   ("mita.kernels.pooling", "_pool_kernel"))
@@ -80,7 +83,7 @@ KERNEL_MODULES = (("mita.kernels.triton_common", "dot"),
 @contextmanager
 def triton_interpreter():
     """``TRITON_INTERPRET=1`` with the Triton kernel modules (re)imported under it, for a
-    module-scoped fixture; yields ``mita.kernels.mita_attention``."""
+    module-scoped fixture; yields ``mita.kernels.triton_fused``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         stale = False
@@ -89,7 +92,7 @@ def triton_interpreter():
             stale = stale or type(getattr(module, fn)).__name__ != "InterpretedFunction"
             if stale:
                 importlib.reload(module)
-        yield importlib.import_module("mita.kernels.mita_attention")
+        yield importlib.import_module("mita.kernels.triton_fused")
 
 
 JSON = {"content-type": "application/json"}
@@ -398,3 +401,73 @@ def spied_recorder():
     for name in list(vars(rec.metrics)):
         setattr(rec.metrics, name, Spy())
     return rec
+
+
+REQUEST_SERIES = ({(v, s) for v in ("mita", "dense") for s in ("200", "500", "503", "504")}
+                  | {("none", s) for s in ("400", "405", "411", "413", "415", "422", "503")})
+
+
+REJECTION_SERIES = {(v, r) for v in ("mita", "dense") for r in ("primary", "shadow")}
+
+
+NO_PROXY_VARIABLES = ("NO_PROXY", "no_proxy")
+
+
+# The dashboard's browser tests fail instead of skipping without Chromium (.ci/run sets it).
+CHROMIUM_REQUIRED = os.environ.get("MITA_SERVE_REQUIRE_CHROMIUM") == "1"
+
+
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                  "--window-size=1400,1200")
+
+
+def texts(browser, *selectors: str) -> list[str | None]:
+    """The rendered text of each selector's element, read in one script call: the page
+    redraws its panels every refresh, and an element found by one WebDriver call could be
+    replaced before the next call reads it (CI failed once on a StaleElementReferenceException
+    between ``find_element`` and ``.text``)."""
+    return browser.execute_script(
+        "return arguments[0].map(s => { const e = document.querySelector(s); "
+        "return e === null ? null : e.innerText.replaceAll('\\u00a0', ' '); })",
+        list(selectors))
+
+
+class Call:
+    """What ``handle.classify.remote(...)`` returns: awaitable, cancellable."""
+
+    def __init__(self, outcome):
+        self.outcome, self.cancelled = outcome, False
+
+    def cancel(self):
+        self.cancelled = True
+
+    def __await__(self):
+        async def answer():
+            if isinstance(self.outcome, float):  # never answers in time
+                await asyncio.sleep(self.outcome)
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+        return answer().__await__()
+
+
+class Scripted:
+    """A classifier handle answering from a script, one entry per call."""
+
+    def __init__(self, *script):
+        self.script, self.calls = list(script), []
+
+    def remote(self, ids, staged):
+        self.calls.append(Call(self.script.pop(0)))
+        return self.calls[-1]
+
+
+def answer() -> dict:
+    stats = ForwardStats(device="cpu", dtype="float32", staged=True, batch_size=1, padded_n=3,
+                         total_ms=1.0, records=[StageRecord("attention", None, 1.0)],
+                         flops={"attention": 10}, flops_total=10,
+                         peak_memory_bytes=None, peak_memory_kind=None, started_at=0.0)
+    return {"label": 1, "probabilities": [0.5, 0.5], "variant": "mita", "n": 3,
+            "model_id": "m", "profile": stats, "replica": "r2"}

@@ -4,7 +4,9 @@ they now live)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +32,8 @@ SHELL_FENCES = ("bash", "sh", "shell", "console")
 OTHER_FENCES = ("python", "yaml", "promql", "json")
 TINY_TRAIN = "--steps 2 --train-size 64 --val-size 32 --test-size 32 --eval-every 1"
 # The README's runnable commands that need no service (test_readme_offline_commands).
-OFFLINE = ("-m mita.train", "-m mita.evaluate", "-m profiler sweep", "-m profiler advise",
-           "-m mita.kernels.aot_table")
+OFFLINE = ("-m mita.training", "-m mita.training.evaluate", "-m profiler sweep",
+           "-m profiler advise", "-m mita.kernels.aot_table")
 
 
 def offline(command: str) -> bool:
@@ -47,7 +49,8 @@ README_COMMANDS = {
     "python -m tests.hand_mutants": ("no", "the last step of make mutate"),
     "python -m service": ("run", "what make serve runs"),
     "python -m service --config FILE": (
-        "test", "tests/test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly"),
+        "test", "tests/own_ray/"
+                "test_start_and_stop.py::test_signal_during_start_up_stops_ray_cleanly"),
     "curl -s -X POST http://127.0.0.1:8000/v1/classify -H 'content-type: application/json' "
     "-d '{\"text\": \"[MAX 2 [MIN 4 7 ] 0 ]\", \"profile\": true}'": ("run", ""),
     "python3 -c \"import sys; sys.stdout.buffer.write(bytes([12, 3, 11, 5, 8, 15, 1, 15]))\" | "
@@ -64,14 +67,15 @@ README_COMMANDS = {
     "serve config": ("run", ".venv/bin/serve config"),
     "serve deploy": ("run", "as .venv/bin/serve deploy my.yaml"),
     "ray get-auth-token --generate": ("run", "make serve runs it on first start"),
-    "ray stop": ("test", "tests/test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_"
+    "ray stop": ("test", "tests/own_ray/"
+                         "test_start_and_stop.py::test_stopped_from_outside_exits_1_with_a_"
                          "message_and_no_ray_left (SIGTERM to that instance's GCS: ray stop would "
                          "stop every Ray on the machine, the suite's too)"),
     "prometheus --config.file=deploy/prometheus/prometheus.yml "
     "--web.listen-address=127.0.0.1:9090 --storage.tsdb.path=runs/prometheus": (
         "run", "until it scrapes the service"),
     "promtool test rules deploy/prometheus/alerts_test.yml": (
-        "test", "tests/test_alert_rules.py::test_alert_rules_pass_promtool_unit_tests"),
+        "test", "tests/no_ray/test_alert_rules.py::test_alert_rules_pass_promtool_unit_tests"),
     ".venv/bin/python -m loadtest run --n 1024 4096 16384 --variants mita dense --mode closed "
     "--concurrency 4 --requests 50 --out runs/loadtest": (
         "run", "shrink: --n 1024 4096 --requests 2 --warmup 0"),
@@ -79,17 +83,20 @@ README_COMMANDS = {
     "--requests 12": ("run", "shrink: --n 2048 --requests 1 --warmup 0 --out RUNS/loadtest-shot"),
     ".venv/bin/python -m loadtest run --url http://127.0.0.1:8000/own --data "
     "examples/austen-512-valid.tsv --n 512 2048 --out runs/loadtest-own": (
-        "test", "tests/test_own_data_service.py::test_an_ids_checkpoint_is_load_tested_with_"
+        "test", "tests/service/"
+                "test_own_data_service.py::test_an_ids_checkpoint_is_load_tested_with_"
                 "its_rows_and_never_sent_listops (--data against a user's checkpoint: the "
                 "shipped image model at /images, its ids rows; text rows joined and cut: "
-                "tests/test_loadtest_inputs.py)"),
-    ".venv/bin/python -m mita.train --mode mixed --out checkpoints/listops-default "
+                "tests/no_ray/test_loadtest_inputs.py)"),
+    ".venv/bin/python -m mita.training --mode mixed --out checkpoints/listops-default "
     "--threads 1 --min-length 1 --max-length 500 --steps 6000 --time-budget-min 45": (
         "run", f"shrink: {TINY_TRAIN} --out RUNS/listops-mixed"),
-    "python -m mita.evaluate CHECKPOINT --min-length A --max-length B [--seed S]": (
-        "test", "tests/test_readme.py::test_readme_walkthrough runs both evaluate commands"),
-    "python -m mita.evaluate checkpoints/listops-default": ("run", ""),
-    "python -m mita.evaluate checkpoints/listops-default runs/listops-dense runs/listops-mita "
+    "python -m mita.training.evaluate CHECKPOINT --min-length A --max-length B [--seed S]": (
+        "test", "tests/own_ray/"
+                "test_readme_walkthrough.py::test_readme_walkthrough runs both evaluate commands"),
+    "python -m mita.training.evaluate checkpoints/listops-default": ("run", ""),
+    "python -m mita.training.evaluate checkpoints/listops-default runs/listops-dense "
+    "runs/listops-mita "
     "--min-length 500 --max-length 2000": (
         "run", "after tiny dense and mita runs; shrink: --test-size 50"),
     ".venv/bin/python -m profiler sweep --n 1024 4096 16384 65536 --settings fig5 64x64 "
@@ -99,79 +106,84 @@ README_COMMANDS = {
                "needs CUDA)"),
     ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
     "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
-    "python -m mita.kernels.aot": ("test", "tests/test_kernel_compile.py"),
+    "python -m mita.kernels.aot": ("test", "tests/kernels/test_kernel_compile.py"),
     "make kernels-table": ("no", "all 264 compiles (≈ 10 min on 2 cores); tests/"
                                  "test_kernel_compile.py checks the table it writes"),
     "python -m mita.kernels.aot_table --markdown": ("run", ""),
     "chromium --headless --no-sandbox --hide-scrollbars --window-size=1400,1750 "
     "--virtual-time-budget=5000 --screenshot=docs/dashboard.png "
     "'http://127.0.0.1:8000/dashboard?refresh_s=3600'": (
-        "test", "tests/test_dashboard.py::test_readme_screenshot_command_draws_the_data"),
+        "test", "tests/service/test_dashboard.py::test_readme_screenshot_command_draws_the_data"),
     "PYTHONPATH=. .venv/bin/python benchmarks/gpu_serving.py --smoke": (
-        "test", "tests/test_engine.py::test_gpu_serving_script_smoke"),
+        "test", "tests/no_ray/test_engine.py::test_gpu_serving_script_smoke"),
     "bash benchmarks/gpu_check.sh [OUT_DIR]": (
         "no", "needs a CUDA GPU (its steps' --smoke forms run in CI)"),
     "bash benchmarks/gpu_check.sh --dry": (
-        "test", "tests/test_gpu_compiles.py::test_dry_form_lists_each_step_within_its_budget"),
+        "test", "tests/kernels/"
+                "test_gpu_compiles.py::test_dry_form_lists_each_step_within_its_budget"),
     "PYTHONPATH=. python3 benchmarks/gpu_serving.py --out runs/gpu-serving": (
         "no", "needs a CUDA GPU (its --smoke form runs in CI)"),
     "python benchmarks/stalled_connections.py": (
-        "test", "tests/test_proxy_guard.py runs its measurement (point) on the test service"),
+        "test", "tests/service/"
+                "test_proxy_guard.py runs its measurement (point) on the test service"),
     ".venv/bin/python benchmarks/request_overhead.py": (
         "run", "shrink: --n 512 --requests 1"),
     ".venv/bin/python benchmarks/soak_memory.py": (
-        "no", "a soak of ~13 min per mode; tests/test_replica_memory.py is its short form (the "
-              "engine over 2,000 new lengths, no Ray)"),
+        "no", "a soak of ~13 min per mode; tests/no_ray/test_replica_memory.py is its short form "
+              "(the engine over 2,000 new lengths, no Ray)"),
     "ray start --head --port 6379 --metrics-export-port 9100 "
     "--resources '{\"mita_gateway\": 1}'": (
-        "test", "tests/test_cluster.py starts such a head with ray.cluster_utils.Cluster "
+        "test", "tests/own_ray/test_cluster.py starts such a head with ray.cluster_utils.Cluster "
                 "(same resources, loopback, random ports)"),
     "ray start --address HEAD_IP:6379 --resources '{\"mita_classifier\": 4}'": (
-        "test", "tests/test_cluster.py starts a worker node the same way"),
+        "test", "tests/own_ray/test_cluster.py starts a worker node the same way"),
     ".venv/bin/python -m service --address HEAD_IP:6379 --config "
     "deploy/serve_config.cluster.yaml": (
-        "test", "tests/test_cluster.py (tests/two_node_cluster.py runs it, with test ports "
+        "test", "tests/own_ray/test_cluster.py (tests/two_node_cluster.py runs it, with test ports "
                 "and short autoscaling delays)"),
-    "python -m service --address HEAD_IP:6379": ("test", "tests/test_cluster.py"),
+    "python -m service --address HEAD_IP:6379": ("test", "tests/own_ray/test_cluster.py"),
     "serve deploy deploy/serve_config.gpu.yaml --address http://<head>:8265": (
         "no", "needs a Ray cluster with GPU workers"),
     "docker build -f deploy/kuberay/Dockerfile -t mita-serve:0.1.0-gpu .": (
         "no", "needs Docker and a CUDA base image download"),
     "kubectl apply -f deploy/kuberay/rayservice.yaml": ("no", "needs a Kubernetes cluster"),
-    ".venv/bin/python -m mita.train --train examples/austen-512.tsv --valid "
+    ".venv/bin/python -m mita.training --train examples/austen-512.tsv --valid "
     "examples/austen-512-valid.tsv --out runs/own-data --steps 300 --threads 1": (
         "run", "shrink: --steps 2 --eval-every 1 --dim 16 --ffn-dim 32 --out RUNS/own-data"),
     ".venv/bin/python -m service --config deploy/serve_config.own-data.yaml": (
-        "test", "tests/test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
+        "test", "tests/service/"
+                "test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
                 "names_beside_listops (the config's second application, deployed beside the "
                 "session's, on a checkpoint trained on the same file)"),
     "curl -s -X POST http://127.0.0.1:8000/own/v1/classify -H 'content-type: application/json' "
     "-d '{\"text\": \"Emma Woodhouse, handsome, clever, and rich, with a comfortable home\"}'": (
-        "test", "tests/test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
+        "test", "tests/service/"
+                "test_own_data_service.py::test_a_users_checkpoint_answers_with_label_"
                 "names_beside_listops (a validation window of Emma at /own/v1/classify)"),
     "python -m profiler advise DIR --data FILE": (
-        "test", "tests/test_train_data.py::test_the_advisor_reads_your_file_with_the_"
+        "test", "tests/no_ray/test_train_data.py::test_the_advisor_reads_your_file_with_the_"
                 "checkpoints_task (the file read; the advisor's run is the README's other "
                 "advise command)"),
-    "python -m mita.images IMAGES LABELS --out FILE.jsonl": (
-        "test", "tests/test_labelled_data.py::test_images_become_pixel_id_rows_with_their_grid"),
+    "python -m mita.data.images IMAGES LABELS --out FILE.jsonl": (
+        "test", "tests/no_ray/"
+                "test_labelled_data.py::test_images_become_pixel_id_rows_with_their_grid"),
     "make data": ("no", "fetches two Debian packages (≈ 32 MB; samples of both are in "
-                        "examples/); tests/test_labelled_data.py converts an IDX file"),
-    "python -m mita.datasets fashion-mnist|austen|austen-persuasion --out DIR": (
+                        "examples/); tests/no_ray/test_labelled_data.py converts an IDX file"),
+    "python -m mita.data.datasets fashion-mnist|austen|austen-persuasion --out DIR": (
         "no", "what make data runs (austen-persuasion: examples/README.md says how the sample "
               "was cut from it)"),
-    ".venv/bin/python -m mita.train --train examples/austen-persuasion.tsv --valid "
+    ".venv/bin/python -m mita.training --train examples/austen-persuasion.tsv --valid "
     "examples/austen-persuasion-valid.tsv --out runs/persuasion --max-len 256 --class-weight "
     "balanced --steps 300 --threads 1": (
-        "test", "tests/test_own_data_scores.py::test_the_skewed_sample_through_training_"
+        "test", "tests/no_ray/test_own_data_scores.py::test_the_skewed_sample_through_training_"
                 "evaluation_and_compare and ::test_class_weight_balanced (the same files and "
                 "flags, a tiny model and budget)"),
-    "python -m mita.evaluate DIR --data FILE": (
-        "test", "tests/test_own_data_scores.py::test_the_skewed_sample_through_training_"
+    "python -m mita.training.evaluate DIR --data FILE": (
+        "test", "tests/no_ray/test_own_data_scores.py::test_the_skewed_sample_through_training_"
                 "evaluation_and_compare"),
-    ".venv/bin/python -m mita.evaluate runs/persuasion --data "
+    ".venv/bin/python -m mita.training.evaluate runs/persuasion --data "
     "examples/austen-persuasion-valid.tsv --predictions runs/persuasion/predictions.csv": (
-        "test", "tests/test_own_data_scores.py::test_the_skewed_sample_through_training_"
+        "test", "tests/no_ray/test_own_data_scores.py::test_the_skewed_sample_through_training_"
                 "evaluation_and_compare (jsonl) and ::test_the_fashion_sample_scored_to_csv"),
 }
 
@@ -195,3 +207,46 @@ def readme_commands() -> list[str]:
         if line not in out:
             out.append(line)
     return out
+
+
+def listops_value(text: str) -> int:
+    """A ListOps expression's value from the task's definition (LRA): MIN, MAX, MED (the
+    median, rounded down), SM (sum mod 10)."""
+    stack: list[list] = [[]]
+    for tok in text.split():
+        if tok.startswith("["):
+            stack.append([tok])
+        elif tok == "]":
+            op, *args = stack.pop()
+            value = {"[MIN": min(args), "[MAX": max(args), "[SM": sum(args) % 10,
+                     "[MED": sorted(args)[(len(args) - 1) // 2] if len(args) % 2
+                     else (sorted(args)[len(args) // 2 - 1] + sorted(args)[len(args) // 2]) // 2
+                     }[op]
+            stack[-1].append(value)
+        else:
+            stack[-1].append(int(tok))
+    (value,) = stack[0]
+    return value
+
+
+def shrink(command: str, tmp: Path) -> str:
+    """The command with ``runs/`` in the temporary folder and its ``shrink:`` arguments."""
+    how, detail = README_COMMANDS[command]
+    extra = detail.split("shrink: ", 1)[1] if "shrink: " in detail else ""
+    return (command + " " + extra).replace("runs/", f"{tmp}/runs/").replace(
+        "RUNS/", f"{tmp}/runs/").strip()
+
+
+def sh(command: str, env: dict, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def readme_env() -> dict:
+    """The environment a newcomer's shell has after ``make``: .venv/bin first on PATH, no
+    RAY_AUTH_MODE yet."""
+    env = os.environ | {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    env.pop("RAY_AUTH_MODE", None)
+    return env

@@ -1,6 +1,6 @@
 """The service on a real two-node Ray cluster on this machine (all addresses loopback).
 
-Run by ``tests/test_cluster.py`` in its own process (``python tests/two_node_cluster.py
+Run by ``tests/own_ray/test_cluster.py`` in its own process (``python tests/two_node_cluster.py
 --out DIR``); it writes ``DIR/cluster_report.json`` and prints one ``RESULT`` line.
 
 1. A head node (custom resource ``mita_gateway``) and a worker node (``mita_classifier``),
@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadtest.engine import LoadConfig, run_load  # noqa: E402
-from mita.argtypes import Parser  # noqa: E402
 from mita.data.listops import ListOpsConfig, encode, generate  # noqa: E402
+from mita.tools.argtypes import Parser  # noqa: E402
 from service import launch, proxy_guard  # noqa: E402
 from tests.helpers import free_port, inherit_priority  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""Images as pixel sequences (the command: ``python -m mita.images IMAGES LABELS --out
+"""Images as pixel sequences (the command: ``python -m mita.data.images IMAGES LABELS --out
 FILE.jsonl``).
 
 Reads an image set in the IDX format of MNIST and Fashion-MNIST (``*-images-idx3-ubyte`` and
 ``*-labels-idx1-ubyte``, gzipped or not) and writes JSON lines ``{"ids": [...], "label":
 name}``: each grey-scale image read row by row, pixel value p as id p + 1 (0 stays padding,
-as for bytes: 257 ids). Train on it with ``python -m mita.train --train FILE.jsonl
+as for bytes: 257 ids). Train on it with ``python -m mita.training --train FILE.jsonl
 --landmark-grid HxW`` so MiTA pools its landmarks in 2-D over the H×W grid, as the paper does
 on images (§3.2, Fig. 2).
 
@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from ..tools.argtypes import POSITIVE_INT, Parser
 
 # Fashion-MNIST's classes by label value (github.com/zalandoresearch/fashion-mnist, README).
 FASHION_MNIST = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
@@ -77,3 +80,33 @@ def write_jsonl(path: str | Path, images: np.ndarray, labels: np.ndarray,
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
             n += 1
     return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="python -m mita.data.images", description=__doc__)
+    p.add_argument("images", type=Path, help="IDX images (e.g. train-images-idx3-ubyte.gz)")
+    p.add_argument("labels", type=Path, help="IDX labels (e.g. train-labels-idx1-ubyte.gz)")
+    p.add_argument("--out", type=Path, required=True, help="JSON lines to write")
+    p.add_argument("--names", choices=("fashion-mnist", "values"), default="values",
+                   help="class names: Fashion-MNIST's, or the label values")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None)
+    p.add_argument("--pool", type=POSITIVE_INT, default=1)
+    a = p.parse_args(argv)
+    try:
+        images, labels = read_idx(a.images), read_idx(a.labels)
+        if images.ndim != 3 or labels.ndim != 1:
+            raise ValueError(f"expected (n, H, W) images and (n,) labels, got {images.shape} "
+                             f"and {labels.shape}")
+        images, labels = images[:a.limit], labels[:a.limit]
+        images = pool(images, a.pool) if a.pool > 1 else images
+        write_jsonl(a.out, images, labels, FASHION_MNIST if a.names == "fashion-mnist" else None)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    h, w = images.shape[1:]
+    print(f"{len(images)} images of {h}×{w} → {a.out} (train with --landmark-grid {h}x{w})",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -285,7 +285,7 @@ def truncate(ids, max_len: int, side: str):
     """``ids`` cut to at most ``max_len`` tokens: ``side="tail"`` drops the end (the first
     ``max_len`` are kept), ``"head"`` drops the start (the last ``max_len``). ``ids``: a
     tuple, list or 1-D numpy array (returned as the same type). The one cut of training,
-    serving and evaluation (``mita.task.Task.cut``). Raises ValueError for another ``side``."""
+    serving and evaluation (``mita.data.task.Task.cut``). Raises ValueError for another ``side``."""
     if side not in TRUNCATE_SIDES:
         raise ValueError(f"truncate side must be one of {TRUNCATE_SIDES}, got {side!r}")
     if len(ids) <= max_len:

@@ -13,7 +13,7 @@ import re
 __all__ = ["MAX_GRID_Y", "MAX_HEAD_DIM", "TRITON_FLOOR", "triton_supported"]
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where most kernels put B·H
-MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see mita_attention.py)
+MAX_HEAD_DIM = 128  # the fused kernel's largest head dim (BLOCK_D ≤ 128; see triton_fused.py)
 # routing._landmark_topk_kernel calls tl.sort(dim=1) on a 2-D tensor and tl.bitonic_merge, which
 # came with Triton 3.4 (triton-lang/triton#6461: the 3.3.1 wheel's standard.py has no
 # bitonic_merge, 3.4.0's has it); topk's filter (_select_pass_kernel, PHASE 1) uses the old

@@ -105,7 +105,7 @@ def cases() -> list[Case]:
     (no float inputs) 1; ``select`` (no float inputs) CAP ∈ {128 … 4096} (k 40, 100, 200,
     512, 600, 2048) = 6. The select's scoring passes are planned at N = ``SELECT_EXAMPLE_N``
     (32 tiles of 32 keys per chunk, as at long N). Tiles, warps and stages
-    follow from (dtype, BLOCK_D) or (dtype, K_PAD) (``mita_attention._blocks``,
+    follow from (dtype, BLOCK_D) or (dtype, K_PAD) (``triton_fused._blocks``,
     ``routing._route_blocks``, ``routing._topk_blocks``: float32 takes smaller tiles than
     16-bit), so they add no other cases."""
     out = [Case("attention", dt, d, s, masked) for dt, s, masked, d in itertools.product(
@@ -134,7 +134,7 @@ def example_plan(case: Case) -> tuple:
     passes. Returns ``(kernel, args, meta)``."""
     from . import pooling, routing
     from . import topk as select
-    from .mita_attention import _mita_fused_kernel, launch_plan
+    from .triton_fused import _mita_fused_kernel, launch_plan
 
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)

@@ -3,8 +3,8 @@
 ``mita.kernels.aot`` compiles all 132 specialisations × sm_80 / sm_90 (264 compiles: ~8-25 min
 on 2 cores). Their records — registers, spills, stack, shared memory, resident blocks — change
 only when what they are compiled from changes, so they are committed once, under
-``compile_key()``, a hash of everything a record depends on. ``tests/test_kernel_compile.py``
-then checks, in ``make test``:
+``compile_key()``, a hash of everything a record depends on.
+``tests/kernels/test_kernel_compile.py`` then checks, in ``make test``:
 
 - the key: a kernel, launcher or Triton change without a regenerated table fails in one line
   naming ``make kernels-table``;
@@ -25,13 +25,13 @@ import random
 import sys
 from pathlib import Path
 
-from ..argtypes import Parser
+from ..tools.argtypes import Parser
 from . import aot
 
 TABLE = Path(__file__).with_name("compiled.json")
 # The files a record depends on: the jit kernels, their launchers' plans (the arguments and
 # constexprs a launch passes) and aot.py (example_plan, the checks, the ptxas flags).
-COMPILE_SOURCES = ("__init__.py", "triton_common.py", "bisect.py", "mita_attention.py",
+COMPILE_SOURCES = ("__init__.py", "triton_common.py", "bisect.py", "triton_fused.py",
                    "tile_table.py", "routing.py", "topk.py", "pooling.py", "aot.py")
 # Not a property of the compile: the cubin embeds its source files' paths (-lineinfo), so its
 # size differs between two checkouts of the same commit.

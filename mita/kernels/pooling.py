@@ -144,7 +144,7 @@ def pool_plan(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = N
             key_valid, landmarks_in if key_bias is None else key_bias, *q.stride(), H, N, m, d)
     meta = dict(HAS_MASK=key_padding_mask is not None, BLOCK_N=POOL_BLOCK_N,
                 # 64 or 128: pooling reads each query once, and every BLOCK_D is one more
-                # specialisation to compile (tests/test_kernel_compile.py)
+                # specialisation to compile (tests/kernels/test_kernel_compile.py)
                 BLOCK_D=max(64, block_d_for(d)))
     return (m, B * H), args, meta, (landmarks, landmarks_in, landmark_valid, key_valid, key_bias)
 

@@ -232,7 +232,7 @@ def landmark_topk_plan(landmarks: Tensor, k: Tensor, topk: int, scale: float,
     meta = dict(IEEE=k.dtype == torch.float32, UPCAST=interpreter_upcast(k, interpreter),
                 BLOCK_L=BLOCK_L, BLOCK_N=block_n, K_PAD=kp,
                 # 64 or 128: the score product is small next to the sort, and every BLOCK_D
-                # is one more specialisation to compile (tests/test_kernel_compile.py)
+                # is one more specialisation to compile (tests/kernels/test_kernel_compile.py)
                 BLOCK_D=max(64, block_d_for(d)),
                 num_warps=num_warps)
     return (triton.cdiv(m, BLOCK_L), B * H), args, meta, out

@@ -1,4 +1,4 @@
-"""The MoE dispatch table of the fused MiTA kernel (``mita_attention``): each (batch, head)'s
+"""The MoE dispatch table of the fused MiTA kernel (``triton_fused``): each (batch, head)'s
 N·s (query, expert) entries grouped by expert and cut into tiles of BLOCK_M entries, on the
 device — a counting sort split across N in three launches (count, scan, scatter), no serial
 pass over N and no fence: the kernel boundaries order the relaxed atomics before their

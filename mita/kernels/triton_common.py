@@ -4,8 +4,8 @@ their left-to-right emission), and the host-side checks and argument conversions
 launchers. Kernel files import from here, never from each other's private names.
 
 A module global read inside ``@triton.jit`` must be a ``tl.constexpr``: the GPU compiler
-rejects plain globals (the interpreter does not); tests/test_kernel_compile.py compiles every
-specialisation to catch that class.
+rejects plain globals (the interpreter does not); tests/kernels/test_kernel_compile.py compiles
+every specialisation to catch that class.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from . import MAX_GRID_Y, MAX_HEAD_DIM
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Running-max start: finite, so fully masked blocks give exp(-inf) = 0. A module global read
 # inside @jit must be a tl.constexpr: the GPU compiler rejects plain globals (the interpreter
-# does not), tests/test_kernel_compile.py compiles every specialisation to catch that class.
+# does not), tests/kernels/test_kernel_compile.py compiles every specialisation to catch that class.
 NEG_INIT = tl.constexpr(-1.0e30)
 # Sort key of an out-of-range column: below every real key (a -inf score maps to
 # 0x807FFFFF), so it is never chosen while k ≤ N real keys exist.

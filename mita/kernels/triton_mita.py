@@ -1,5 +1,5 @@
 """The Triton launcher of ``mita_attention``: MiTA's stages on the Triton kernels of this
-package (``pooling``, ``routing``, ``mita_attention.fused_attention``), with the PyTorch stages of
+package (``pooling``, ``routing``, ``triton_fused.fused_attention``), with the PyTorch stages of
 ``mita.stages`` where no kernel replaces them. ``mita.attention`` imports this module only
 when it runs the Triton path (Triton reads ``TRITON_INTERPRET`` when a kernel is defined)."""
 
@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import stages as S
 from ..hooks import StageHook
 from . import choose, pooling, routing, triton_common
-from . import mita_attention as fused
+from . import triton_fused as fused
 
 
 def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
@@ -33,7 +33,7 @@ def mita_triton(q: Tensor, k: Tensor, v: Tensor, m: int, topk: int, s: int,
     also computes the shared half of the joint softmax, for s > 1 the PyTorch stage;
     ``attention`` (``fused_attention``: tile table, then the gather fused into the attention
     kernel). Every kernel reads the one rounding of the landmarks to the input dtype. No host
-    synchronisation. ``tests/test_launches.py`` counts the launches per stage.
+    synchronisation. ``tests/kernels/test_launches.py`` counts the launches per stage.
     """
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the "
