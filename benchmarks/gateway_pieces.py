@@ -146,6 +146,8 @@ def main() -> None:
     from fastapi.responses import JSONResponse
     from starlette.requests import Request
 
+    from mita.config import checkpoint_metadata
+    from mita.data.task import checkpoint_task
     from mita.data.vocab import Vocabulary
     from service.engine import ClassifierEngine
     from service.gateway import response_body
@@ -158,6 +160,8 @@ def main() -> None:
 
     ray.init(num_cpus=1, include_dashboard=False, logging_level="error")
     engine = ClassifierEngine("checkpoints/listops-default", "mita", "cpu")
+    meta = checkpoint_metadata("checkpoints/listops-default")
+    task = checkpoint_task(meta, engine.model.config, "checkpoints/listops-default")
     cfg = engine.model.config
     vocab = Vocabulary(cfg.vocab_size, cfg.pad_id)
     gateway = GatewayConfig()
@@ -194,7 +198,7 @@ def main() -> None:
         arrived = time.time()
 
         def response():
-            return JSONResponse(response_body(answer, None, arrived)).body
+            return JSONResponse(response_body(answer, None, arrived, task.labels)).body
 
         def response_model():
             # what the endpoints did before: the full answer through FastAPI's
@@ -203,10 +207,11 @@ def main() -> None:
             out = {k: answer[k] for k in ("label", "probabilities", "variant", "n",
                                           "model_id")}
             out["shadow"] = None
+            out["label_name"] = task.labels[answer["label"]]
             out["profile"] = {f.name: getattr(stats, f.name)
                               for f in dataclasses.fields(stats)}
-            out["profile"] |= {name: getattr(stats, name)
-                               for name in ("stages_ms", "layers_ms", "gflops_per_s")}
+            out["profile"] |= {name: getattr(stats, name) for name in (
+                "flops_total", "stages_ms", "layers_ms", "gflops_per_s")}
             out["profile"]["pre_forward_ms"] = (stats.started_at - arrived) * 1e3
             return JSONResponse(ClassifyResponse.model_validate(out).model_dump(
                 mode="json", exclude_none=True)).body

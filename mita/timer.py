@@ -136,11 +136,13 @@ class StageTimer:
         return (end - start) / 1e6
 
     def result(self, flops: dict[str, int] | None = None,
-               activation_bytes: int | None = None) -> ForwardProfile:
+               activation_bytes: int | None = None, **context) -> ForwardProfile:
         """Resolve all times (one synchronisation on CUDA) into a ``ForwardProfile``.
 
         ``flops``: analytic FLOPs per stage to attach. ``activation_bytes``: the analytic
         estimate reported as peak memory on CPU (ignored on CUDA, which measures).
+        ``context``: the record's other fields the caller knows (``dtype``, ``batch_size``,
+        ``padded_n``, ``staged``, ``cuda_graph``; TypeError for an unknown one).
         """
         if self._resolved is None:
             if self._forward is None:
@@ -163,7 +165,7 @@ class StageTimer:
                 "analytic_activation_estimate" if activation_bytes is not None else None)
         return ForwardProfile(records=records, total_ms=total_ms,
                               device=str(self.device), flops=dict(flops or {}),
-                              peak_memory_bytes=peak, peak_memory_kind=kind)
+                              peak_memory_bytes=peak, peak_memory_kind=kind, **context)
 
 
 def profile_forward(model: EncoderClassifier, ids: torch.Tensor,
@@ -175,16 +177,22 @@ def profile_forward(model: EncoderClassifier, ids: torch.Tensor,
     CUDA-graph replay, timed as a whole — its profile has no stages); None falls back to the
     hooked forward.
     Returns the logits ``(B, num_classes)`` and the ``ForwardProfile`` with analytic FLOPs and
-    peak memory (CUDA: measured; CPU: ``activation_bytes_estimate``).
+    peak memory (CUDA: measured; CPU: ``activation_bytes_estimate``), the weights' ``dtype``,
+    ``batch_size`` and ``padded_n`` (the ids' shape ``(B, N)``), and ``cuda_graph`` (with
+    ``staged`` its opposite) whether ``replay`` served it.
     """
     timer = StageTimer(ids.device)
     with torch.no_grad(), timer.forward():
         logits = None if replay is None else replay(ids, key_padding_mask)
-        if logits is None:
+        replayed = logits is not None
+        if not replayed:
             logits = model(ids, key_padding_mask, hook=timer)
-    flops, activation_bytes = _forward_cost(model.config, *ids.shape,
-                                            next(model.parameters()).dtype)
-    return logits, timer.result(flops=flops, activation_bytes=activation_bytes)
+    batch, n = ids.shape
+    dtype = next(model.parameters()).dtype
+    flops, activation_bytes = _forward_cost(model.config, batch, n, dtype)
+    return logits, timer.result(flops=flops, activation_bytes=activation_bytes,
+                                dtype=str(dtype).removeprefix("torch."), batch_size=batch,
+                                padded_n=n, staged=not replayed, cuda_graph=replayed)
 
 
 @lru_cache(maxsize=1024)

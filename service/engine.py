@@ -35,7 +35,6 @@ from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
 from mita.timer import profile_forward
 
 from . import resolve_checkpoint
-from .forward_stats import ForwardStats
 from .graphs import GraphCache
 from .schemas import TopkReport
 
@@ -328,10 +327,10 @@ class ClassifierEngine:
 
         Returns one dict per sequence, in order: ``label``, ``probabilities`` (float64
         softmax of the logits, as a list), ``n``, ``variant``, ``model_id`` and ``profile``
-        (the ``ForwardProfile`` of the forward it was part of, plus ``batch_size``,
-        ``padded_n``, ``flops_total``, ``dtype``, ``started_at`` — the forward's start in
-        Unix seconds — ``cuda_graph``: whether it was a CUDA-graph replay, timed as a whole,
-        no stages — and ``topk_path``: the Triton top-k path that served it, ``"select"`` |
+        (``mita.records.ForwardProfile``: the forward it was part of, with ``batch_size``,
+        ``padded_n``, ``dtype``, ``started_at`` — the forward's start in Unix seconds —
+        ``cuda_graph``: whether it was a CUDA-graph replay, timed as a whole, no stages —
+        and ``topk_path``: the Triton top-k path that served it, ``"select"`` |
         ``"bitonic"`` | ``"torch"`` (``mita.kernels.choose``), None when the PyTorch or CPU
         stages did, and for dense), and ``staged``: whether every stage was timed apart (for
         dense and for MiTA on ``backend="torch"`` unless replayed; for a fused MiTA backend
@@ -339,7 +338,8 @@ class ClassifierEngine:
         ``staged[i]`` True for a sequence in it). A sequence whose logits are not all finite
         gets no ``label`` or ``probabilities`` but ``error`` (the Serve gateway answers it with
         a JSON 500).
-        The sequences of one forward share one profile dict (``batch_size`` of them).
+        The sequences of one forward share one profile, the same object (``batch_size`` of
+        them).
 
         ``abandoned[i]()`` is True once sequence i's caller has gone (client disconnect,
         gateway timeout). It is asked just before each forward — before each sequence with
@@ -403,10 +403,10 @@ class ClassifierEngine:
             topk_path = self._topk_path((len(group), n_max, mask is not None), graph)
             # numpy from here: per-row work on a few logits costs microseconds, not tens
             probs = torch.softmax(logits.double(), -1).cpu().numpy()
-            profile = ForwardStats.of(prof, batch_size=len(group), padded_n=n_max,
-                                      dtype=self.dtype_name, started_at=started_at,
-                                      staged=(want or not self.fused()) and not graph,
-                                      cuda_graph=graph, topk_path=topk_path)
+            # dtype, batch_size (len(group)) and padded_n (n_max): profile_forward's
+            profile = prof.shipped(started_at=started_at,
+                                   staged=(want or not self.fused()) and not graph,
+                                   cuda_graph=graph, topk_path=topk_path)
             labels, rows = probs.argmax(-1).tolist(), probs.tolist()
             for row, i in enumerate(group):
                 results[i] = {"n": lengths[i], "variant": self.variant,

@@ -60,6 +60,7 @@ from .schemas import (
     ErrorResponse,
     RoutingResponse,
     StatsResponse,
+    profile_body,
 )
 from .settings import DEPLOYMENTS, VARIANTS, GatewayConfig, Variant
 from .stats import PrometheusError, ab_split, prometheus_summary, summarize
@@ -84,7 +85,7 @@ def response_body(result: dict, shadow: str | None, arrived_at: float | None,
     if shadow is not None:
         out["shadow"] = shadow
     if arrived_at is not None:
-        out["profile"] = result["profile"].response(arrived_at)
+        out["profile"] = profile_body(result["profile"], arrived_at)
     return out
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .forward_stats import ForwardStats
+from mita.records import ForwardProfile
+
 from .metrics import GAUGE_REFRESH_S, ServiceMetrics, n_bucket
 from .routing import RoutingTable
 from .stats import StatsWindow
@@ -67,29 +68,29 @@ class Recorder:
         if role == "shadow":
             self.window.add_shadow_drop(variant)
 
-    def forward(self, variant: str, n: int, stats: ForwardStats, replica: str = "") -> None:
+    def forward(self, variant: str, n: int, profile: ForwardProfile, replica: str = "") -> None:
         """A request of ``n`` tokens served by a forward of ``variant`` on classifier
-        ``replica``; ``stats``: that forward's, as ``ClassifierEngine.run`` made them. Both
-        sinks, Prometheus and the stats window, read this one object."""
+        ``replica``; ``profile``: that forward's record, as ``ClassifierEngine.run`` made it.
+        Both sinks, Prometheus and the stats window, read this one object."""
         m, bucket = self.metrics, n_bucket(n)
         tags = {"variant": variant, "n_bucket": bucket}
-        if stats.staged:
-            for stage, ms in stats.stages_ms.items():
+        if profile.staged:
+            for stage, ms in profile.stages_ms.items():
                 m.stage_duration.observe(ms / 1e3, tags | {"stage": stage})
-            self.window.add_forward(variant, bucket, stats.stages_ms)
-        m.forward_duration.observe(stats.total_ms / 1e3, tags)
-        self.routing.add_forward(variant, n, stats.total_ms)
+            self.window.add_forward(variant, bucket, profile.stages_ms)
+        m.forward_duration.observe(profile.total_ms / 1e3, tags)
+        self.routing.add_forward(variant, n, profile.total_ms)
         m.tokens.inc(n, {"variant": variant})
-        m.flops.inc(stats.flops_total / stats.batch_size, {"variant": variant})
-        if stats.peak_memory_bytes is not None:
-            key = (variant, stats.peak_memory_kind, replica)
+        m.flops.inc(profile.flops_total / profile.batch_size, {"variant": variant})
+        if profile.peak_memory_bytes is not None:
+            key = (variant, profile.peak_memory_kind, replica)
             # the gauge is set under the lock, as in _set_gauges: a refresh that read the old
             # value cannot set it after this new one
             with self._lock:
-                changed = self._peak.get(key, (None,))[0] != stats.peak_memory_bytes
-                self._peak[key] = (stats.peak_memory_bytes, time.monotonic())
+                changed = self._peak.get(key, (None,))[0] != profile.peak_memory_bytes
+                self._peak[key] = (profile.peak_memory_bytes, time.monotonic())
                 if changed:  # else the gauge holds it, and _keep_gauges sets it again
-                    self._set_peak(key, stats.peak_memory_bytes)
+                    self._set_peak(key, profile.peak_memory_bytes)
 
     def retry(self, variant: str, reason: str) -> None:
         """A primary classification sent to ``variant`` again after its replica failed

@@ -1,5 +1,6 @@
 """HTTP request/response models (pydantic v2): what the API takes and answers (the
-configuration a person writes: ``service.settings``)."""
+configuration a person writes: ``service.settings``), and ``profile_body``: a forward's
+profile as a response carries it, written without a model pass."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from mita.records import ForwardProfile
 
 from .settings import AutoPolicy, Variant
 
@@ -87,6 +90,26 @@ class StageProfile(BaseModel):
         None, description="the top-k path of MiTA's Triton kernels that served this forward "
                           "(a CUDA-graph replay: the one captured); absent (null) when the "
                           "PyTorch or compiled CPU stages served it, and for dense")
+
+
+# What a response's profile carries, in the schema's order (started_at, cuda_graph stay inside)
+PROFILE_FIELDS = tuple(StageProfile.model_fields)
+
+
+def profile_body(profile: ForwardProfile, arrived_at: float) -> dict:
+    """A forward's ``profile`` (as the classifier's engine made it) as a response's JSON
+    carries it, without a pass through ``StageProfile``: its fields in the schema's order,
+    None left out, with ``pre_forward_ms``, the milliseconds from ``arrived_at`` (the
+    gateway's wall clock at the request's arrival, Unix seconds) to the forward's
+    ``started_at``. A shallow copy (``dataclasses.asdict`` deep-copies every dict and list,
+    ~0.4 ms a request), serialised straight away."""
+    pre_forward_ms = (profile.started_at - arrived_at) * 1e3
+    out = {}
+    for name in PROFILE_FIELDS:
+        value = pre_forward_ms if name == "pre_forward_ms" else getattr(profile, name)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 class ClassifyResponse(BaseModel):

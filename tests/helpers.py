@@ -6,7 +6,6 @@ the dashboard, a fake clock, the smoke runs of the GPU scripts. Fixtures and hoo
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib
 import os
@@ -16,7 +15,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -24,12 +22,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from mita.data.listops import ListOpsConfig, generate
-from mita.hooks import STAGE_COLORS, VARIANT_COLORS
-from mita.records import StageRecord
-from service.forward_stats import ForwardStats
-
-if TYPE_CHECKING:  # imported where used: the kernels' tests need no service modules
-    from service.stats import StatsWindow
 
 CHECKPOINT = "checkpoints/listops-default"
 
@@ -307,7 +299,6 @@ def delta(text: str, text0: str, name: str, **labels) -> float:
     return counter(text, name, **labels) - counter(text0, name, **labels)
 
 
-
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):
     """Poll ``predicate`` until it returns a truthy value; return it (or the last value)."""
     deadline = time.monotonic() + timeout_s
@@ -316,91 +307,6 @@ def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
-
-
-class FakeClock:
-    """A module's ``time``: ``time()``/``monotonic()`` read ``now``; ``sleep`` is real (the
-    recorder's refresh thread sleeps through it)."""
-
-    def __init__(self, now: float):
-        self.now = now
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    @staticmethod
-    def sleep(s: float) -> None:
-        time.sleep(s)
-
-
-def stats_body(summary: dict, weights: dict | None = None, shadow: bool = True) -> dict:
-    """A summary completed as the gateway's ``/v1/stats`` completes it (the A/B split, the
-    models, the colours), checked against ``StatsResponse``."""
-    from service.schemas import StatsResponse
-    from service.stats import ab_split
-
-    body = dict(summary)
-    body["ab"] = ab_split(body.pop("answered"), weights or {"mita": 0.8, "dense": 0.2}, shadow,
-                          "x-client-key")
-    body["models"] = {"mita": {"model_id": "listops-default@test", "attention": "mita",
-                               "device": "cpu", "dtype": "float32", "m": 16, "k": 16, "s": 1},
-                      "dense": {"model_id": "listops-default@test", "attention": "dense",
-                                "device": "cpu", "dtype": "float32"}}
-    body["stage_colors"], body["variant_colors"] = STAGE_COLORS, VARIANT_COLORS
-    StatsResponse.model_validate(body)
-    return body
-
-
-def counted_window() -> StatsWindow:
-    """Fixed records: 8 requests routed by the policy (6 mita, 2 dense), 5 that named dense
-    (a load test's), one policy-routed 503; MiTA's stages from 2 staged forwards in N ≤ 1,024
-    (too few) and 6 in N ≤ 4,096, dense's from 6 in each; three shadow comparisons."""
-    from service.stats import StatsWindow
-
-    w = StatsWindow(retention_s=60)
-    for variant, override, times in (("mita", False, 6), ("dense", False, 2), ("dense", True, 5)):
-        for i in range(times):
-            w.add_request(variant, 200, 512, 0.01 * (i + 1), override=override)
-    w.add_request("dense", 503)
-    for bucket, mita_runs in (("le_1024", 2), ("le_4096", 6)):
-        for i in range(mita_runs):
-            w.add_forward("mita", bucket, {"qkv_proj": 13.7 - i, "attention": 3.0 + i})
-        for i in range(6):
-            w.add_forward("dense", bucket, {"qkv_proj": 2.0 + 0.1 * i, "attention": 9.0 + i})
-    for primary, agree, kl in (("mita", True, 0.01), ("mita", True, 0.02), ("dense", False, 0.5)):
-        w.add_shadow(primary, agree, kl)
-    for variant in ("dense", "dense", "mita", "dense"):  # shadow calls that gave no comparison
-        w.add_shadow_drop(variant)
-    return w
-
-
-class Spy:
-    """Stands in for one Ray metric: keeps every call as (method, value, tags)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def inc(self, value, tags):
-        self.calls.append(("inc", value, tags))
-
-    def observe(self, value, tags):
-        self.calls.append(("observe", value, tags))
-
-    def set(self, value, tags):
-        self.calls.append(("set", value, tags))
-
-
-def spied_recorder():
-    """A real ``Recorder`` whose Ray metrics are ``Spy``s."""
-    from service.recorder import Recorder
-
-    rec = Recorder()
-    for name in list(vars(rec.metrics)):
-        setattr(rec.metrics, name, Spy())
-    return rec
 
 
 REQUEST_SERIES = ({(v, s) for v in ("mita", "dense") for s in ("200", "500", "503", "504")}
@@ -434,40 +340,3 @@ def texts(browser, *selectors: str) -> list[str | None]:
         list(selectors))
 
 
-class Call:
-    """What ``handle.classify.remote(...)`` returns: awaitable, cancellable."""
-
-    def __init__(self, outcome):
-        self.outcome, self.cancelled = outcome, False
-
-    def cancel(self):
-        self.cancelled = True
-
-    def __await__(self):
-        async def answer():
-            if isinstance(self.outcome, float):  # never answers in time
-                await asyncio.sleep(self.outcome)
-            if isinstance(self.outcome, BaseException):
-                raise self.outcome
-            return self.outcome
-        return answer().__await__()
-
-
-class Scripted:
-    """A classifier handle answering from a script, one entry per call."""
-
-    def __init__(self, *script):
-        self.script, self.calls = list(script), []
-
-    def remote(self, ids, staged):
-        self.calls.append(Call(self.script.pop(0)))
-        return self.calls[-1]
-
-
-def answer() -> dict:
-    stats = ForwardStats(device="cpu", dtype="float32", staged=True, batch_size=1, padded_n=3,
-                         total_ms=1.0, records=[StageRecord("attention", None, 1.0)],
-                         flops={"attention": 10}, flops_total=10,
-                         peak_memory_bytes=None, peak_memory_kind=None, started_at=0.0)
-    return {"label": 1, "probabilities": [0.5, 0.5], "variant": "mita", "n": 3,
-            "model_id": "m", "profile": stats, "replica": "r2"}

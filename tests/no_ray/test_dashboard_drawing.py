@@ -13,12 +13,8 @@ from mita.hooks import VARIANT_COLORS
 from service.routing import RoutingTable
 from service.settings import AutoPolicy
 
-from ..helpers import (
-    counted_window,
-    stats_body,
-    texts,
-    wait_for,
-)
+from ..fakes import counted_window, stats_body
+from ..helpers import texts, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

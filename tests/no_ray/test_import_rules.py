@@ -35,8 +35,7 @@ STAGE_MODULES = {"mita.stages", "mita.topk"}
 # loadtest is a client of the service over HTTP: data, the stage names, the commands' tools.
 LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.tools"}
 NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
-RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.settings",
-                    "service.forward_stats"}
+RAY_FREE_SERVICE = {"service", "service.graphs", "service.schemas", "service.settings"}
 # The files split out of service/schemas.py and service/gateway.py by job: (libraries, project
 # modules) each may import beyond the standard library. The configuration a person writes
 # knows nothing of HTTP, Ray or the gateway; the classifier call (deadline, resends, errors)

@@ -96,7 +96,7 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
     locked = by["own"] + by["timed"] + by["quiet"]
     assert not any(overlap(a, b) for a in locked for b in locked if a is not b), locked
     assert not any(overlap(by["quiet"][0], b) for b in by["background"])
-    # the SHARING test went first in its worker, beside the test with a Ray of its own
+    # the sharing test went first in its worker, beside the test with a Ray of its own
     assert overlap(by["sharing"][0], by["own"][0])
     assert by["sharing"][0]["start"] < min(r["start"] for r in by["timed"] + by["quiet"])
     # three workers, each a session of its own; the background at nice 19, the Ray tests at 0

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 import service.recorder as recorder_mod
-from mita.timer import StageRecord
-from service.forward_stats import ForwardStats
+from mita.records import ForwardProfile, StageRecord
 from service.metrics import DURATION_BUCKETS_S, N_BUCKETS, _one_two_five, n_bucket
 from service.recorder import PEAK_MEMORY_TTL_S
 
-from ..helpers import FakeClock, spied_recorder
+from ..fakes import FakeClock, spied_recorder
 
 # numpy's linear interpolation and the s -> ms conversion round in the last bits; every
 # mistake these tests look for moves a value by far more than this.
@@ -25,12 +24,12 @@ REL = 1e-9
 
 
 def profile(staged=False, stages=None, total_ms=8.0, flops=1_000_000, batch=1, peak=None,
-            kind=None) -> ForwardStats:
-    return ForwardStats(device="cpu", dtype="float32", staged=staged, batch_size=batch,
-                        padded_n=64, total_ms=total_ms,
-                        records=[StageRecord(s, None, ms) for s, ms in (stages or {}).items()],
-                        flops={"ffn": flops}, flops_total=flops,
-                        peak_memory_bytes=peak, peak_memory_kind=kind, started_at=1.7e9)
+            kind=None) -> ForwardProfile:
+    return ForwardProfile(device="cpu", dtype="float32", staged=staged, batch_size=batch,
+                          padded_n=64, total_ms=total_ms,
+                          records=[StageRecord(s, None, ms) for s, ms in (stages or {}).items()],
+                          flops={"ffn": flops}, peak_memory_bytes=peak, peak_memory_kind=kind,
+                          started_at=1.7e9)
 
 
 def test_a_batchs_flops_are_shared_by_its_requests():

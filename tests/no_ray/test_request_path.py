@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 from fastapi.responses import JSONResponse
 
-from mita.timer import ForwardProfile, StageRecord
+from mita.records import ForwardProfile, StageRecord
 from service.classifier import INLINE_MAX_N, Classifier
 from service.engine import ClassifierEngine
-from service.forward_stats import ForwardStats
 from service.gateway import response_body
 from service.http import CheckBody
 from service.request_book import RequestBook
-from service.schemas import ClassifyResponse
+from service.schemas import ClassifyResponse, profile_body
 
 from ..helpers import CHECKPOINT
 
@@ -43,24 +42,24 @@ def ids_of(n: int, seed: int = 0) -> np.ndarray:
 def model_json(result: dict, shadow: str | None, arrived_at: float | None) -> bytes:
     """What FastAPI makes through ``response_model=ClassifyResponse,
     response_model_exclude_none=True`` of the answer in full: every field, None included,
-    and every field of the forward's stats, with the tables computed from its records."""
+    and every field of the forward's profile, with the sums computed from its records."""
     full = {k: result[k] for k in ("label", "probabilities", "variant", "n", "model_id")}
     full["label_name"] = NAMES[result["label"]]
     full["shadow"] = shadow
     if arrived_at is not None:
-        stats = result["profile"]
-        full["profile"] = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        full["profile"] |= {name: getattr(stats, name)
-                            for name in ("stages_ms", "layers_ms", "gflops_per_s")}
-        full["profile"]["pre_forward_ms"] = (stats.started_at - arrived_at) * 1e3
+        prof = result["profile"]
+        full["profile"] = {f.name: getattr(prof, f.name) for f in dataclasses.fields(prof)}
+        full["profile"] |= {name: getattr(prof, name) for name in (
+            "flops_total", "stages_ms", "layers_ms", "gflops_per_s")}
+        full["profile"]["pre_forward_ms"] = (prof.started_at - arrived_at) * 1e3
     return JSONResponse(ClassifyResponse.model_validate(full)
                         .model_dump(mode="json", exclude_none=True)).body
 
 
 def test_response_body_is_the_response_models_json(engine):
     result = engine.run([ids_of(64)])[0] | {"replica": "r1"}
-    stats = result["profile"]
-    arrived_at = stats.started_at - 0.0125
+    prof = result["profile"]
+    arrived_at = prof.started_at - 0.0125
     for shadow in (None, "dense"):
         for at in (None, arrived_at):
             body = response_body(result, shadow, at, NAMES)
@@ -72,19 +71,18 @@ def test_response_body_is_the_response_models_json(engine):
     assert profile["pre_forward_ms"] == pytest.approx(12.5, abs=1e-3)
     # internal fields stay out; None (no Triton top-k here) is left out, as the model did
     assert not {"started_at", "cuda_graph", "topk_path"} & set(profile)
-    assert profile["total_ms"] == stats.total_ms and profile["peak_memory_bytes"] > 0
+    assert profile["total_ms"] == prof.total_ms and profile["peak_memory_bytes"] > 0
 
 
 def test_response_body_of_a_profile_with_none_and_a_topk_path():
-    stats = ForwardStats(device="cuda:0", dtype="bfloat16", staged=False, batch_size=2,
-                         padded_n=4096, total_ms=0.75,
-                         records=[StageRecord("attention", 0, 0.25),
-                                  StageRecord("attention", 1, 0.25)],
-                         flops={"attention": 12}, flops_total=12,
-                         peak_memory_bytes=None, peak_memory_kind=None, started_at=100.0,
-                         cuda_graph=True, topk_path="select")
+    prof = ForwardProfile(device="cuda:0", dtype="bfloat16", staged=False, batch_size=2,
+                          padded_n=4096, total_ms=0.75,
+                          records=[StageRecord("attention", 0, 0.25),
+                                   StageRecord("attention", 1, 0.25)],
+                          flops={"attention": 12}, started_at=100.0, cuda_graph=True,
+                          topk_path="select")
     result = {"label": 3, "probabilities": [0.25, 0.75], "variant": "mita", "n": 4000,
-              "model_id": "m@1", "profile": stats, "replica": "r"}
+              "model_id": "m@1", "profile": prof, "replica": "r"}
     body = response_body(result, "dense", 99.5, NAMES)
     assert (body["label"], body["label_name"]) == (3, "class three")
     assert JSONResponse(body).body == model_json(result, "dense", 99.5)
@@ -92,7 +90,7 @@ def test_response_body_of_a_profile_with_none_and_a_topk_path():
     assert "peak_memory_bytes" not in body["profile"]
 
 
-def test_forward_stats_read_as_the_timers_profile_after_the_trip_to_the_gateway():
+def test_the_shipped_profile_reads_as_the_timers_after_the_trip_to_the_gateway():
     """The classifier ships the stage records, not the per-stage and per-layer tables: those
     are computed when the gateway first reads them, and equal what the timer's profile says.
     The records travel as plain tuples (a named tuple is pickled by reference to its class,
@@ -101,17 +99,17 @@ def test_forward_stats_read_as_the_timers_profile_after_the_trip_to_the_gateway(
         records=[StageRecord("embed", None, 0.5), StageRecord("qkv_proj", 0, 1.25),
                  StageRecord("attention", 0, 2.0), StageRecord("qkv_proj", 1, 0.75)],
         total_ms=5.0, device="cpu", flops={"embed": 1000, "qkv_proj": 4_000_000, "attention": 0})
-    stats = ForwardStats.of(prof, dtype="float32", staged=True, batch_size=1, padded_n=64,
-                            started_at=1.0)
-    back = pickle.loads(pickle.dumps(stats))
-    for s in (stats, back):
+    shipped = prof.shipped(dtype="float32", staged=True, batch_size=1, padded_n=64,
+                           started_at=1.0)
+    back = pickle.loads(pickle.dumps(shipped))
+    for s in (shipped, back):
         assert s.stages_ms == {"embed": 0.5, "qkv_proj": 2.0, "attention": 2.0}
         assert s.layers_ms == [{"qkv_proj": 1.25, "attention": 2.0}, {"qkv_proj": 0.75}]
         # 1000 FLOPs in 0.5 ms = 0.002 GFLOP/s; 4e6 in 2 ms = 2; no FLOPs: left out
         assert s.gflops_per_s == {"embed": 0.002, "qkv_proj": 2.0}
         assert s.flops_total == 4_001_000 and s.total_ms == 5.0
     assert [type(r) for r in back.records] == [tuple] * 4
-    assert back.response(0.5)["stages_ms"] == prof.stages_ms
+    assert profile_body(back, 0.5)["stages_ms"] == prof.stages_ms
 
 
 def test_check_body_records_after_the_response_is_handed_over():

@@ -20,7 +20,7 @@ from service.gateway import Gateway
 from service.inputs import ApiError
 from service.settings import GatewayConfig
 
-from ..helpers import Scripted, answer, spied_recorder
+from ..fakes import Scripted, answer, spied_recorder
 
 
 def gateway(handle: Scripted, timeout_s: float = 5.0):

@@ -22,7 +22,7 @@ from service.request_book import RequestBook
 from service.routing import Latency, RoutingTable, advisor_priors, decide_bucket, wilson_lower
 from service.settings import AutoPolicy, GatewayConfig
 
-from ..helpers import Scripted, answer, spied_recorder
+from ..fakes import Scripted, answer, spied_recorder
 
 # a real advisor report of the shipped checkpoint (python -m profiler advise, on this CPU)
 REPORT = str(Path(__file__).resolve().parents[2] / "benchmarks" / "advise-cpu" / "advise.json")

@@ -12,7 +12,7 @@ import pytest
 from mita.hooks import MIN_STAGE_SAMPLES
 from service.stats import StatsWindow
 
-from ..helpers import counted_window, stats_body
+from ..fakes import counted_window, stats_body
 
 
 def test_window_summary_against_numpy():

@@ -22,7 +22,7 @@ from service.stats import (
     summarize,
 )
 
-from ..helpers import FakeClock
+from ..fakes import FakeClock
 
 # numpy's linear interpolation and the s -> ms conversion round in the last bits; every
 # mistake these tests look for moves a value by far more than this.
