@@ -43,10 +43,10 @@ import torch  # noqa: E402
 from mita.kernels import (  # noqa: E402,F401
     bisect,
     choose,
-    mita_attention,
     pooling,
     routing,
     topk,
+    triton_fused,
     triton_mita,
 )
 

@@ -31,6 +31,9 @@ from service.engine import HEAP_TRIM_ENV, HEAP_TRIM_MIB
 
 from ..helpers import CHECKPOINT
 
+# heavy(6): one test of ~70 CPU s; started last it ended a run alone on one core
+pytestmark = pytest.mark.heavy(6)
+
 LENGTHS = 2000  # distinct N = 1 … LENGTHS, shuffled, one dense forward each (~25-60 s here)
 WARMUP = 400  # forwards before the reference peak is taken
 SAMPLE_EVERY = 50  # forwards between RSS readings
