@@ -21,6 +21,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.engine import LoadConfig, summarize
 from mita.data.listops import ListOpsConfig, generate
 
 CHECKPOINT = "checkpoints/listops-default"
@@ -340,3 +341,10 @@ def texts(browser, *selectors: str) -> list[str | None]:
         list(selectors))
 
 
+# The load tester's config of the hand-worked summaries: one N, one variant.
+LOAD_CFG = LoadConfig(url="http://127.0.0.1:8000", ns=[256], variants=["mita"])
+
+
+def only_row(samples, cfg=LOAD_CFG):
+    (row,) = summarize(samples, cfg)["rows"]
+    return row

@@ -17,7 +17,16 @@ mostly waits, run first and beside the ``ray-own`` worker's test without the cor
 ``quiet`` (no background test runs beside it: latency ratios it checks moved 2x beside them)
 and ``heavy(rank)`` (a background file started first, lowest rank first, so that the run does
 not end on it alone). ``check`` refuses a test outside a lane folder, a marker outside the
-lane it is for, and a test taking the session's service outside ``tests/service/``.
+lane it is for, a test taking the session's service outside ``tests/service/``, and a test in
+``tests/own_ray/`` without a ``service`` or ``slow`` mark (``make test-fast``, ``-m "not service
+and not slow"``, must leave it out; the session's tests are marked ``service`` by their
+fixture).
+
+A new test: a test of a module or a command without Ray goes in ``tests/no_ray/`` (mark it
+``slow`` when it runs the Triton interpreter, a compile or a subprocess command); one that
+takes the ``service`` fixture in ``tests/service/``; one that starts a Ray of its own or whose
+timing a busy machine moves in ``tests/own_ray/``, marked ``service`` (it starts Ray) or
+``slow``; a kernel's in ``tests/kernels/``.
 """
 
 from __future__ import annotations
@@ -75,6 +84,12 @@ def check(items) -> list[str]:
                 out.append(f"{item.nodeid}: marked {name}, which is for tests/service/ only")
         if item.get_closest_marker("heavy") and marker.args[0] != BACKGROUND:
             out.append(f"{item.nodeid}: marked heavy, which orders background tests only")
+        # make test-fast (-m "not service and not slow") must leave out every test that
+        # starts a Ray or is timed; the session's service marks its tests by the fixture
+        if marker.args[0] == OWN_RAY and not (item.get_closest_marker("service")
+                                             or item.get_closest_marker("slow")):
+            out.append(f"{item.nodeid}: in tests/own_ray/ without a service or slow mark, so "
+                       "make test-fast would run it")
     return out
 
 

@@ -98,6 +98,9 @@ def test_tests_taking_service_are_marked_service(pytester, monkeypatch):
     ({"service/test_a.py": "import pytest\n\npytestmark = pytest.mark.heavy(0)\n\n\n"
                            "def test_x(service):\n    pass\n"},
      "tests/service/test_a.py::test_x: marked heavy, which orders background tests only"),
+    ({"own_ray/test_a.py": "def test_x():\n    pass\n"},
+     "tests/own_ray/test_a.py::test_x: in tests/own_ray/ without a service or slow mark, so "
+     "make test-fast would run it"),
     ({"test_top.py": "def test_x():\n    pass\n"},
      "tests/test_top.py::test_x: not in a lane folder (tests/{service,own_ray,no_ray,kernels}/)"),
 ])

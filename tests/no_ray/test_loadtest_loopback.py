@@ -8,7 +8,6 @@ import pytest
 from loadtest.engine import check_loopback
 
 
-@pytest.mark.service  # no Ray: in this tier as under the file's old module mark
 def test_loadtest_refuses_non_loopback():
     check_loopback("http://127.0.0.1:8000")
     check_loopback("http://[::1]:8000")
