@@ -29,8 +29,9 @@ serve: $(STAMP)
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
-# Three pytest-xdist workers (tests/conftest.py): the session service's tests in one, the tests
-# that start a Ray of their own in another (a lock keeps their timed parts apart), the tests
+# Three pytest-xdist workers, each test in the lane of its folder (tests/lanes.py): the session
+# service's tests (tests/service/) in one, the tests that start a Ray of their own
+# (tests/own_ray/) in another (a lock keeps their timed parts apart), the tests
 # without Ray in the background (a session of their own at nice 19) of the third and of any
 # worker that is done. TEST_WORKERS=0 runs it all in this process, one test after another.
 TEST_WORKERS ?= 3
