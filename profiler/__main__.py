@@ -46,14 +46,24 @@ def main(argv: list[str] | None = None) -> None:
     if a.command == "advise":
         _advise(advise_parser, a)
         return
+    _sweep(s, a)
+
+
+def _sweep(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``sweep``: every check before the sweep, refused with ``p`` (the sweep subparser)."""
     try:
         cfg = SweepConfig(ns=a.n, variants=a.variants, settings=a.settings, depth=a.depth,
                           dim=a.dim, num_heads=a.heads, ffn_dim=a.ffn_dim,
                           route_topk=a.route_topk, batch=a.batch, device=a.device,
                           dtype=a.dtype, warmup=a.warmup, repeats=a.repeats,
                           budget_s=a.budget_s, mita_backend=a.mita_backend)
-        a.out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the sweep
-    except (OSError, ValueError) as e:
+        if a.out.exists() and not a.out.is_dir():
+            raise ValueError(f"--out {a.out}: is a file, not a folder")
+        try:  # a bad --out fails now, not after the sweep
+            a.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the way, no permission
+            raise ValueError(f"--out {a.out}: {e.strerror}") from None
+    except ValueError as e:
         p.error(str(e))
     rows = run_sweep(cfg)
     files = write_outputs(rows, cfg, a.out)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tools.argtypes import POSITIVE_INT, Parser
-from .images import FASHION_MNIST, pool, read_idx, write_jsonl
+from .images import FASHION_MNIST, pool, read_pair, write_jsonl
 
 PACKAGES = {"fashion-mnist": "dataset-fashion-mnist", "austen": "r-cran-janeaustenr",
             "austen-persuasion": "r-cran-janeaustenr"}
@@ -72,12 +72,12 @@ def fashion_mnist(out: Path, factor: int = 2) -> dict:
     """``out/train.jsonl`` (60,000 rows) and ``out/test.jsonl`` (10,000) of Fashion-MNIST's
     images average-pooled ``factor``×``factor`` (28×28 → 14×14 at 2) as pixel ids, labelled
     with the class names; returns the row counts, grid and licence. Raises RuntimeError
-    (apt-get, dpkg-deb) or ValueError (``read_idx``, ``pool``)."""
+    (apt-get, dpkg-deb) or ValueError (``read_pair``, ``pool``)."""
     root = unpack(PACKAGES["fashion-mnist"], out) / "usr/share/datasets/fashion-mnist"
     counts = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
-        images = read_idx(root / f"{prefix}-images-idx3-ubyte.gz")
-        labels = read_idx(root / f"{prefix}-labels-idx1-ubyte.gz")
+        images, labels = read_pair(root / f"{prefix}-images-idx3-ubyte.gz",
+                                   root / f"{prefix}-labels-idx1-ubyte.gz", FASHION_MNIST)
         images = pool(images, factor) if factor > 1 else images
         counts[split] = write_jsonl(out / f"{split}.jsonl", images, labels, FASHION_MNIST)
     h, w = images.shape[1:]
@@ -200,13 +200,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pool", type=POSITIVE_INT, default=2,
                    help="fashion-mnist: average F×F pixel blocks (default 2: 14×14)")
     a = p.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
+    if a.out.exists() and not a.out.is_dir():
+        p.error(f"--out {a.out}: is a file, not a folder")
+    try:
+        a.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        p.error(f"--out {a.out}: {e.strerror}")
     try:
         info = (fashion_mnist(a.out, a.pool) if a.name == "fashion-mnist"
                 else austen_persuasion(a.out) if a.name == "austen-persuasion"
                 else austen(a.out, a.window))
-    except (OSError, RuntimeError, ValueError) as e:
-        p.error(str(e))
+    except (OSError, RuntimeError, ValueError) as e:  # OSError: the file it names and why
+        p.error(f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename
+                else str(e))
     except ImportError as e:
         p.error(f"{e.name} is missing: pip install '.[data]' (make data does)")
     info |= {"package": PACKAGES[a.name]}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,18 @@ _DTYPES = {0x08: np.uint8}
 
 def read_idx(path: str | Path) -> np.ndarray:
     """An IDX file (gzipped when its name ends in ``.gz``) as an array of its shape. Raises
-    ValueError naming the file when the header is not an unsigned-byte IDX or the size does
-    not match it."""
+    ValueError naming the file when it is not valid gzip (a ``.gz`` name), the header is not
+    an unsigned-byte IDX or the size does not match it; OSError when it cannot be read."""
     path = Path(path)
-    raw = (gzip.decompress if path.suffix == ".gz" else bytes)(path.read_bytes())
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except EOFError:
+            raise ValueError(f"{path}: a truncated gzip file (it ends before its end-of-stream "
+                             "marker)") from None
+        except (gzip.BadGzipFile, zlib.error) as e:  # not gzip, corrupt data, a bad CRC
+            raise ValueError(f"{path}: not a valid gzip file ({e})") from None
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _DTYPES:
         raise ValueError(f"{path}: not an unsigned-byte IDX file (header {raw[:4].hex()})")
     ndim = raw[3]
@@ -45,6 +54,25 @@ def read_idx(path: str | Path) -> np.ndarray:
         raise ValueError(f"{path}: header says {dims} = {int(np.prod(dims))} values, the file "
                          f"holds {data.size}")
     return data.reshape(dims)
+
+
+def read_pair(images_path: str | Path, labels_path: str | Path,
+              names: tuple[str, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(n, H, W)`` images and their ``(n,)`` labels read from two IDX files (``read_idx``).
+    Raises ValueError naming the file when a shape is wrong, the counts differ or (with
+    ``names``, the class names by label value) a label has no name; raises as ``read_idx``."""
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.ndim != 3:
+        raise ValueError(f"{images_path}: expected (n, H, W) images, got shape {images.shape}")
+    if labels.ndim != 1:
+        raise ValueError(f"{labels_path}: expected (n,) labels, got shape {labels.shape}")
+    if len(images) != len(labels):
+        raise ValueError(f"{images_path} holds {len(images)} images but {labels_path} holds "
+                         f"{len(labels)} labels")
+    if names is not None and len(labels) and int(labels.max()) >= len(names):
+        raise ValueError(f"{labels_path}: label {int(labels.max())} has no name (names of "
+                         f"0…{len(names) - 1})")
+    return images, labels
 
 
 def pool(images: np.ndarray, factor: int) -> np.ndarray:
@@ -92,16 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=POSITIVE_INT, default=None)
     p.add_argument("--pool", type=POSITIVE_INT, default=1)
     a = p.parse_args(argv)
+    names = FASHION_MNIST if a.names == "fashion-mnist" else None
     try:
-        images, labels = read_idx(a.images), read_idx(a.labels)
-        if images.ndim != 3 or labels.ndim != 1:
-            raise ValueError(f"expected (n, H, W) images and (n,) labels, got {images.shape} "
-                             f"and {labels.shape}")
+        images, labels = read_pair(a.images, a.labels, names)
         images, labels = images[:a.limit], labels[:a.limit]
         images = pool(images, a.pool) if a.pool > 1 else images
-        write_jsonl(a.out, images, labels, FASHION_MNIST if a.names == "fashion-mnist" else None)
-    except (OSError, ValueError) as e:
-        p.error(str(e))
+        write_jsonl(a.out, images, labels, names)
+    except (OSError, ValueError) as e:  # OSError: the file it names and why
+        p.error(f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename
+                else str(e))
     h, w = images.shape[1:]
     print(f"{len(images)} images of {h}×{w} → {a.out} (train with --landmark-grid {h}x{w})",
           file=sys.stderr)

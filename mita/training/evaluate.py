@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "test set is your file")
     if args.data is None and args.predictions is not None:
         p.error("--predictions needs --data FILE")
+    for flag, path in (("--json", args.json), ("--predictions", args.predictions)):
+        if path is not None and path.is_dir():  # refused before any model is loaded
+            p.error(f"{flag} {path}: is a directory")
     if args.predictions is not None and args.predictions.suffix not in PREDICTION_SUFFIXES:
         p.error(f"--predictions {args.predictions}: use a {' or '.join(PREDICTION_SUFFIXES)} "
                 "file")
@@ -78,11 +81,18 @@ def _models(ck: Path) -> dict:
     return {a: base if a == base.config.attention else tied_variant(base, a) for a in ATTENTIONS}
 
 
-def _touch(*paths: Path | None) -> None:
-    for path in paths:  # an unwritable output fails now, not after the forwards
-        if path is not None:
+def _touch(*outputs: tuple[str, Path | None]) -> None:
+    """Create each ``(flag, path)`` output now (an unwritable one fails before the forwards,
+    not after). Raises ValueError naming the flag, the path and why."""
+    for flag, path in outputs:
+        if path is None:
+            continue
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
+        except OSError as e:  # a file where its folder should be, no permission, …
+            where = f"{e.filename}: " if e.filename and str(e.filename) != str(path) else ""
+            raise ValueError(f"{flag} {path}: {where}{e.strerror}") from None
 
 
 def own_data(p: Parser, args) -> list[dict]:
@@ -94,7 +104,7 @@ def own_data(p: Parser, args) -> list[dict]:
             task = checkpoint_task(meta, checkpoint_config(ck, meta), ck)
             rows, examples, cut = task.labelled_rows(args.data)
             prepared.append((ck, task, rows, examples, cut, _models(ck)))
-        _touch(args.json, args.predictions)
+        _touch(("--json", args.json), ("--predictions", args.predictions))
     except (OSError, ValueError) as e:
         p.error(f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename
                 else str(e))
@@ -156,7 +166,7 @@ def listops(p: Parser, args) -> list[dict]:
         models = {ck: _models(ck) for ck in args.checkpoints}
         modes = {ck: checkpoint_metadata(ck).get("training", {}).get("mode", "?")
                  for ck in args.checkpoints}
-        _touch(args.json)
+        _touch(("--json", args.json))
     except (OSError, ValueError) as e:
         p.error(str(e))
     print(f"drawing {args.test_size} ListOps test sequences …", flush=True)
