@@ -22,6 +22,7 @@ The records of all 264 compiles are committed (``compiled.json`` beside this fil
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import re
@@ -31,6 +32,8 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from ..tools.argtypes import Parser
 
 CAPABILITIES = (80, 90)  # A100, H100/H200
 # Largest dynamic shared memory one block may use (CUDA programming guide, "Compute
@@ -386,10 +389,18 @@ def versions() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``python -m mita.kernels.aot [--table]``: compile every specialisation for every target
+    and print the failures (exit 1 if any). The flags are parsed before anything compiles:
+    ``--help`` or a misspelt flag answers at once, not after minutes of compiles."""
+    p = Parser(prog="python -m mita.kernels.aot", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", action="store_true",
+                   help="also print the versions and a Markdown table of each compile's "
+                        "resources (registers, spills, shared memory, blocks per SM)")
+    a = p.parse_args(argv)
     results = check_all()
     bad = [r for r in results if not r["ok"]]
-    if "--table" in argv:
+    if a.table:
         print(f"{versions()}\n\n{table(results)}\n")
     for r in bad:
         print(f"FAIL sm_{r['sm']} {r['case']}: {r['error']}")

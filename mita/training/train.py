@@ -65,7 +65,7 @@ def parser() -> Parser:
         g.add_argument(f"--{name.replace('_', '-')}", type=POSITIVE_INT, default=None,
                        help=f"default {LISTOPS_ONLY[name]}")
     p.set_defaults(own_data_only=train_data.add_arguments(p.add_argument_group(
-        "your own data (--train FILE; docs: python -m mita.training --help)")))
+        "your own data (--train FILE; docs/own-data.md)")))
     return p
 
 

@@ -376,3 +376,20 @@ def test_filter_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
     assert sass.count("ATOMG.E.ADD") >= 16  # one per key a thread holds of the 64 × 32 tile
     assert "MEMBAR.ALL.GPU" not in sass and "MEMBAR.SC.GPU" not in sass
     assert "CCTL.IVALL" not in sass
+
+
+@pytest.mark.parametrize("argv,code,stream,line", [
+    (["--help"], 0, "out", "usage: python -m mita.kernels.aot [-h] [--table]"),
+    (["--tabel"], 2, "err", "--tabel: did you mean --table?"),
+])
+def test_the_command_reads_its_flags_before_it_compiles(monkeypatch, capsys, argv, code, stream,
+                                                         line):
+    """``python -m mita.kernels.aot --help`` once started all 264 compiles (~10 min on 2
+    cores) before answering: its flags are parsed first now."""
+    def no_compiles():
+        raise AssertionError("compiled before reading the flags")
+    monkeypatch.setattr(aot, "check_all", no_compiles)
+    with pytest.raises(SystemExit) as exit_:
+        aot.main(argv)
+    assert exit_.value.code == code
+    assert line in getattr(capsys.readouterr(), stream).splitlines()
