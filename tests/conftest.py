@@ -277,15 +277,28 @@ def pytest_collection_modifyitems(config, items):
 
     Every test gets the xdist group of its lane (``lanes.group``: its folder says which), and
     the workers take the groups in ``lanes.rank``'s order (stable: the tests keep their order
-    otherwise). A test outside its lane stops the run (``lanes.check``)."""
-    wrong = lanes.check(items)
-    if wrong:
-        raise pytest.UsageError("tests outside their lane (tests/lanes.py):\n" + "\n".join(wrong))
+    otherwise). A test outside its lane is marked ``misplaced`` and fails at once
+    (``pytest_runtest_setup``; under xdist a collection error in a worker reads as a crash
+    that names no cause)."""
     for item in items:
+        wrong = lanes.problems(item)
+        if wrong:
+            item.add_marker(pytest.mark.misplaced("; ".join(wrong)))
+            if item.get_closest_marker("lane") is None:  # a group and a rank of its own
+                item.add_marker(pytest.mark.lane(lanes.BACKGROUND, ""))
         if "service" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.service)
         item.add_marker(pytest.mark.xdist_group(lanes.group(item)))
     items.sort(key=lanes.rank)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything (the service)
+def pytest_runtest_setup(item):
+    """A test ``pytest_collection_modifyitems`` found outside its lane fails here, naming
+    where it belongs (``lanes.problems``)."""
+    misplaced = item.get_closest_marker("misplaced")
+    if misplaced:
+        pytest.fail(f"outside its lane (tests/lanes.py): {misplaced.args[0]}", pytrace=False)
 
 
 @pytest.fixture

@@ -16,11 +16,12 @@ module (``pytestmark``) or a test, refine the order: ``sharing`` (a session-serv
 mostly waits, run first and beside the ``ray-own`` worker's test without the cores lock),
 ``quiet`` (no background test runs beside it: latency ratios it checks moved 2x beside them)
 and ``heavy(rank)`` (a background file started first, lowest rank first, so that the run does
-not end on it alone). ``check`` refuses a test outside a lane folder, a marker outside the
-lane it is for, a test taking the session's service outside ``tests/service/``, and a test in
-``tests/own_ray/`` without a ``service`` or ``slow`` mark (``make test-fast``, ``-m "not service
-and not slow"``, must leave it out; the session's tests are marked ``service`` by their
-fixture).
+not end on it alone). A test placed where its lane cannot hold it fails at once, before its
+fixtures start anything, with a message naming where it belongs (``problems``): a test outside
+a lane folder, a marker outside the lane it is for, a test taking the session's service
+outside ``tests/service/``, and a test in ``tests/own_ray/`` without a ``service`` or
+``slow`` mark (``make test-fast``, ``-m "not service and not slow"``, must leave it out; the
+session's tests are marked ``service`` by their fixture).
 
 A new test: a test of a module or a command without Ray goes in ``tests/no_ray/`` (mark it
 ``slow`` when it runs the Triton interpreter, a compile or a subprocess command); one that
@@ -68,28 +69,26 @@ def group(item) -> str:
     return lane(item) if lane(item) in RAY_LANES else item.nodeid.split("::")[0]
 
 
-def check(items) -> list[str]:
-    """Every test placed where its lane cannot hold it, as sentences."""
+def problems(item) -> list[str]:
+    """Why ``item`` is placed where its lane cannot hold it, as sentences (none: it is not)."""
+    marker = item.get_closest_marker("lane")
+    if marker is None:
+        return [f"{item.nodeid}: not in a lane folder (tests/{{{','.join(FOLDERS)}}}/)"]
     out = []
-    for item in items:
-        marker = item.get_closest_marker("lane")
-        if marker is None:
-            out.append(f"{item.nodeid}: not in a lane folder (tests/{{{','.join(FOLDERS)}}}/)")
-            continue
-        if "service" in getattr(item, "fixturenames", ()) and marker.args[0] != RAY:
-            out.append(f"{item.nodeid}: takes the session's service, so it belongs in "
-                       "tests/service/")
-        for name in ("sharing", "quiet"):
-            if item.get_closest_marker(name) and marker.args[0] != RAY:
-                out.append(f"{item.nodeid}: marked {name}, which is for tests/service/ only")
-        if item.get_closest_marker("heavy") and marker.args[0] != BACKGROUND:
-            out.append(f"{item.nodeid}: marked heavy, which orders background tests only")
-        # make test-fast (-m "not service and not slow") must leave out every test that
-        # starts a Ray or is timed; the session's service marks its tests by the fixture
-        if marker.args[0] == OWN_RAY and not (item.get_closest_marker("service")
-                                             or item.get_closest_marker("slow")):
-            out.append(f"{item.nodeid}: in tests/own_ray/ without a service or slow mark, so "
-                       "make test-fast would run it")
+    if "service" in getattr(item, "fixturenames", ()) and marker.args[0] != RAY:
+        out.append(f"{item.nodeid}: takes the session's service, so it belongs in "
+                   "tests/service/")
+    for name in ("sharing", "quiet"):
+        if item.get_closest_marker(name) and marker.args[0] != RAY:
+            out.append(f"{item.nodeid}: marked {name}, which is for tests/service/ only")
+    if item.get_closest_marker("heavy") and marker.args[0] != BACKGROUND:
+        out.append(f"{item.nodeid}: marked heavy, which orders background tests only")
+    # make test-fast (-m "not service and not slow") must leave out every test that starts a
+    # Ray or is timed; the session's service marks its tests by the fixture
+    if marker.args[0] == OWN_RAY and not (item.get_closest_marker("service")
+                                         or item.get_closest_marker("slow")):
+        out.append(f"{item.nodeid}: in tests/own_ray/ without a service or slow mark, so "
+                   "make test-fast would run it")
     return out
 
 
@@ -114,7 +113,8 @@ def rank(item) -> tuple[int, int]:
 
 # The stand-in suites' pytest.ini: pyproject.toml's markers, shortened.
 STAND_IN_INI = ("[pytest]\nmarkers =\n    service: Ray Serve\n    slow: slow\n    lane: lane\n"
-                "    sharing: sharing\n    quiet: quiet\n    heavy: heavy\n")
+                "    sharing: sharing\n    quiet: quiet\n    heavy: heavy\n"
+                "    misplaced: misplaced\n")
 
 
 def write_lane_folders(root: Path) -> None:

@@ -1,8 +1,8 @@
 """The lanes (``tests/lanes.py``): where a test runs is the folder it lives in. Every test file
 is in exactly one lane folder, each folder's ``conftest.py`` names its lane, no test module
 imports another; on stand-in suites (no Ray), the ``service`` marker comes from the fixture
-(``make test-fast`` deselects without a hand-written mark) and a test outside its lane stops
-the run with a message naming it."""
+(``make test-fast`` deselects without a hand-written mark) and a test outside its lane fails
+at once with a message naming where it belongs."""
 
 from __future__ import annotations
 
@@ -53,11 +53,12 @@ def test_no_test_module_imports_another():
 STAND_IN_CONFTEST = """
     import pytest
 
-    from tests.conftest import pytest_collection_modifyitems  # noqa: F401  the hook tested
+    from tests.conftest import (  # noqa: F401  the hooks tested
+        pytest_collection_modifyitems, pytest_runtest_setup)
 
     @pytest.fixture
-    def service():  # stands in for the session's Ray Serve app
-        return None
+    def service():  # stands in for the session's Ray Serve app; says it started
+        open("service-started", "w").close()
 
     @pytest.fixture
     def serve_reset(service):
@@ -104,9 +105,14 @@ def test_tests_taking_service_are_marked_service(pytester, monkeypatch):
     ({"test_top.py": "def test_x():\n    pass\n"},
      "tests/test_top.py::test_x: not in a lane folder (tests/{service,own_ray,no_ray,kernels}/)"),
 ])
-def test_a_test_outside_its_lane_stops_the_run(pytester, monkeypatch, files, message):
+def test_a_test_outside_its_lane_fails_before_its_fixtures(pytester, monkeypatch, files,
+                                                           message):
+    """Under make test's xdist workers (where a collection error only reads as a worker's
+    crash), the misplaced test fails in its set-up with the message, and the service it takes
+    never starts."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     stand_in(pytester, files)
-    result = pytester.runpytest_subprocess("tests")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*tests outside their lane (tests/lanes.py):*", message])
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadgroup", "tests")
+    result.assert_outcomes(errors=1)  # failed in its set-up
+    result.stdout.fnmatch_lines([f"*outside its lane (tests/lanes.py): {message}*"])
+    assert not (pytester.path / "service-started").exists()

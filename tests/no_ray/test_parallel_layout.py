@@ -15,6 +15,8 @@ import pytest
 from ..lanes import STAND_IN_INI, write_lane_folders
 
 ROOT = Path(__file__).resolve().parents[2]
+# An own_ray test is marked service or slow (it fails as misplaced otherwise).
+OWN_RAY_MARK = "import pytest\n\npytestmark = pytest.mark.service\n"
 pytest_plugins = ["pytester"]
 
 @pytest.mark.slow  # a pytest of its own with three xdist workers
@@ -64,9 +66,10 @@ def test_the_workers_keep_timed_ray_tests_apart(pytester, monkeypatch, tmp_path)
     files = {
         # tests with a Ray of their own; the first lasts until 2 s after the sharing test
         # started
-        "own_ray/test_cluster.py": ["def test_own(record):\n"
-                                    "    record('own', 2, after='sharing')\n"],
-        "own_ray/test_gpu_placement.py": ["def test_own_2(record):\n    record('own', 1)\n"],
+        "own_ray/test_cluster.py": [OWN_RAY_MARK, "def test_own(record):\n"
+                                                  "    record('own', 2, after='sharing')\n"],
+        "own_ray/test_gpu_placement.py": [OWN_RAY_MARK,
+                                          "def test_own_2(record):\n    record('own', 1)\n"],
         # the session's service: sharing (first in its worker), two timed ones, quiet
         "service/test_prometheus.py": ["import pytest\n\npytestmark = pytest.mark.sharing\n",
                                        "def test_sharing(service, record):\n"
