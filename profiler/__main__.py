@@ -7,7 +7,14 @@ import argparse
 from pathlib import Path
 
 from mita.config import BACKENDS
-from mita.tools.argtypes import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser, bounded
+from mita.tools.argtypes import (
+    NONNEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Parser,
+    bounded,
+    output_folder,
+)
 from mita.tools.scores import HEADLINE
 from service.engine import pick_device
 
@@ -57,12 +64,7 @@ def _sweep(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                           route_topk=a.route_topk, batch=a.batch, device=a.device,
                           dtype=a.dtype, warmup=a.warmup, repeats=a.repeats,
                           budget_s=a.budget_s, mita_backend=a.mita_backend)
-        if a.out.exists() and not a.out.is_dir():
-            raise ValueError(f"--out {a.out}: is a file, not a folder")
-        try:  # a bad --out fails now, not after the sweep
-            a.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a file on the way, no permission
-            raise ValueError(f"--out {a.out}: {e.strerror}") from None
+        output_folder("--out", a.out)  # a bad --out fails now, not after the sweep
     except ValueError as e:
         p.error(str(e))
     rows = run_sweep(cfg)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tools.argtypes import POSITIVE_INT, Parser
+from ..tools.argtypes import POSITIVE_INT, Parser, output_folder
 from .images import FASHION_MNIST, pool, read_pair, write_jsonl
 
 PACKAGES = {"fashion-mnist": "dataset-fashion-mnist", "austen": "r-cran-janeaustenr",
@@ -200,12 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pool", type=POSITIVE_INT, default=2,
                    help="fashion-mnist: average F×F pixel blocks (default 2: 14×14)")
     a = p.parse_args(argv)
-    if a.out.exists() and not a.out.is_dir():
-        p.error(f"--out {a.out}: is a file, not a folder")
     try:
-        a.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file on the way, no permission
-        p.error(f"--out {a.out}: {e.strerror}")
+        output_folder("--out", a.out)
+    except ValueError as e:
+        p.error(str(e))
     try:
         info = (fashion_mnist(a.out, a.pool) if a.name == "fashion-mnist"
                 else austen_persuasion(a.out) if a.name == "austen-persuasion"

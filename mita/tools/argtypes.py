@@ -1,5 +1,5 @@
-"""The project's command-line pieces: ``Parser``, and ``type=`` callables that parse numbers
-strictly.
+"""The project's command-line pieces: ``Parser``, ``type=`` callables that parse numbers
+strictly, and ``output_folder``, a command's output folder made before its work.
 
 ``type=float`` accepts ``nan`` and ``inf``; ``type=int`` accepts any integer. These refuse
 non-finite values and values outside a range, with argparse's usual "invalid value" message
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -87,3 +88,17 @@ def bounded(kind: type, lo: float | None = None, hi: float | None = None,
 POSITIVE_INT = bounded(int, 1)
 NONNEGATIVE_INT = bounded(int, 0)
 POSITIVE_FLOAT = bounded(float, 0.0, above_lo=True)
+
+
+def output_folder(flag: str, path: Path) -> Path:
+    """Make the folder ``path`` a command writes to (``flag``: the option that named it), with
+    its parents, before the command's work, so that a bad one fails at once and not after it.
+    Returns ``path``. Raises ValueError ``"FLAG PATH: is a file, not a folder"``, or ``"FLAG
+    PATH: <reason>"`` when it cannot be made (a file on the way, no permission)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror}") from None
+    return path
