@@ -100,6 +100,11 @@ HEAP_TRIM_MIB = 128.0
 MAX_HEAP_TRIM_MIB = 1024.0 * 1024  # 1 TiB: above any RSS, the same as off
 
 
+def _trim_budget_ok(mib: float) -> bool:
+    """0 (off) or 1 … ``MAX_HEAP_TRIM_MIB``: below 1 MiB it would round to off; NaN fails."""
+    return mib == 0 or 1 <= mib <= MAX_HEAP_TRIM_MIB
+
+
 def heap_trim_mib(raw: str | None) -> float:
     """The trim budget in MiB from ``$MITA_SERVE_HEAP_TRIM_MIB``'s value ``raw``: unset or blank
     → ``HEAP_TRIM_MIB``; ``0`` → off; else a number from 1 to ``MAX_HEAP_TRIM_MIB``. Raises
@@ -113,7 +118,7 @@ def heap_trim_mib(raw: str | None) -> float:
         value = float(text)
     except ValueError:
         value = None
-    if value is None or not (value == 0 or 1 <= value <= MAX_HEAP_TRIM_MIB):
+    if value is None or not _trim_budget_ok(value):
         raise ValueError(f"{HEAP_TRIM_ENV}={raw!r}: the classifiers' heap trim budget in MiB, "
                          f"0 (off) or a number from 1 to {MAX_HEAP_TRIM_MIB:.0f}")
     return value
@@ -133,7 +138,7 @@ class HeapTrim:
     def __init__(self, budget_mib: float | None = None):
         if budget_mib is None:
             budget_mib = heap_trim_mib(os.environ.get(HEAP_TRIM_ENV))
-        if not (budget_mib == 0 or 1 <= budget_mib <= MAX_HEAP_TRIM_MIB):
+        if not _trim_budget_ok(budget_mib):
             raise ValueError(f"heap trim budget must be 0 (off) or 1 … {MAX_HEAP_TRIM_MIB:.0f} "
                              f"MiB, got {budget_mib!r}")
         self.budget_bytes = int(budget_mib * 2**20)
