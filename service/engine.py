@@ -391,7 +391,6 @@ class ClassifierEngine:
             want = (any(staged[i] for i in group) if staged is not None else False) or bool(
                 self.staged_every and self._forwards % self.staged_every == 0)
             started_at = time.time()
-            replays = self.graphs.replays if self.graphs is not None else 0
             choose.CHOOSER.take_served()  # forget a call made outside this forward
             everyone_gone = (lambda g=group: all(abandoned[i]() for i in g)) \
                 if abandoned is not None else (lambda: False)
@@ -404,7 +403,7 @@ class ClassifierEngine:
                 for i in group:
                     results[i] = left(i, "while")
                 continue
-            graph = self.graphs is not None and self.graphs.replays > replays
+            graph = prof.cuda_graph  # profile_forward's: the replay answered
             topk_path = self._topk_path((len(group), n_max, mask is not None), graph)
             # numpy from here: per-row work on a few logits costs microseconds, not tens
             probs = torch.softmax(logits.double(), -1).cpu().numpy()
