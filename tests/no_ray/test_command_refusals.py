@@ -109,16 +109,6 @@ def test_fashion_mnist_names_the_packaged_file_it_cannot_read(tmp_path, capsys, 
         f"{files / 'train-labels-idx1-ubyte.gz'}: label 11 has no name (names of 0…9)")
 
 
-def test_datasets_refuse_a_file_as_the_out_folder(tmp_path, capsys):
-    f = tmp_path / "taken"
-    f.write_text("x")
-    assert refused(datasets_main, ["austen", "--out", str(f)], capsys) == (
-        f"python -m mita.data.datasets: error: --out {f}: is a file, not a folder")
-    assert refused(datasets_main, ["austen", "--out", str(f / "sub")], capsys) == (
-        f"python -m mita.data.datasets: error: --out {f / 'sub'}: Not a directory")
-    assert f.read_text() == "x"
-
-
 @pytest.mark.parametrize("flag", ["--json", "--predictions"])
 def test_evaluate_refuses_a_folder_as_an_output_before_loading(tmp_path, capsys, monkeypatch,
                                                                 flag):
@@ -161,10 +151,16 @@ def test_sweep_refusals_are_the_sweep_subcommands(tmp_path, capsys, argv, why):
     assert not (tmp_path / "sweep").exists()
 
 
-def test_sweep_refuses_a_file_as_the_out_folder(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["datasets", "sweep"])
+def test_a_file_as_the_out_folder_is_refused(tmp_path, capsys, command):
+    """Both commands make --out with ``argtypes.output_folder`` before their work."""
+    main, argv, prefix = {
+        "datasets": (datasets_main, ["austen"], "python -m mita.data.datasets: error: "),
+        "sweep": (profiler_main, ["sweep"], SWEEP)}[command]
     f = tmp_path / "taken"
     f.write_text("x")
-    assert refused(profiler_main, ["sweep", "--out", str(f)], capsys) == (
-        f"{SWEEP}--out {f}: is a file, not a folder")
-    assert refused(profiler_main, ["sweep", "--out", str(f / "sub")], capsys) == (
-        f"{SWEEP}--out {f / 'sub'}: Not a directory")
+    assert refused(main, [*argv, "--out", str(f)], capsys) == (
+        f"{prefix}--out {f}: is a file, not a folder")
+    assert refused(main, [*argv, "--out", str(f / "sub")], capsys) == (
+        f"{prefix}--out {f / 'sub'}: Not a directory")
+    assert f.read_text() == "x"
