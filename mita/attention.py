@@ -124,6 +124,13 @@ def mita_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: 
                            landmark_grid, shared_scale, hook)
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
+    impl = _grad_impl(backend, q, k, v)
+    if impl is not None:
+        from .joint import mita_attention_grad
+
+        out = mita_attention_grad(q, k, v, num_landmarks, topk, route_topk, key_padding_mask,
+                                  landmark_grid, shared_scale, impl, hook)
+        return out.to(out_dtype)
     ext = _cpu_kernels(backend, q, k, v)
     if ext is not None:
         from .kernels.cpu import mita_cpu
@@ -138,17 +145,40 @@ def mita_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: 
     return out.to(out_dtype)
 
 
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _grad_impl(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Under autograd, the forward ``joint.joint_attention`` runs (its backward is the same
+    for all): ``"torch"`` for backend ``"torch"``; ``"cpu"`` (the compiled kernels' forward)
+    for ``"cpu"``, and for ``"auto"`` on CPU where they build; ``"tiled"`` for ``"auto"`` on
+    CUDA or where the CPU kernels do not build. None without autograd (the inference paths).
+    Raises ValueError for ``"cpu"`` on CUDA tensors or where the kernels do not build."""
+    if not _needs_grad(q, k, v):
+        return None
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        return None  # _use_triton refused it already
+    if q.is_cuda:
+        if backend == "cpu":
+            raise ValueError("backend='cpu' needs CPU tensors")
+        return "tiled"
+    from .kernels.cpu import load
+    if load() is not None:
+        return "cpu"
+    if backend == "cpu":
+        raise ValueError("backend='cpu': the CPU kernels could not be built here (see the log)")
+    return "tiled"
+
+
 def _cpu_kernels(backend: str, q: Tensor, k: Tensor, v: Tensor):
     """The compiled CPU kernels when ``backend`` asks for them (``"cpu"``, or ``"auto"`` on CPU
     without autograd), else None. Raises ValueError when ``"cpu"`` cannot run."""
     if backend == "torch" or q.is_cuda:
         if backend == "cpu":
             raise ValueError("backend='cpu' needs CPU tensors")
-        return None
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad:
-        if backend == "cpu":
-            raise ValueError("backend='cpu' has no backward; use backend='torch' for training")
         return None
     from .kernels.cpu import load
     ext = load()

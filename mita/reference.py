@@ -1,4 +1,6 @@
-"""A float64 per-query loop reference for MiTA, written from eqs. 5-12 of arXiv:2602.01219.
+"""Float64 per-query loop references for MiTA, written from eqs. 5-12 of arXiv:2602.01219: the
+output (``reference_mita``, numpy) and, through autograd, the gradients
+(``reference_mita_autograd``, torch).
 
 Deliberately naive and independent of ``mita.stages``: Python lists and numpy vectors, one
 query at a time, explicit sorting with (-score, index) keys for the lowest-index tie rule.
@@ -95,3 +97,54 @@ def reference_dense(q, k, v, key_padding_mask=None) -> np.ndarray:
                 w = _softmax(np.array([q[b, h, n] @ k[b, h, j] for j in valid]) / math.sqrt(d))
                 out[b, h, n] = w @ v[b, h, valid]
     return out
+
+
+def reference_mita_autograd(q, k, v, m, topk, s=1, key_padding_mask=None, landmark_grid=None,
+                            shared_scale="paper"):
+    """``reference_mita`` in float64 torch operations, one query at a time, so that autograd
+    gives the gradients eqs. 5-12 define: through the pooled landmarks (eq. 5), the shared
+    compression's softmax over all valid keys (eq. 8), the shared logits q·q̃ and the routed
+    logits; top-k and the route (eqs. 7, 9) are chosen on the values (``.item()``), so they
+    carry no gradient. The float64 gradient reference of ``tests``; tiny shapes only (a Python
+    loop per query and key).
+
+    q, k: (B, H, N, d), v: (B, H, N, dv) float64 tensors (requiring grad as the caller wants);
+    mask (B, N) bool, True = padding. Returns (B, H, N, dv) float64, zero at padded queries.
+    """
+    import torch
+
+    B, H, N, d = q.shape
+    c_shared = 1 / math.sqrt(d) if shared_scale == "paper" else 1 / d
+    rows = []
+    for b in range(B):
+        mask = None if key_padding_mask is None else key_padding_mask[b].tolist()
+        valid = [j for j in range(N) if mask is None or not mask[j]]
+        members = (_segments_1d(valid, m) if landmark_grid is None
+                   else _windows_2d(set(valid), landmark_grid, m))
+        filled = [i for i in range(m) if members[i]]
+        heads = []
+        for h in range(H):
+            qb, kb, vb = q[b, h], k[b, h], v[b, h]
+            landmark = {i: qb[members[i]].mean(0) for i in filled}
+            expert, shared_value = {}, {}
+            for i in filled:
+                score = (kb[valid] @ landmark[i]) / math.sqrt(d)
+                values = score.tolist()
+                order = sorted(range(len(valid)), key=lambda t, sc=values: (-sc[t], t))
+                expert[i] = [valid[t] for t in order[:topk]]
+                shared_value[i] = torch.softmax(score, 0) @ vb[valid]
+            out = [vb.new_zeros(v.shape[-1]) for _ in range(N)]
+            for n in valid:
+                affinity = torch.stack([qb[n] @ landmark[i] for i in filled])
+                af = affinity.tolist()
+                chosen = sorted(range(len(filled)), key=lambda t: (-af[t], t))[:s]
+                logits = [affinity * c_shared]
+                values = [torch.stack([shared_value[i] for i in filled])]
+                for t in chosen:
+                    keys = expert[filled[t]]
+                    logits.append((kb[keys] @ qb[n]) / math.sqrt(d))
+                    values.append(vb[keys])
+                out[n] = torch.softmax(torch.cat(logits), 0) @ torch.cat(values)
+            heads.append(torch.stack(out))
+        rows.append(torch.stack(heads))
+    return torch.stack(rows)

@@ -242,7 +242,7 @@ def _unsort(sorted_rows: Tensor, order: Tensor) -> Tensor:
 def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_values: Tensor,
               experts: Tensor, expert_keys: Tensor, expert_values: Tensor,
               expert_key_valid: Tensor, shared_scale: str = "paper",
-              key_padding_mask: Tensor | None = None) -> Tensor:
+              key_padding_mask: Tensor | None = None, lse: Tensor | None = None) -> Tensor:
     """Stage ``attention`` (eqs. 11-12): one joint softmax over m shared + s·k routed entries.
 
     For query q with experts e_1..e_s: K* = [q̃_1..q̃_m, K^(e_1), …, K^(e_s)],
@@ -265,7 +265,10 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
 
     Args: ``q`` ``(B, H, N, d)``; ``landmarks`` ``(B, H, m, d)`` and ``landmark_valid``
     ``(B, m)`` from ``pool``; ``shared_values`` ``(B, H, m, dv)``; ``experts``
-    ``(B, H, N, s)`` from ``route``; the three outputs of ``gather``.
+    ``(B, H, N, s)`` from ``route``; the three outputs of ``gather``; optional ``lse``
+    ``(B, H, N)`` in q's dtype, filled with each valid query's log-sum-exp of its m + s·k
+    joint logits (what ``mita.joint``'s backward recomputes the probabilities from; padded
+    queries' entries are left as they are). Asking for it does not change the output's bits.
     Returns: ``(B, H, N, dv)``.
     """
     B, H, N, d = q.shape
@@ -286,16 +289,17 @@ def attention(q: Tensor, landmarks: Tensor, landmark_valid: Tensor, shared_value
             order = torch.argsort(flat, stable=True)
             counts = torch.bincount(flat, minlength=m + 1).tolist()
             rows = torch.div(order, s, rounding_mode="floor")
+            lse_bh = None if lse is None else lse[b, h]
             if s == 1:
                 _joint_blocks(qh, rows, counts, row_valid, all_valid,
                               landmarks[b, h] * c_shared, shared_values[b, h],
                               expert_keys[b, h] * scale, expert_values[b, h],
-                              expert_key_valid[b, h], out[b, h])
+                              expert_key_valid[b, h], out[b, h], lse_bh)
             else:
                 out[b, h] = _merged_blocks(qh, s, rows, order, counts, row_valid, all_valid,
                                            landmarks[b, h] * c_shared, shared_values[b, h],
                                            expert_keys[b, h] * scale, expert_values[b, h],
-                                           expert_key_valid[b, h])
+                                           expert_key_valid[b, h], lse_bh)
     return out
 
 
@@ -309,7 +313,7 @@ def _expert_segments(counts: list[int]):
 
 
 def _joint_blocks(qh, rows, counts, landmark_valid, all_valid, shared_keys, shared_values,
-                  expert_keys, expert_values, expert_key_valid, out) -> None:
+                  expert_keys, expert_values, expert_key_valid, out, lse=None) -> None:
     """s = 1: each expert's queries attend to [m shared ; k routed] in one block — a single
     matrix product, softmax and weighted sum per expert, written straight into ``out`` at the
     queries' rows (padded queries' rows are left as they are: zero). ``expert_keys`` are
@@ -329,10 +333,13 @@ def _joint_blocks(qh, rows, counts, landmark_valid, all_valid, shared_keys, shar
         if not ok_rows[e]:
             logits = logits.masked_fill(~ok[e], float("-inf"))
         out.index_copy_(0, idx, torch.softmax(logits, -1) @ values[e])
+        if lse is not None:
+            lse.index_copy_(0, idx, torch.logsumexp(logits, -1))
 
 
 def _merged_blocks(qh, s, rows, order, counts, landmark_valid, all_valid, shared_keys,
-                   shared_values, expert_keys, expert_values, expert_key_valid) -> Tensor:
+                   shared_values, expert_keys, expert_values, expert_key_valid,
+                   lse=None) -> Tensor:
     """s > 1: a shared block per query chunk and a routed block per expert, each reduced to
     (max, sum of exp, weighted values), merged by log-sum-exp per query across the shared
     block and its s routed blocks. ``expert_keys`` are pre-scaled."""
@@ -371,8 +378,10 @@ def _merged_blocks(qh, s, rows, order, counts, landmark_valid, all_valid, shared
     top = torch.maximum(sh_max, rt_max.amax(1))
     w_sh = torch.exp(sh_max - top)
     w_rt = torch.exp(rt_max - top[:, None])  # 0 for masked experts
-    return ((w_sh * sh_out + (w_rt * rt_out).sum(1))
-            / (w_sh * sh_sum + (w_rt * rt_sum).sum(1)))
+    total = w_sh * sh_sum + (w_rt * rt_sum).sum(1)
+    if lse is not None:  # padded queries' rows too: the caller masks them
+        lse.copy_((top + total.log()).squeeze(-1))
+    return (w_sh * sh_out + (w_rt * rt_out).sum(1)) / total
 
 
 def gather_and_attend(q, k, v, landmarks, landmark_valid, shared_values, expert_index, experts,

@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -65,6 +66,13 @@ void mm_nn(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
   blas_gemm('N', 'N', N, M, K, B, ldb, A, lda, beta, C, ldc);
 }
 
+// Row-major C (M×N) = Aᵀ · B with A (K×M), B (K×N) (+ beta·C).
+template <typename T>
+void mm_tn(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+           T beta, T* C, int64_t ldc) {
+  blas_gemm('N', 'T', N, M, K, B, ldb, A, lda, beta, C, ldc);
+}
+
 template <typename T>
 T row_max(const T* x, int64_t n) {
   using V = at::vec::Vectorized<T>;
@@ -110,6 +118,24 @@ double exp_sub_sum<double>(double* x, int64_t n, double mx) {
     sum += x[i];
   }
   return sum;
+}
+
+// x ← exp(x − shift) in place (the probabilities of a row from its log-sum-exp).
+template <typename T>
+void exp_sub(T* x, int64_t n, T shift);
+
+template <>
+void exp_sub<float>(float* x, int64_t n, float shift) {
+  using V = at::vec::Vectorized<float>;
+  const V vs(shift);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) (V::loadu(x + i) - vs).exp_u20().store(x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+
+template <>
+void exp_sub<double>(double* x, int64_t n, double shift) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
 
 // Top-k of a stream of (value, index) with indices arriving in ascending order, ties broken by
@@ -351,7 +377,8 @@ template <typename T>
 void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& expert_index, const at::Tensor& landmark_valid,
                  const at::Tensor& token_valid, const at::Tensor& experts, double scale_,
-                 at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum) {
+                 at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum,
+                 const at::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
   const int64_t m = expert_index.size(2), topk = expert_index.size(3), dv = v.size(3);
   const T scale = static_cast<T>(scale_);
@@ -381,6 +408,7 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   T* ACC = acc.data_ptr<T>();
   const T* MX = mx.data_ptr<T>();
   const T* SUM = sum.data_ptr<T>();
+  T* LSE = lse.defined() ? lse.data_ptr<T>() : nullptr;
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t n_tiles = static_cast<int64_t>(tiles.size());
   // Tiles differ in size (an expert's last tile is partial): hand them out dynamically.
@@ -434,7 +462,9 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const T top = std::max(MX[row], rmx[i]);
         const T ws = std::exp(MX[row] - top);
         const T wr = rmx[i] == neg_inf ? T(0) : std::exp(rmx[i] - top);
-        const T inv = T(1) / (ws * SUM[row] + wr * rsum[i]);
+        const T total = ws * SUM[row] + wr * rsum[i];
+        const T inv = T(1) / total;
+        if (LSE) LSE[row] = top + std::log(total);  // the joint softmax's log-sum-exp
         T* o = ACC + row * dv;
         const T* r = obuf.data() + i * dv;
         for (int64_t j = 0; j < dv; ++j) o[j] = (ws * o[j] + wr * r[j]) * inv;
@@ -450,11 +480,14 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // q, k: (B, H, N, d); v: (B, H, N, dv); expert_index: (B, H, m, k) int64 from landmark_pass;
 // landmark_valid: (B, m) bool; token_valid: (B, N) bool or None (keys and queries); experts:
 // (B, H, N) int64; scale: routed logit scale (1/√d); acc, mx, sum: route_shared's outputs — acc
-// (B, H, N, dv) is overwritten with the attention output (zero at padded queries).
+// (B, H, N, dv) is overwritten with the attention output (zero at padded queries); lse:
+// optional contiguous (B, H, N) in q's dtype, written at every valid query with the log-sum-exp
+// of its m + k joint logits (mita/joint.py's backward recomputes the probabilities from it).
 void routed_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor expert_index,
                       at::Tensor landmark_valid, c10::optional<at::Tensor> token_valid,
                       at::Tensor experts,
-                      double scale, at::Tensor acc, at::Tensor mx, at::Tensor sum) {
+                      double scale, at::Tensor acc, at::Tensor mx, at::Tensor sum,
+                      c10::optional<at::Tensor> lse) {
   TORCH_CHECK(acc.is_contiguous() && mx.is_contiguous() && sum.is_contiguous(),
               "route_shared outputs must be contiguous");
   q = q.contiguous();
@@ -465,10 +498,244 @@ void routed_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor exper
   experts = experts.contiguous();
   at::Tensor valid;
   if (token_valid.has_value()) valid = token_valid->contiguous();
+  at::Tensor lse_out;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->is_contiguous() && lse->scalar_type() == q.scalar_type(),
+                "lse must be contiguous and in q's dtype");
+    lse_out = *lse;
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routed_attention", [&] {
     routed_impl<scalar_t>(q, k, v, expert_index, landmark_valid, valid, experts, scale, acc, mx,
-                          sum);
+                          sum, lse_out);
   });
+}
+
+// Each head's valid queries sorted by expert (counting sort, query order within an expert), cut
+// into tiles of at most kAttentionTile queries of one expert. order: (B·H·N) query indices,
+// head by head; tiles in (head, expert) order.
+void expert_sorted_tiles(const int64_t* E, const bool* qv, int64_t B, int64_t H, int64_t N,
+                         int64_t m, std::vector<int64_t>& order, std::vector<Tile>& tiles) {
+  order.assign(B * H * N, 0);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H;
+    std::vector<int64_t> start(m + 1, 0);
+    for (int64_t n = 0; n < N; ++n)
+      if (!qv || qv[b * N + n]) ++start[E[bh * N + n] + 1];
+    for (int64_t e = 0; e < m; ++e) {
+      for (int64_t t = 0; t < start[e + 1]; t += kAttentionTile)
+        tiles.push_back({bh, e, start[e] + t, std::min(kAttentionTile, start[e + 1] - t)});
+      start[e + 1] += start[e];
+    }
+    for (int64_t n = 0; n < N; ++n)
+      if (!qv || qv[b * N + n]) order[bh * N + start[E[bh * N + n]]++] = n;
+  }
+}
+
+// Work items of the backward: a head's tiles cut into `groups` contiguous runs of about equal
+// query counts. Each item sums into buffers of its own, added in item order afterwards, so the
+// result depends on the shapes only — not on the thread count or the schedule.
+int64_t backward_groups(int64_t heads) {
+  return std::max<int64_t>(1, std::min<int64_t>(8, (16 + heads - 1) / heads));
+}
+
+template <typename T>
+void joint_backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& lm, const at::Tensor& landmark_valid,
+                         const at::Tensor& sv, const at::Tensor& expert_index,
+                         const at::Tensor& experts, const at::Tensor& token_valid,
+                         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad,
+                         double c_shared, double scale_, at::Tensor& dq, at::Tensor& dlm,
+                         at::Tensor& dsv, at::Tensor& dk, at::Tensor& dv) {
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t m = expert_index.size(2), topk = expert_index.size(3), dvd = v.size(3);
+  const int64_t W = m + topk;  // joint entries per query: m shared + k routed (s = 1)
+  const T c = static_cast<T>(c_shared), scale = static_cast<T>(scale_);
+  const bool* qv = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
+  std::vector<int64_t> order;
+  std::vector<Tile> tiles;
+  expert_sorted_tiles(experts.data_ptr<int64_t>(), qv, B, H, N, m, order, tiles);
+  // Items: (head, group) → a run of that head's tiles.
+  const int64_t G = backward_groups(B * H);
+  std::vector<int64_t> head_first(B * H + 1, 0);
+  for (const Tile& t : tiles) ++head_first[t.bh + 1];
+  for (int64_t bh = 0; bh < B * H; ++bh) head_first[bh + 1] += head_first[bh];
+  std::vector<int64_t> item_first(B * H * G + 1, 0);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    int64_t queries = 0;
+    for (int64_t t = head_first[bh]; t < head_first[bh + 1]; ++t) queries += tiles[t].len;
+    int64_t t = head_first[bh], seen = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      item_first[bh * G + g] = t;
+      const int64_t goal = queries * (g + 1) / G;  // end the run near this query count
+      while (t < head_first[bh + 1] && (g == G - 1 || seen + tiles[t].len <= goal))
+        seen += tiles[t++].len;
+    }
+  }
+  item_first[B * H * G] = static_cast<int64_t>(tiles.size());
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* Vp = v.data_ptr<T>();
+  const T* L = lm.data_ptr<T>();
+  const T* SV = sv.data_ptr<T>();
+  const int64_t* I = expert_index.data_ptr<int64_t>();
+  const bool* lm_valid = landmark_valid.data_ptr<bool>();
+  const T* O = out.data_ptr<T>();
+  const T* LSE = lse.data_ptr<T>();
+  const T* GO = grad.data_ptr<T>();
+  T* DQ = dq.data_ptr<T>();
+  // Per-item sums: with one group per head they are the outputs themselves.
+  std::vector<T> part_k, part_v, part_lm, part_sv;
+  if (G > 1) {
+    part_k.assign(B * H * G * N * d, T(0));
+    part_v.assign(B * H * G * N * dvd, T(0));
+    part_lm.assign(B * H * G * m * d, T(0));
+    part_sv.assign(B * H * G * m * dvd, T(0));
+  }
+  T* DK = dk.data_ptr<T>();
+  T* DV = dv.data_ptr<T>();
+  T* DLM = dlm.data_ptr<T>();
+  T* DSV = dsv.data_ptr<T>();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<T> kcat(W * d), vcat(W * dvd), qbuf(kAttentionTile * d),
+        gbuf(kAttentionTile * dvd), P(kAttentionTile * W), dP(kAttentionTile * W),
+        dqb(kAttentionTile * d), gk(W * d), gv(W * dvd), delta(kAttentionTile);
+    std::vector<char> ok(W);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * H * G; ++item) {
+      const int64_t bh = item / G, b = bh / H;
+      T* dk_i = G > 1 ? part_k.data() + item * N * d : DK + bh * N * d;
+      T* dv_i = G > 1 ? part_v.data() + item * N * dvd : DV + bh * N * dvd;
+      T* dlm_i = G > 1 ? part_lm.data() + item * m * d : DLM + bh * m * d;
+      T* dsv_i = G > 1 ? part_sv.data() + item * m * dvd : DSV + bh * m * dvd;
+      if (item_first[item] < item_first[item + 1]) {  // the head's shared keys and values
+        for (int64_t e = 0; e < m; ++e) {
+          for (int64_t j = 0; j < d; ++j) kcat[e * d + j] = L[(bh * m + e) * d + j] * c;
+          std::copy(SV + (bh * m + e) * dvd, SV + (bh * m + e + 1) * dvd, vcat.data() + e * dvd);
+          ok[e] = lm_valid[b * m + e];
+        }
+      }
+      int64_t loaded = -1;
+      bool masked = false;
+      for (int64_t t = item_first[item]; t < item_first[item + 1]; ++t) {
+        const Tile& tile = tiles[t];
+        const int64_t e = tile.expert, n = tile.len;
+        const int64_t* rows = order.data() + bh * N + tile.start;
+        const int64_t* idx = I + (bh * m + e) * topk;
+        if (loaded != e) {  // expert e's k raw pairs behind the m shared entries
+          masked = false;
+          for (int64_t j = 0; j < topk; ++j) {
+            for (int64_t x = 0; x < d; ++x) kcat[(m + j) * d + x] = K[(bh * N + idx[j]) * d + x] * scale;
+            std::copy(Vp + (bh * N + idx[j]) * dvd, Vp + (bh * N + idx[j] + 1) * dvd,
+                      vcat.data() + (m + j) * dvd);
+            ok[m + j] = lm_valid[b * m + e] && (!qv || qv[b * N + idx[j]]);
+          }
+          for (int64_t j = 0; j < W; ++j) masked |= !ok[j];
+          loaded = e;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t row = bh * N + rows[i];
+          std::copy(Q + row * d, Q + (row + 1) * d, qbuf.data() + i * d);
+          std::copy(GO + row * dvd, GO + (row + 1) * dvd, gbuf.data() + i * dvd);
+          T acc = 0;  // D = dO·O
+          for (int64_t j = 0; j < dvd; ++j) acc += GO[row * dvd + j] * O[row * dvd + j];
+          delta[i] = acc;
+        }
+        // P = exp(ℓ − lse) over [shared ; routed] (eqs. 11-12), recomputed.
+        mm_nt<T>(n, W, d, qbuf.data(), d, kcat.data(), d, T(0), P.data(), W);
+        for (int64_t i = 0; i < n; ++i) {
+          T* p = P.data() + i * W;
+          exp_sub(p, W, LSE[bh * N + rows[i]]);
+          if (masked)
+            for (int64_t j = 0; j < W; ++j)
+              if (!ok[j]) p[j] = T(0);
+        }
+        // dℓ = P ∘ (dO·V*ᵀ − D).
+        mm_nt<T>(n, W, dvd, gbuf.data(), dvd, vcat.data(), dvd, T(0), dP.data(), W);
+        for (int64_t i = 0; i < n; ++i) {
+          T* g = dP.data() + i * W;
+          const T* p = P.data() + i * W;
+          for (int64_t j = 0; j < W; ++j) g[j] = p[j] * (g[j] - delta[i]);
+        }
+        // dq = dℓ·K* (both scales folded into K*); each valid query is in one tile (s = 1).
+        mm_nn<T>(n, d, W, dP.data(), W, kcat.data(), d, T(0), dqb.data(), d);
+        for (int64_t i = 0; i < n; ++i)
+          std::copy(dqb.data() + i * d, dqb.data() + (i + 1) * d, DQ + (bh * N + rows[i]) * d);
+        // dK* = dℓᵀ·q, dV* = Pᵀ·dO: shared rows to the landmarks / shared values, routed rows
+        // to the expert's keys / values.
+        mm_tn<T>(W, d, n, dP.data(), W, qbuf.data(), d, T(0), gk.data(), d);
+        mm_tn<T>(W, dvd, n, P.data(), W, gbuf.data(), dvd, T(0), gv.data(), dvd);
+        for (int64_t e2 = 0; e2 < m; ++e2) {
+          for (int64_t x = 0; x < d; ++x) dlm_i[e2 * d + x] += gk[e2 * d + x] * c;
+          for (int64_t x = 0; x < dvd; ++x) dsv_i[e2 * dvd + x] += gv[e2 * dvd + x];
+        }
+        for (int64_t j = 0; j < topk; ++j) {
+          T* dst = dk_i + idx[j] * d;
+          const T* src = gk.data() + (m + j) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] += src[x] * scale;
+          T* dstv = dv_i + idx[j] * dvd;
+          const T* srcv = gv.data() + (m + j) * dvd;
+          for (int64_t x = 0; x < dvd; ++x) dstv[x] += srcv[x];
+        }
+      }
+    }
+  }
+  if (G > 1) {  // the items' sums, in item order (fixed: the same bits on every run)
+    auto reduce = [&](const std::vector<T>& part, T* dst, int64_t per_head) {
+      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+          T* o = dst + bh * per_head;
+          for (int64_t g = 0; g < G; ++g) {
+            const T* src = part.data() + (bh * G + g) * per_head;
+            for (int64_t x = 0; x < per_head; ++x) o[x] += src[x];
+          }
+        }
+      });
+    };
+    reduce(part_k, DK, N * d);
+    reduce(part_v, DV, N * dvd);
+    reduce(part_lm, DLM, m * d);
+    reduce(part_sv, DSV, m * dvd);
+  }
+}
+
+// The backward of stages route + gather + attention for s = 1 (eqs. 11-12), expert-grouped
+// as the forward: per tile of one expert's queries, P = exp(ℓ − lse) is recomputed over the
+// m shared + k routed entries and dℓ = P ∘ (dO·V*ᵀ − D), D = dO·O.
+// q, k: (B, H, N, d); v: (B, H, N, dv); landmarks: (B, H, m, d) unscaled; landmark_valid:
+// (B, m) bool; shared_values: (B, H, m, dv); expert_index: (B, H, m, k) int64; experts:
+// (B, H, N) int64; token_valid: (B, N) bool or None; out: the forward's output; lse: (B, H, N);
+// grad: dO (B, H, N, dv); c_shared, scale: the shared and routed logit scales. Returns dq, and
+// the gradients of the landmarks, shared values, k and v (zero at padded queries' dq).
+std::vector<at::Tensor> joint_backward(at::Tensor q, at::Tensor k, at::Tensor v,
+                                       at::Tensor landmarks, at::Tensor landmark_valid,
+                                       at::Tensor shared_values, at::Tensor expert_index,
+                                       at::Tensor experts, c10::optional<at::Tensor> token_valid,
+                                       at::Tensor out, at::Tensor lse, at::Tensor grad,
+                                       double c_shared, double scale) {
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  landmarks = landmarks.contiguous();
+  landmark_valid = landmark_valid.contiguous();
+  shared_values = shared_values.contiguous();
+  expert_index = expert_index.contiguous();
+  experts = experts.contiguous();
+  out = out.contiguous();
+  lse = lse.contiguous();
+  grad = grad.contiguous();
+  TORCH_CHECK(experts.dim() == 3, "joint_backward handles s = 1: experts (B, H, N)");
+  at::Tensor valid;
+  if (token_valid.has_value()) valid = token_valid->contiguous();
+  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  auto dlm = at::zeros_like(landmarks), dsv = at::zeros_like(shared_values);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "joint_backward", [&] {
+    joint_backward_impl<scalar_t>(q, k, v, landmarks, landmark_valid, shared_values,
+                                  expert_index, experts, valid, out, lse, grad, c_shared, scale,
+                                  dq, dlm, dsv, dk, dv);
+  });
+  return {dq, dlm, dsv, dk, dv};
 }
 
 }  // namespace
@@ -482,5 +749,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("token_valid"));
   m.def("routed_attention", &routed_attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("expert_index"), py::arg("landmark_valid"), py::arg("token_valid"),
-        py::arg("experts"), py::arg("scale"), py::arg("acc"), py::arg("mx"), py::arg("sum"));
+        py::arg("experts"), py::arg("scale"), py::arg("acc"), py::arg("mx"), py::arg("sum"),
+        py::arg("lse") = py::none());
+  m.def("joint_backward", &joint_backward, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("landmarks"), py::arg("landmark_valid"), py::arg("shared_values"),
+        py::arg("expert_index"), py::arg("experts"), py::arg("token_valid"), py::arg("out"),
+        py::arg("lse"), py::arg("grad"), py::arg("c_shared"), py::arg("scale"));
 }

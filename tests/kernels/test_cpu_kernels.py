@@ -127,17 +127,24 @@ def test_same_bits_for_any_thread_count_and_batch(ext):
     assert torch.equal(both[1:], alone)
 
 
-def test_autograd_uses_the_pytorch_stages(ext):
-    q, keys, v = rand_qkv(1, 1, 30, 4, seed=5)
-    q.requires_grad_(True)
-    with pytest.raises(ValueError, match="no backward"):
-        mita_attention(q, keys, v, num_landmarks=3, topk=4, backend="cpu")
-    out = mita_attention(q, keys, v, num_landmarks=3, topk=4)  # auto: PyTorch stages
-    out.sum().backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
-    with torch.no_grad():
-        fast = mita_attention(q, keys, v, num_landmarks=3, topk=4)
-    torch.testing.assert_close(fast, out.detach(), rtol=0, atol=F64_TOL)
+def test_autograd_runs_the_kernels_forward_and_backward(ext):
+    """With gradients asked for, backend "cpu" (and "auto" on CPU) runs the kernels' forward and
+    their backward (``joint_backward``; ``tests/kernels/test_backward.py`` checks it against the
+    float64 reference): gradients equal the PyTorch stages' to float64 rounding, and the
+    output equals the no-gradient forward."""
+    q, keys, v = rand_qkv(1, 2, 30, 4, seed=5)
+    grads = {}
+    for backend in ("cpu", "auto", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (q, keys, v)]
+        out = mita_attention(*leaves, num_landmarks=3, topk=4, backend=backend)
+        out.square().sum().backward()
+        grads[backend] = [t.grad for t in leaves]
+        with torch.no_grad():
+            fast = mita_attention(q, keys, v, num_landmarks=3, topk=4, backend=backend)
+        torch.testing.assert_close(fast, out.detach(), rtol=0, atol=F64_TOL)
+    for a, b, c in zip(grads["cpu"], grads["auto"], grads["torch"], strict=True):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+        torch.testing.assert_close(a, c, rtol=0, atol=F64_TOL)
 
 
 def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):

@@ -35,6 +35,7 @@ from mita import stages as S
 from mita import topk as T
 from mita.hooks import MITA_STAGES
 from mita.reference import reference_dense, reference_mita
+from mita.joint import GRAD_STAGES
 
 from ..helpers import CPU_KERNEL_STAGES, F64_TOL, rand_qkv, random_mask
 
@@ -329,9 +330,16 @@ def test_modules_share_parameters_and_state_dict():
     mita.load_state_dict(dense.state_dict())
     x = torch.randn(2, 40, 32)
     rec = _Recorder()
-    out = mita(x, hook=rec)
+    mita.backend = "torch"
+    with torch.no_grad():
+        out = mita(x, hook=rec)
     assert out.shape == x.shape
     assert rec.names == ["qkv_proj", *MITA_STAGES, "out_proj"]
+    # Under autograd (the parameters need gradients): route and gather run inside the joint
+    # operator, reported as stage "attention".
+    rec = _Recorder()
+    mita(x, hook=rec)
+    assert rec.names == ["qkv_proj", *GRAD_STAGES, "out_proj"]
     # With m = 1 landmark and k = N, MiTA still is not dense, but m·k covering the sequence
     # keeps the output close; here we only check both run on the same weights.
     assert dense(x).shape == out.shape

@@ -32,6 +32,8 @@ TOOLS_LIBRARIES = {"numpy", "tqdm", "matplotlib", "sklearn"}
 DATA_LIBRARIES = {"numpy", "sentencepiece",
                   "rdata", "sklearn"}  # the last two: python -m mita.data.datasets only
 STAGE_MODULES = {"mita.stages", "mita.topk"}
+# The dispatcher and its autograd half: the only modules of mita/ above the kernels to import them.
+DISPATCHERS = {"mita.attention", "mita.joint"}
 # loadtest is a client of the service over HTTP: data, the stage names, the commands' tools.
 LOADTEST_MAY = {"mita.data", "mita.hooks", "mita.tools"}
 NO_RAY = {"service.engine", "service.graphs"}  # the serving code path a GPU host runs without Ray
@@ -141,24 +143,25 @@ def _project_rule(importer: str, imported: str) -> str | None:
             return None
         return "the stages and top-k helpers import torch, config, hooks only"
     if _within(importer, "mita.kernels"):
-        if imported == "mita.attention":
-            return "mita/kernels/ never imports the dispatcher (mita/attention.py)"
+        if imported in DISPATCHERS:
+            return "mita/kernels/ never imports the dispatchers (mita/attention.py, joint.py)"
         # mita.tools.argtypes: the CLI of the kernel table (python -m mita.kernels.aot_table)
         if imported in GROUND | STAGE_MODULES | {"mita.tools.argtypes"} or _within(
                 imported, "mita.kernels"):
             return None
         return ("mita/kernels/ imports the stages, hooks, config, mita.tools.argtypes and its "
                 "own files only")
-    if importer == "mita.attention":
-        if imported in GROUND | STAGE_MODULES or _within(imported, "mita.kernels"):
+    if importer in DISPATCHERS:
+        if imported in GROUND | STAGE_MODULES | DISPATCHERS or _within(imported, "mita.kernels"):
             return None
-        return "mita/attention.py imports config, hooks, stages and kernels only"
+        return ("mita/attention.py and mita/joint.py import config, hooks, stages and kernels "
+                "only")
     if _within(importer, "mita.training"):
         return None if _within(imported, "mita") else (
             "mita/training/ imports mita/ only (no service/, profiler/, loadtest/)")
     if _within(importer, "mita"):  # the method's top floor and the classifier
         if _within(imported, "mita.kernels") and importer != "mita":
-            return "only mita/attention.py imports mita/kernels/"
+            return "only mita/attention.py and mita/joint.py import mita/kernels/"
         if any(_within(imported, w) for w in ("mita.data", "mita.training")):
             return "the method and its classifier never import mita/data/ or mita/training/"
         if _within(imported, "mita"):
@@ -281,9 +284,9 @@ PLANTS = [
       "standard library only"]),
     # the circle issue 30 found: a launcher importing the dispatcher
     ("mita.kernels.cpu", _lazy("from .. import attention"),
-     ["import circle: mita.attention ↔ mita.kernels.cpu",
-      "mita.kernels.cpu imports mita.attention: mita/kernels/ never imports the dispatcher "
-      "(mita/attention.py)"]),
+     ["import circle: mita.attention ↔ mita.joint ↔ mita.kernels.cpu",
+      "mita.kernels.cpu imports mita.attention: mita/kernels/ never imports the dispatchers "
+      "(mita/attention.py, joint.py)"]),
     # a circle through an annotation-only import (the advisor's, issue 63)
     ("profiler.recommend", "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
      "    from .advise import AdviseConfig\n",
@@ -330,7 +333,7 @@ PLANTS = [
       "mita.tools only"]),
     # the stages reaching up to the model close a circle through every launcher
     ("mita.stages", _lazy("import mita.model"),
-     ["import circle: mita.attention ↔ mita.kernels.choose ↔ mita.kernels.cpu ↔ "
+     ["import circle: mita.attention ↔ mita.joint ↔ mita.kernels.choose ↔ mita.kernels.cpu ↔ "
       "mita.kernels.triton_mita ↔ mita.layers ↔ mita.model ↔ mita.stages",
       "mita.stages imports mita.model: the stages and top-k helpers import torch, config, "
       "hooks only"]),
