@@ -531,9 +531,11 @@ void expert_sorted_tiles(const int64_t* E, const bool* qv, int64_t B, int64_t H,
   }
 }
 
-// Work items of the backward: a head's tiles cut into `groups` contiguous runs of about equal
-// query counts. Each item sums into buffers of its own, added in item order afterwards, so the
-// result depends on the shapes only — not on the thread count or the schedule.
+// Work items of the backward: a head's tiles cut into `groups` runs of whole experts with about
+// equal query counts (more items than heads when there are few heads). An expert's tiles are
+// all in one item, so its key and value gradients are summed in one place and order; with
+// several items per head they go to per-expert buffers, scattered to the keys in expert order
+// afterwards. The result depends on the shapes only, not on the thread count or schedule.
 int64_t backward_groups(int64_t heads) {
   return std::max<int64_t>(1, std::min<int64_t>(8, (16 + heads - 1) / heads));
 }
@@ -567,8 +569,10 @@ void joint_backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     for (int64_t g = 0; g < G; ++g) {
       item_first[bh * G + g] = t;
       const int64_t goal = queries * (g + 1) / G;  // end the run near this query count
-      while (t < head_first[bh + 1] && (g == G - 1 || seen + tiles[t].len <= goal))
-        seen += tiles[t++].len;
+      while (t < head_first[bh + 1] &&
+             (g == G - 1 || seen < goal ||
+              (t > head_first[bh] && tiles[t].expert == tiles[t - 1].expert)))
+        seen += tiles[t++].len;  // never between two tiles of one expert
     }
   }
   item_first[B * H * G] = static_cast<int64_t>(tiles.size());
@@ -584,10 +588,12 @@ void joint_backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const T* GO = grad.data_ptr<T>();
   T* DQ = dq.data_ptr<T>();
   // Per-item sums: with one group per head they are the outputs themselves.
-  std::vector<T> part_k, part_v, part_lm, part_sv;
+  // With several items per head: per-expert key/value gradients (B·H·m·k·(d + dv), freed on
+  // return) and per-item landmark/shared-value gradients.
+  std::vector<T> expert_k, expert_v, part_lm, part_sv;
   if (G > 1) {
-    part_k.assign(B * H * G * N * d, T(0));
-    part_v.assign(B * H * G * N * dvd, T(0));
+    expert_k.assign(B * H * m * topk * d, T(0));
+    expert_v.assign(B * H * m * topk * dvd, T(0));
     part_lm.assign(B * H * G * m * d, T(0));
     part_sv.assign(B * H * G * m * dvd, T(0));
   }
@@ -605,8 +611,6 @@ void joint_backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < B * H * G; ++item) {
       const int64_t bh = item / G, b = bh / H;
-      T* dk_i = G > 1 ? part_k.data() + item * N * d : DK + bh * N * d;
-      T* dv_i = G > 1 ? part_v.data() + item * N * dvd : DV + bh * N * dvd;
       T* dlm_i = G > 1 ? part_lm.data() + item * m * d : DLM + bh * m * d;
       T* dsv_i = G > 1 ? part_sv.data() + item * m * dvd : DSV + bh * m * dvd;
       if (item_first[item] < item_first[item + 1]) {  // the head's shared keys and values
@@ -671,17 +675,30 @@ void joint_backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
           for (int64_t x = 0; x < dvd; ++x) dsv_i[e2 * dvd + x] += gv[e2 * dvd + x];
         }
         for (int64_t j = 0; j < topk; ++j) {
-          T* dst = dk_i + idx[j] * d;
+          T* dst = G > 1 ? expert_k.data() + ((bh * m + e) * topk + j) * d
+                         : DK + (bh * N + idx[j]) * d;
           const T* src = gk.data() + (m + j) * d;
           for (int64_t x = 0; x < d; ++x) dst[x] += src[x] * scale;
-          T* dstv = dv_i + idx[j] * dvd;
+          T* dstv = G > 1 ? expert_v.data() + ((bh * m + e) * topk + j) * dvd
+                          : DV + (bh * N + idx[j]) * dvd;
           const T* srcv = gv.data() + (m + j) * dvd;
           for (int64_t x = 0; x < dvd; ++x) dstv[x] += srcv[x];
         }
       }
     }
   }
-  if (G > 1) {  // the items' sums, in item order (fixed: the same bits on every run)
+  if (G > 1) {  // the items' sums, in a fixed order: the same bits on every run
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh)
+        for (int64_t e = 0; e < m; ++e)
+          for (int64_t j = 0; j < topk; ++j) {
+            const int64_t key = bh * N + I[(bh * m + e) * topk + j];
+            const T* sk = expert_k.data() + ((bh * m + e) * topk + j) * d;
+            const T* svv = expert_v.data() + ((bh * m + e) * topk + j) * dvd;
+            for (int64_t x = 0; x < d; ++x) DK[key * d + x] += sk[x];
+            for (int64_t x = 0; x < dvd; ++x) DV[key * dvd + x] += svv[x];
+          }
+    });
     auto reduce = [&](const std::vector<T>& part, T* dst, int64_t per_head) {
       at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
@@ -693,8 +710,6 @@ void joint_backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         }
       });
     };
-    reduce(part_k, DK, N * d);
-    reduce(part_v, DV, N * dvd);
     reduce(part_lm, DLM, m * d);
     reduce(part_sv, DSV, m * dvd);
   }

@@ -58,6 +58,7 @@ CASES = [
     (2, 1, 36, 8, 4, 7, 1, True, (6, 6), "paper"),
     (2, 2, 30, 8, 4, 30, 1, True, None, "official"),  # k > valid keys: padded picks masked
     (1, 2, 9, 4, 12, 3, 2, True, None, "paper"),  # N < m: empty landmarks
+    (4, 4, 24, 4, 4, 5, 1, True, None, "paper"),  # B·H = 16: one CPU work item per head
 ]
 
 
