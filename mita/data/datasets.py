@@ -51,7 +51,9 @@ MIN_PARAGRAPH = 40  # characters: shorter "paragraphs" are headings ("CHAPTER IV
 def unpack(package: str, out: Path) -> Path:
     """``apt-get download`` the Debian package into ``out/debs`` and unpack it there; returns
     the unpacked root. Raises RuntimeError naming the failing command."""
-    debs = out / "debs"
+    # Absolute: the commands run inside out/debs, where a relative out (the Makefile's
+    # `--out data/fashion-mnist`) no longer names the package file.
+    debs = out.resolve() / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     if not list(debs.glob(f"{package}_*.deb")):
         _run(["apt-get", "download", package], debs)

@@ -147,3 +147,28 @@ def test_generate_long_has_exact_length_and_right_label():
         assert evaluate_tokens(text) == label
     with pytest.raises(ValueError, match="at least 3"):
         generate_long(2, 0)
+
+
+def test_unpack_with_a_relative_out_folder(tmp_path, monkeypatch):
+    """``datasets.unpack`` with a relative ``--out`` (as the Makefile's `make data` passes):
+    dpkg-deb runs inside out/debs, so the package path must not be relative to the caller's
+    folder (it was: `make data` failed with "failed to read archive … No such file")."""
+    from pathlib import Path
+    import subprocess
+
+    from mita.data import datasets
+
+    package = tmp_path / "build" / "mita-test-pkg"
+    (package / "DEBIAN").mkdir(parents=True)
+    (package / "DEBIAN" / "control").write_text(
+        "Package: mita-test-pkg\nVersion: 1\nArchitecture: all\nMaintainer: t <t@t>\n"
+        "Description: test\n")
+    (package / "usr" / "share").mkdir(parents=True)
+    (package / "usr" / "share" / "labels.txt").write_text("a\tb\n")
+    (tmp_path / "rel" / "debs").mkdir(parents=True)
+    subprocess.run(["dpkg-deb", "--build", str(package),
+                    str(tmp_path / "rel" / "debs" / "mita-test-pkg_1_all.deb")],
+                   check=True, capture_output=True)
+    monkeypatch.chdir(tmp_path)
+    root = datasets.unpack("mita-test-pkg", Path("rel"))
+    assert (root / "usr" / "share" / "labels.txt").read_text() == "a\tb\n"
