@@ -60,17 +60,21 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart — the
             reference path), ``"cpu"`` (the compiled, cache-blocked CPU kernels of
             ``mita.kernels.cpu``: ``landmark_scores`` includes ``topk`` and ``shared_compress``; for
-            s = 1 ``route`` includes the shared half of the joint softmax; no backward),
+            s = 1 ``route`` includes the shared half of the joint softmax),
             ``"triton"`` (the Triton kernels, ``kernels.triton_mita.mita_triton``:
             ``landmark_scores`` includes ``topk``, ``route`` the shared half for s = 1,
-            ``attention`` the gather; head dims ≤ 128; no backward), or ``"auto"``: triton
-            for CUDA float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton ≥ 3.5
-            imports (older: the PyTorch stages, one warning) and no gradient is needed; on CPU
-            the compiled kernels when no gradient is needed and they build here (else the
-            PyTorch stages, logged once). The triton path computes in q, k, v's own dtype
-            (16-bit matrix products, fp32 accumulation; landmarks averaged in float32, rounded
-            to the input dtype for the products); the other paths compute 16-bit inputs in
-            float32.
+            ``attention`` the gather; head dims ≤ 128), or ``"auto"``: triton for CUDA
+            float16/bfloat16/float32 inputs with head dims ≤ 128 when Triton ≥ 3.5 imports
+            (older: the PyTorch stages, one warning); on CPU the compiled kernels when they
+            build here (else the PyTorch stages, logged once). The triton path computes in
+            q, k, v's own dtype (16-bit matrix products, fp32 accumulation; landmarks averaged
+            in float32, rounded to the input dtype for the products); the other paths compute
+            16-bit inputs in float32. **With autograd** (q, k or v needing gradients) every
+            backend runs ``mita.joint.mita_attention_grad``: the same forward (stages
+            ``route``, ``gather`` and ``attention`` as one operator, reported as
+            ``attention``; ``shared_compress`` as SDPA) and a real backward — the CPU kernels'
+            (``"cpu"``, ``"auto"`` on CPU), the Triton kernels' (``"triton"``, ``"auto"`` on
+            CUDA), or tiled PyTorch (``"torch"``, and where those cannot run).
         hook: stage hook; each stage runs inside ``hook.stage(name)``.
         check_mask: False when the caller has already run ``stages.check_padding_mask`` on
             this mask (``EncoderClassifier.forward``: once per forward, not once per layer).
@@ -79,9 +83,9 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
     Raises:
         ValueError: shape mismatch, m/k/s < 1, s > m, unknown ``shared_scale``, bad grid,
             a bad mask or an all-padding row, an unknown ``backend``, ``"cpu"`` for CUDA
-            tensors, with autograd or where the kernels do not build, or ``"triton"`` for
-            CPU tensors (unless ``TRITON_INTERPRET=1``), float64, with autograd, or without
-            Triton ≥ 3.5 (``kernels.triton_supported``).
+            tensors or where the kernels do not build, or ``"triton"`` for CPU tensors
+            (unless ``TRITON_INTERPRET=1``), float64, or without Triton ≥ 3.5
+            (``kernels.triton_supported``).
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k (B, H, N, d) and v (B, H, N, dv) with equal B, H, N; "
@@ -117,6 +121,16 @@ def mita_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: 
         S.check_padding_mask(key_padding_mask, B, N)
     out_dtype = q.dtype
     topk = clamp_topk(topk, N)
+    impl = _grad_impl(backend, q, k, v)
+    if impl is not None:
+        from .joint import mita_attention_grad
+
+        if impl not in ("triton", "triton_atomic") and q.dtype in (torch.float16,
+                                                                   torch.bfloat16):
+            q, k, v = q.float(), k.float(), v.float()
+        out = mita_attention_grad(q, k, v, num_landmarks, topk, route_topk, key_padding_mask,
+                                  landmark_grid, shared_scale, impl, hook)
+        return out.to(out_dtype)
     if _use_triton(backend, q, v, k):
         from .kernels.triton_mita import mita_triton
 
@@ -124,13 +138,6 @@ def mita_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: 
                            landmark_grid, shared_scale, hook)
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    impl = _grad_impl(backend, q, k, v)
-    if impl is not None:
-        from .joint import mita_attention_grad
-
-        out = mita_attention_grad(q, k, v, num_landmarks, topk, route_topk, key_padding_mask,
-                                  landmark_grid, shared_scale, impl, hook)
-        return out.to(out_dtype)
     ext = _cpu_kernels(backend, q, k, v)
     if ext is not None:
         from .kernels.cpu import mita_cpu
@@ -149,18 +156,30 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# Under autograd, backend "triton" and "auto" on CUDA run the Triton backward with fp32
+# atomics instead of its deterministic per-key sums when this is True (faster where many
+# experts share keys; not reproducible bit for bit).
+ATOMIC_TRITON_BACKWARD = False
+
+
 def _grad_impl(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str | None:
-    """Under autograd, the forward ``joint.joint_attention`` runs (its backward is the same
-    for all): ``"torch"`` for backend ``"torch"``; ``"cpu"`` (the compiled kernels' forward)
-    for ``"cpu"``, and for ``"auto"`` on CPU where they build; ``"tiled"`` for ``"auto"`` on
-    CUDA or where the CPU kernels do not build. None without autograd (the inference paths).
-    Raises ValueError for ``"cpu"`` on CUDA tensors or where the kernels do not build."""
+    """Under autograd, which implementation of ``joint.joint_attention`` runs: ``"torch"`` for
+    backend ``"torch"``; ``"cpu"`` (the compiled kernels' forward and backward) for ``"cpu"``
+    and for ``"auto"`` on CPU where they build (else ``"tiled"``); ``"triton"`` (or
+    ``"triton_atomic"``, ``ATOMIC_TRITON_BACKWARD``) for ``"triton"`` and for ``"auto"`` where
+    the Triton kernels would run the forward, else ``"tiled"`` on CUDA. None without autograd
+    (the inference paths). Raises ValueError for ``"cpu"`` on CUDA tensors or where the kernels
+    do not build, and for ``"triton"`` where the Triton kernels cannot run."""
     if not _needs_grad(q, k, v):
         return None
     if backend == "torch":
         return "torch"
-    if backend == "triton":
-        return None  # _use_triton refused it already
+    triton_impl = "triton_atomic" if ATOMIC_TRITON_BACKWARD else "triton"
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        with torch.no_grad():  # whether the forward kernels take these inputs
+            runs = _use_triton(backend, q, v, k)
+        if runs:
+            return triton_impl
     if q.is_cuda:
         if backend == "cpu":
             raise ValueError("backend='cpu' needs CPU tensors")
@@ -188,22 +207,18 @@ def _cpu_kernels(backend: str, q: Tensor, k: Tensor, v: Tensor):
 
 
 def _use_triton(backend: str, q: Tensor, v: Tensor, k: Tensor | None = None) -> bool:
-    """Whether ``mita_attention`` runs the Triton kernels. They have no backward: with autograd
-    on, ``"auto"`` takes the PyTorch stages (training on a GPU) and ``"triton"`` is refused.
+    """Whether ``mita_attention``'s inference path runs the Triton kernels (under autograd
+    ``_grad_impl`` asks it, with gradients off, whether the forward kernels take the inputs).
     Without a Triton the kernels can run on (``kernels.triton_supported``: not installed, or
     older than ``kernels.TRITON_FLOOR``) ``"auto"`` takes the PyTorch stages and logs one
     warning per process; ``"triton"`` raises ValueError naming the installed version and the
     floor."""
     if backend in ("torch", "cpu"):
         return False
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v))
+    needs_grad = _needs_grad(q, k, v)
     from .kernels import MAX_GRID_Y, MAX_HEAD_DIM, triton_supported  # no kernel import
 
     if backend == "triton":
-        if needs_grad:
-            raise ValueError("backend='triton' has no backward; use backend='torch' (or "
-                             "'auto') for training")
         reason = triton_supported()
         if reason is not None:
             raise ValueError(f"backend='triton': {reason}")

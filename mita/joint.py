@@ -47,6 +47,10 @@ TILE = 64  # (query, expert) pairs per tile: one expert's keys serve TILE querie
 # The stages ``mita_attention_grad`` reports (``hooks.MITA_STAGES`` less route and gather,
 # which run inside ``joint_attention``, reported as ``attention``).
 GRAD_STAGES = ("pool", "landmark_scores", "topk", "shared_compress", "attention")
+# The Triton implementations: forward on the fused kernels, backward on
+# kernels/triton_backward.py — "triton" deterministic (per-expert rows summed per key in a fixed
+# order), "triton_atomic" with fp32 atomics (not reproducible bit for bit).
+TRITON_IMPLS = ("triton", "triton_atomic")
 
 
 def expert_tiles(experts: Tensor, query_valid: Tensor | None, num_landmarks: int,
@@ -198,6 +202,9 @@ def joint_attention(q: Tensor, landmarks: Tensor, shared_values: Tensor, k: Tens
     B, H, N, d = q.shape
     c = S.shared_logit_scale(d, shared_scale)
     mask = None if query_valid is None else ~query_valid
+    if impl in TRITON_IMPLS:
+        return _triton_forward(q, landmarks, shared_values, k, v, expert_index, landmark_valid,
+                               mask, route_topk, c)
     if impl == "cpu" and route_topk == 1:
         from .kernels.cpu import load
 
@@ -226,11 +233,33 @@ def joint_attention(q: Tensor, landmarks: Tensor, shared_values: Tensor, k: Tens
     return out, lse, experts
 
 
+def _triton_forward(q, landmarks, shared_values, k, v, expert_index, landmark_valid, mask,
+                    route_topk, c):
+    """``joint_attention``'s forward on the Triton kernels (``triton_mita``'s route and fused
+    attention, which also write ``lse``), q, k, v in their own dtype."""
+    from .kernels import routing, triton_fused
+
+    B, H, N, _ = q.shape
+    lse = torch.full((B, H, N), float("inf"), dtype=torch.float32, device=q.device)
+    if route_topk == 1:
+        experts, *partial = routing.route_shared(q, landmarks.to(q.dtype), shared_values,
+                                                 landmark_valid, c)
+        out = triton_fused.fused_attention(q, k, v, None, shared_values, landmark_valid,
+                                           expert_index, experts, mask, shared_partial=partial,
+                                           lse=lse)
+    else:
+        experts = S.route(q, landmarks, route_topk, landmark_valid)
+        out = triton_fused.fused_attention(q, k, v, landmarks * c, shared_values,
+                                           landmark_valid, expert_index, experts, mask, lse=lse)
+    return out, lse, experts
+
+
 @joint_attention.register_fake
 def _(q, landmarks, shared_values, k, v, expert_index, landmark_valid, query_valid,
       route_topk, shared_scale, impl):
     B, H, N, _ = q.shape
-    return (q.new_empty(B, H, N, v.shape[-1]), q.new_empty(B, H, N),
+    return (q.new_empty(B, H, N, v.shape[-1]),
+            q.new_empty(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32)),
             q.new_empty(B, H, N, route_topk, dtype=torch.long))
 
 
@@ -257,6 +286,12 @@ def joint_attention_backward(grad_out: Tensor, q: Tensor, landmarks: Tensor,
     ``(B, H, N, s)``) and ``grad_out`` ``(B, H, N, dv)``. Returns dq, d(landmarks),
     d(shared_values), dk, dv, in the shapes of those inputs."""
     c = S.shared_logit_scale(q.shape[-1], shared_scale)
+    if impl in TRITON_IMPLS:
+        from .kernels.triton_backward import joint_backward_triton
+
+        return joint_backward_triton(grad_out, q, landmarks, shared_values, k, v, out, lse,
+                                     expert_index, experts, landmark_valid, query_valid, c,
+                                     deterministic=impl == "triton")
     if impl == "cpu" and experts.shape[-1] == 1 and not q.is_cuda:
         from .kernels.cpu import load
 
@@ -306,7 +341,11 @@ def mita_attention_grad(q: Tensor, k: Tensor, v: Tensor, num_landmarks: int, top
         landmarks, landmark_valid = S.pool(q, num_landmarks, key_padding_mask, landmark_grid)
     with torch.no_grad():
         with hook.stage("landmark_scores"):
-            scores = S.landmark_scores(landmarks, k, key_padding_mask)
+            # 16-bit k (the Triton path): the landmarks rounded to k's dtype, as the kernels
+            # take them, and the products summed in float32.
+            wide = torch.promote_types(k.dtype, torch.float32)
+            scores = S.landmark_scores(landmarks.to(k.dtype).to(wide), k.to(wide),
+                                       key_padding_mask)
         with hook.stage("topk"):
             expert_index = S.topk_tokens(scores, topk)
             del scores

@@ -68,6 +68,7 @@ KERNEL_MODULES = (("mita.kernels.triton_common", "dot"),
                   ("mita.kernels.bisect", "_bisect_topk_kernel"),
                   ("mita.kernels.tile_table", "_tile_count_kernel"),
                   ("mita.kernels.triton_fused", "_mita_fused_kernel"),
+                  ("mita.kernels.triton_backward", "_shared_dq_kernel"),
                   ("mita.kernels.routing", "_landmark_topk_kernel"),
                   ("mita.kernels.topk", "_select_kernel"),
                   ("mita.kernels.pooling", "_pool_kernel"))

@@ -46,7 +46,10 @@ SM_BLOCKS = 32
 
 
 KERNELS = ("attention", "landmark_topk", "route_shared", "pool", "tile_count", "tile_scan",
-           "tile_scatter", "groupmax", "theta", "filter", "select", "bisect")
+           "tile_scatter", "groupmax", "theta", "filter", "select", "bisect", "shared_dq",
+           "shared_dkv", "routed_dq", "routed_dkv", "key_sum")
+# the backward's launches (triton_backward.backward_plan) by case name
+BACKWARD_LAUNCH = ("shared_dq", "shared_dkv", "routed_dq", "routed_dkv", "key_sum")
 TILE_LAUNCH = {"tile_count": 0, "tile_scan": 1, "tile_scatter": 2}  # tile_table_plan's order
 # threshold_topk's launches by case name
 SELECT_LAUNCH = {"groupmax": 0, "theta": 1, "filter": 2, "select": 3, "bisect": 4}
@@ -70,8 +73,16 @@ class Case:
     s: int = 1
     masked: bool = False
     topk: int = 0
+    atomic: bool = False  # the backward's routed kernels: fp32 atomics, not per-key sums
 
     def __str__(self):
+        if self.kernel in ("routed_dq", "routed_dkv"):
+            return (f"{self.kernel}-{self.dtype}-s{self.s}-"
+                    f"{'atomic' if self.atomic else 'ordered'}-d{self.d}")
+        if self.kernel == "key_sum":
+            return f"key_sum-d{self.d}"
+        if self.kernel in BACKWARD_LAUNCH:
+            return f"{self.kernel}-{self.dtype}-d{self.d}"
         if self.kernel == "attention":
             return (f"attention-{self.dtype}-s{self.s}-{'mask' if self.masked else 'nomask'}"
                     f"-d{self.d}")
@@ -127,6 +138,23 @@ def cases() -> list[Case]:
         ("groupmax", "filter", "bisect"), DTYPE_NAMES, (48, 128))]
     out += [Case("theta", "float32", 32, topk=8)]
     out += [Case("select", "float32", 32, topk=topk) for topk in (40, 100, 200, 512, 600, 2048)]
+    out += backward_cases()
+    return out
+
+
+def backward_cases() -> list[Case]:
+    """The backward's specialisations (``triton_backward.backward_plan``), each over 3 dtypes
+    × BLOCK_D ∈ {16, 32, 64, 128} (head dims 8, 32, 48, 128): ``shared_dq`` and ``shared_dkv``
+    12 each; ``routed_dq`` s = 1, s > 1 ordered, s > 1 atomic = 36; ``routed_dkv`` ordered and
+    atomic = 24; ``key_sum`` (fp32 buffers only) BLOCK_D alone = 4. 88 in all."""
+    dims = (8, 32, 48, 128)
+    out = [Case(kernel, dt, d) for kernel, dt, d in itertools.product(
+        ("shared_dq", "shared_dkv"), DTYPE_NAMES, dims)]
+    out += [Case("routed_dq", dt, d, s, atomic=atomic) for dt, d, (s, atomic) in
+            itertools.product(DTYPE_NAMES, dims, ((1, False), (3, False), (3, True)))]
+    out += [Case("routed_dkv", dt, d, atomic=atomic) for dt, d, atomic in itertools.product(
+        DTYPE_NAMES, dims, (False, True))]
+    out += [Case("key_sum", "float32", d) for d in dims]
     return out
 
 
@@ -163,6 +191,18 @@ def example_plan(case: Case) -> tuple:
     if case.kernel == "pool":
         _, args, meta, _ = pooling.pool_plan(q, m, mask)
         return pooling._pool_kernel, args, meta
+    if case.kernel in BACKWARD_LAUNCH:
+        from .triton_backward import backward_plan
+
+        index = torch.randint(0, N, (B, H, m, topk), generator=g)
+        experts = torch.randint(0, m, (B, H, N, case.s), generator=g)
+        lse = torch.randn(B, H, N, generator=g)
+        plan = backward_plan(v, q, landmarks, shared_values, k, v, v, lse, index, experts,
+                             landmark_valid, None, deterministic=not case.atomic,
+                             interpreter=False)
+        _, kernel, _, args, meta = next(launch for launch in plan.launches
+                                        if launch[0] == case.kernel)
+        return kernel, args, meta
     if case.kernel == "route_shared":
         _, args, meta, _ = routing.route_shared_plan(q, landmarks, shared_values, landmark_valid,
                                                      case.d ** -0.5, interpreter=False)

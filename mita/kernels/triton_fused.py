@@ -72,6 +72,12 @@ def _blocks(dtype: torch.dtype, block_d: int, single_slot: bool = True
     return (128 if single_slot else 64), 64, 8, 3
 
 
+def dispatch_tile(dtype: torch.dtype, block_d: int, single_slot: bool) -> int:
+    """Entries per tile of the dispatch table ``fused_attention`` plans (its ``BLOCK_M``):
+    the backward (``triton_backward``) cuts its tables the same way."""
+    return _blocks(dtype, block_d, single_slot)[0]
+
+
 @triton.jit
 def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One flash-attention step: fold a block of logits (masked entries -inf) and its values
@@ -90,7 +96,7 @@ def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: t
 @triton.jit(do_not_specialize=["H", "N", "M", "TOPK", "T"])
 def _mita_fused_kernel(
     Q, K, V, SK, SV, IDX, KEY_VALID, LANDMARK_VALID, ORDER, TILE_E, TILE_LO, TILE_HI,
-    OUT, PART_M, PART_L, SHARED_ACC,
+    OUT, PART_M, PART_L, SHARED_ACC, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -174,6 +180,8 @@ def _mita_fused_kernel(
 
     if SINGLE_SLOT:
         o = acc / l_i[:, None]
+        # The joint softmax's log-sum-exp, for the backward (mita/kernels/triton_backward.py).
+        tl.store(LSE + bh * N + qi, m_i + tl.log(l_i), mask=in_tile)
         tl.store(OUT + b * stride_ob + h * stride_oh + qi[:, None] * stride_on
                  + dvv[None, :] * stride_od, o.to(OUT.dtype.element_ty),
                  mask=in_tile[:, None] & dvmask[None, :])
@@ -210,7 +218,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
                 experts: Tensor, key_padding_mask: Tensor | None = None,
                 out: Tensor | None = None, interpreter: bool | None = None,
                 shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
-                key_valid: Tensor | None = None) -> LaunchPlan:
+                key_valid: Tensor | None = None, lse: Tensor | None = None) -> LaunchPlan:
     """Validate ``fused_attention``'s arguments and build its launch (tile table, buffers,
     kernel arguments, constexpr specialisation). Arguments, returns and errors as
     ``fused_attention``; works on CPU tensors (no launch happens here). ``interpreter``: plan
@@ -276,10 +284,14 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         part_m = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         part_l = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         shared_acc = part_l  # unused for s > 1
+    if lse is None:  # s = 1 writes each valid query's log-sum-exp (the backward reads it)
+        lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    elif tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous {(B, H, N)} float32 tensor")
     args = (q, k, v, shared_keys, shared_values, expert_index,
             landmark_valid_i8 if key_valid is None else key_valid,  # unread without a mask
             landmark_valid_i8, order, tile_e, tile_lo, tile_hi, target, part_m, part_l,
-            shared_acc,
+            shared_acc, lse,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),
             H, N, m, topk, d, dv, T, s, d ** -0.5)
@@ -297,7 +309,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
                     experts: Tensor, key_padding_mask: Tensor | None = None,
                     out: Tensor | None = None,
                     shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
-                    key_valid: Tensor | None = None) -> Tensor:
+                    key_valid: Tensor | None = None, lse: Tensor | None = None) -> Tensor:
     """Fused stages ``gather`` + ``attention`` (eqs. 10-12): the tile table
     (``tile_table_plan``: count, scan, scatter) and one attention kernel (plus, with a mask,
     zeroing the padded rows; for s > 1 the merge of the slots).
@@ -320,6 +332,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
             ``shared_keys`` when not given.
         key_valid: optional ``(B, N)`` int8, 1 = a real key: ``key_padding_mask`` as the
             kernels read it (``pooling.pool_landmarks`` writes it), built here when not given.
+        lse: optional ``(B, H, N)`` float32 buffer, filled at every valid query with the
+            log-sum-exp of its m + s·k joint logits (padded queries' entries are left as
+            they are): what the backward (``triton_backward``) recomputes P from.
     Returns:
         ``(B, H, N, dv)`` in q's dtype; rows of padded queries are **zero**. Routed logits use
         1/√d. fp32 accumulation throughout.
@@ -336,7 +351,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         shared_partial = route_shared(q, shared_keys, shared_values, landmark_valid, 1.0)[1:]
     plan = launch_plan(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
                        experts, key_padding_mask, out, shared_partial=shared_partial,
-                       key_valid=key_valid)
+                       key_valid=key_valid, lse=lse if experts.shape[-1] == 1 else None)
     run_tile_table(plan.tiles)
     _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
     out = plan.out
@@ -345,8 +360,13 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         # so every real query has a finite top.
         top = plan.part_m.amax(-1, keepdim=True)
         w = torch.exp(plan.part_m - top)
-        merged = (w[..., None] * plan.target).sum(-2) / (w * plan.part_l).sum(-1, keepdim=True)
-        out.copy_(merged)
+        total = (w * plan.part_l).sum(-1, keepdim=True)
+        out.copy_((w[..., None] * plan.target).sum(-2) / total)
+        if lse is not None:
+            valid = torch.ones_like(total[..., 0], dtype=torch.bool)
+            if key_padding_mask is not None:
+                valid = ~key_padding_mask[:, None, :].expand_as(valid)
+            lse.copy_(torch.where(valid, (top + total.log())[..., 0], lse))
     if key_padding_mask is not None:
         out.masked_fill_(key_padding_mask[:, None, :, None], 0.0)
     return out
