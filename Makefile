@@ -54,7 +54,7 @@ data: $(STAMP)
 	$(BIN)/python -m mita.data.datasets austen --window 512 --out $(DATA)/austen-512
 	$(BIN)/python -m mita.data.datasets austen-persuasion --out $(DATA)/austen-persuasion
 
-# The compiled resources of every Triton kernel specialisation (264 compiles, 8-25 min on 2
+# The compiled resources of every Triton kernel specialisation (440 compiles, 15-40 min on 2
 # cores) into mita/kernels/compiled.json, which make test checks by key and by a sample. Run it
 # and commit the file with any change of a kernel, a launcher, mita/kernels/aot.py or Triton.
 kernels-table: $(DEV_STAMP)

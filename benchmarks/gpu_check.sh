@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU command: everything that needs a GPU, within its steps' limits (60 + 180 + 45
-# + 60 s, under 6 min with the preflight; not yet timed on a GPU), into Markdown files
+# The one GPU command: everything that needs a GPU, within its steps' limits (60 + 180 + 60
+# + 45 + 60 s, under 7 min with the preflight; not yet timed on a GPU), into Markdown files
 # written as each table is ready. Run it first on any CUDA host:
 #
 #     bash benchmarks/gpu_check.sh [OUT_DIR]        # default runs/gpu-check
@@ -15,8 +15,10 @@
 #   2. mita: the correctness checks, then whole model vs flash at 16K-1M with the per-stage
 #      CUDA-event profile, then one layer (benchmarks/gpu_mita.py; gpu_mita.md rewritten
 #      after each part);
-#   3. topk: the top-k paths side by side per layer, checked first (benchmarks/gpu_topk.py);
-#   4. serving: the serving code path without Ray (benchmarks/gpu_serving.py; needs pydantic).
+#   3. training: the Triton backward's gradients against float64, then one layer's forward +
+#      backward against flash's, bfloat16, 16K-256K (benchmarks/gpu_training.py);
+#   4. topk: the top-k paths side by side per layer, checked first (benchmarks/gpu_topk.py);
+#   5. serving: the serving code path without Ray (benchmarks/gpu_serving.py; needs pydantic).
 # The report is OUT_DIR/gpu_check.md; each step's full log is OUT_DIR/<step>.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -100,6 +102,7 @@ step() {  # step NAME LIMIT_S TABLE_FILE COMMAND...
 # the run's compiles, listed by benchmarks/gpu_compiles.py, one process per core
 step warm 60 "" $PY benchmarks/gpu_compiles.py --warm
 step mita 180 "$OUT_DIR/gpu_mita.md" $PY benchmarks/gpu_mita.py --out "$OUT_DIR" --budget-s 150
+step training 60 "$OUT_DIR/gpu_training.md" $PY benchmarks/gpu_training.py --out "$OUT_DIR" --budget-s 45
 step topk 45 "$OUT_DIR/gpu_topk.md" $PY benchmarks/gpu_topk.py --out "$OUT_DIR"
 if $PY -c "import pydantic" 2>/dev/null; then
   step serving 60 "$OUT_DIR/gpu_serving.md" $PY benchmarks/gpu_serving.py --out "$OUT_DIR" --budget-s 45

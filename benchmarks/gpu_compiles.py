@@ -46,13 +46,14 @@ from mita.kernels import (  # noqa: E402,F401
     pooling,
     routing,
     topk,
+    triton_backward,
     triton_fused,
     triton_mita,
 )
 
 # Fresh compiles per step: what the run measured plus headroom. A change that adds
 # specialisations must raise these on purpose (each costs 0.3-8 s of a ≤ 6 min loan).
-BUDGET = {"mita": 90, "topk": 4, "serving": 8}
+BUDGET = {"mita": 90, "training": 24, "topk": 4, "serving": 8}
 META = torch.device("meta")
 
 
@@ -174,6 +175,46 @@ def mita_step() -> None:
     # check_model: the 3-layer model at the first speed N, bfloat16 (a speed row's)
 
 
+def training_step() -> None:
+    """``benchmarks/gpu_training.py``: the forward of the training path (route, dispatch table,
+    fused attention writing the log-sum-exp; top-k and pooling run in PyTorch there) on meta
+    tensors, and each launch of the backward's plan (``triton_backward.backward_plan``, on
+    small CPU tensors: its index sort and counts need values; shapes do not change what
+    compiles — N, m and the tile count are unspecialised)."""
+    from benchmarks.gpu_training import FIXED, checks_shape
+    from mita import joint
+    from mita.cost import fig5_setting
+    from mita.kernels import tile_table
+
+    cases = [(dtype, s, True) for dtype in (torch.float32, torch.bfloat16) for s in (1, 2)]
+    cases += [(torch.bfloat16, 1, False)]  # the timed layer
+    n_check, m_check = checks_shape(False)
+    for dtype, s, masked in cases:
+        settings = [(m_check, m_check)] if masked else [fig5_setting(n) for n in
+                                                        (16_384, 65_536, 262_144)] + [
+            (FIXED, FIXED)]
+        for m, kk in dict.fromkeys(settings):
+            B = 2 if masked else 1
+            q, k, v = (empty(B, 2, n_check, 64, dtype=dtype) for _ in range(3))
+            joint._triton_forward(q, empty(B, 2, m, 64, dtype=torch.float32),
+                                  empty(B, 2, m, 64, dtype=dtype), k, v,
+                                  torch.zeros(B, 2, m, kk, dtype=torch.long, device=META),
+                                  torch.ones(B, m, dtype=torch.bool, device=META),
+                                  mask_of(B, n_check) if masked else None, s, 0.125)
+        for deterministic in ((True, False) if masked else (True,)):
+            N, m = 64, 4
+            q, k, v = (torch.randn(B, 2, N, 64).to(dtype) for _ in range(3))
+            valid = torch.ones(B, N, dtype=torch.bool)
+            plan = triton_backward.backward_plan(
+                v, q, torch.randn(B, 2, m, 64), torch.randn(B, 2, m, 64), k, v, v,
+                torch.randn(B, 2, N), torch.randint(0, N, (B, 2, m, 8)),
+                torch.randint(0, m, (B, 2, N, s)), torch.ones(B, m, dtype=torch.bool),
+                valid if masked else None, deterministic, interpreter=False)
+            tile_table.run_tile_table(plan.tiles)
+            for _, kernel, grid, args, meta in plan.launches:
+                kernel[grid](*args, **meta)
+
+
 def topk_step() -> None:
     """``benchmarks/gpu_topk.py``: the select and bitonic paths at each N, and their
     exactness check on integer inputs (d = 16)."""
@@ -218,7 +259,8 @@ def serving_step() -> None:
                     forward(model, b, n, False)
 
 
-STEPS = {"mita": mita_step, "topk": topk_step, "serving": serving_step}
+STEPS = {"mita": mita_step, "training": training_step, "topk": topk_step,
+         "serving": serving_step}
 
 
 def steps() -> list[str]:

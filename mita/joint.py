@@ -31,8 +31,12 @@ Forward implementations (``impl``): ``"torch"`` — ``stages.route``, ``gather``
 ``attention`` themselves (their output bit for bit: the PyTorch stages' forward does not
 change under autograd); ``"cpu"`` — the compiled CPU kernels for s = 1 (``kernels.cpu``, the
 output of the inference path bit for bit), the PyTorch stages for s > 1; ``"tiled"`` — the
-tiles above (the forward for CUDA tensors, where the per-expert loop would launch B·H·m small
-kernels). The backward is the same for all three.
+tiles above (CUDA tensors the Triton kernels cannot take, where the per-expert loop would
+launch B·H·m small kernels); ``"triton"`` / ``"triton_atomic"`` — the fused Triton kernels,
+which write ``lse`` too. Backward: the CPU kernel ``joint_backward`` for ``"cpu"`` with s = 1
+(one work item per run of whole experts, summed in a fixed order: the same bits on every run);
+``kernels/triton_backward.py`` for the Triton ones (deterministic per-key sums, or fp32
+atomics); the tiled PyTorch backward otherwise.
 """
 
 from __future__ import annotations
@@ -189,14 +193,16 @@ def joint_attention(q: Tensor, landmarks: Tensor, shared_values: Tensor, k: Tens
     backward (``torch.ops.mita.joint_attention``; a fake kernel gives ``torch.compile`` and
     the meta device its shapes).
 
-    Args: ``q``, ``k`` ``(B, H, N, d)``, ``v`` ``(B, H, N, dv)``, float32/float64, on one
-    device; ``landmarks`` ``(B, H, m, d)`` and ``landmark_valid`` ``(B, m)`` bool from
-    ``stages.pool``; ``shared_values`` ``(B, H, m, dv)`` (eq. 8); ``expert_index``
-    ``(B, H, m, k)`` int64 from ``stages.topk_tokens``; ``query_valid`` ``(B, N)`` bool,
-    True = real token, or None; ``route_topk`` s; ``shared_scale`` ``"paper"`` or
-    ``"official"``; ``impl`` ``"torch"``, ``"cpu"`` or ``"tiled"`` (module docstring).
+    Args: ``q``, ``k`` ``(B, H, N, d)``, ``v`` ``(B, H, N, dv)``, float32/float64 (16-bit
+    for the Triton implementations), on one device; ``landmarks`` ``(B, H, m, d)`` and
+    ``landmark_valid`` ``(B, m)`` bool from ``stages.pool``; ``shared_values``
+    ``(B, H, m, dv)`` (eq. 8); ``expert_index`` ``(B, H, m, k)`` int64 from
+    ``stages.topk_tokens``; ``query_valid`` ``(B, N)`` bool, True = real token, or None;
+    ``route_topk`` s; ``shared_scale`` ``"paper"`` or ``"official"``; ``impl`` ``"torch"``,
+    ``"cpu"``, ``"tiled"``, ``"triton"`` or ``"triton_atomic"`` (module docstring).
     Returns: ``out`` ``(B, H, N, dv)`` (zero at padded queries), ``lse`` ``(B, H, N)`` (the
-    joint logits' log-sum-exp; +inf at padded queries) and ``experts`` ``(B, H, N, s)``
+    joint logits' log-sum-exp, float32 for 16-bit q; +inf at padded queries) and ``experts``
+    ``(B, H, N, s)``
     int64 (eq. 9). Gradients flow to q, landmarks, shared_values, k and v.
     """
     B, H, N, d = q.shape

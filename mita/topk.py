@@ -22,10 +22,11 @@ def topk_lowest_index(scores: Tensor, topk: int) -> Tensor:
     N = scores.shape[-1]
     if topk >= N:
         return torch.arange(N, device=scores.device).expand(*scores.shape[:-1], N)
-    # On CUDA the keyed path spares the host synchronisation of the tie check below; on the
-    # CPU, where there is none to spare, it is 3-4x slower than torch.topk (int64 keys at
-    # (B, H, m, N) = (16, 2, 128, 2048): 175 ms against 47 ms on 2 threads). Same indices.
-    if (scores.is_cuda and scores.dtype == torch.float32
+    # On CUDA (and the meta device, which stands in for it) the keyed path spares the host
+    # synchronisation of the tie check below; on the CPU, where there is none to spare, it is
+    # 3-4x slower than torch.topk (int64 keys at (B, H, m, N) = (16, 2, 128, 2048): 175 ms
+    # against 47 ms on 2 threads). Same indices.
+    if (scores.device.type != "cpu" and scores.dtype == torch.float32
             and scores.numel() <= _KEYED_TOPK_ELEMENTS):
         return _topk_by_key(scores, topk)
     top = scores.topk(topk + 1, dim=-1, sorted=True)

@@ -107,7 +107,7 @@ README_COMMANDS = {
     ".venv/bin/python -m profiler advise checkpoints/listops-default --max-accuracy-drop 1 "
     "--out runs/advise": ("run", "shrink: --size 8 --n 256 --grid 4x4 --repeats 1"),
     "python -m mita.kernels.aot": ("test", "tests/kernels/test_kernel_compile.py"),
-    "make kernels-table": ("no", "all 264 compiles (≈ 10 min on 2 cores); tests/"
+    "make kernels-table": ("no", "all 440 compiles (≈ 15-40 min on 2 cores); tests/"
                                  "test_kernel_compile.py checks the table it writes"),
     "python -m mita.kernels.aot_table --markdown": ("run", ""),
     "chromium --headless --no-sandbox --hide-scrollbars --window-size=1400,1750 "

@@ -16,7 +16,7 @@ PTX with Triton's flags: only ptxas reports spills), cross-checked against ``cuo
 --dump-resource-usage`` of the cubin itself; shared memory; and blocks per SM by the CUDA
 occupancy rules (``resident_blocks``).
 
-The records of all 264 compiles are committed (``compiled.json`` beside this file, written by
+The records of all 440 compiles are committed (``compiled.json`` beside this file, written by
 ``make kernels-table``; ``aot_table.py``), keyed by a hash of what they depend on.
 """
 
@@ -371,7 +371,7 @@ def _check_args(args):
 
 
 def jobs(capabilities=CAPABILITIES) -> list[tuple[Case, int]]:
-    """Every (case, capability) to compile: ``cases()`` × ``capabilities``, 264 by default."""
+    """Every (case, capability) to compile: ``cases()`` × ``capabilities``, 440 by default."""
     return [(c, cap) for cap in capabilities for c in cases()]
 
 

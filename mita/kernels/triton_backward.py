@@ -42,8 +42,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .tile_table import run_tile_table, tile_table_plan
-from .triton_fused import dispatch_tile
 from .triton_common import as_int8, block_d_for, dot, interpreter_upcast, key_valid_vector
+from .triton_fused import dispatch_tile
 
 # Queries of the shared branch's dk/dv loop per program: the slice count is cdiv(N, this).
 SHARED_SLICE = 4096

@@ -57,19 +57,21 @@ def _blocks(dtype: torch.dtype, block_d: int, single_slot: bool = True
     - float32: IEEE products (``input_precision="ieee"``; TF32 would miss the 1e-5 the float32
       path keeps) lower to FMA loops over operands held in registers. 64 × 64 tiles spilled
       13-49 KB (stores) / 19-88 KB (loads) per thread at BLOCK_D ≥ 64, where ptxas fell back to
-      32 registers, and 52-384 bytes at 255 registers at BLOCK_D 16-32. 16 × 32 tiles (16 × 16
-      at BLOCK_D 128, where 16 × 32 still spilled 0.3-0.7 KB for s > 1 on sm_90) spill nothing.
-      2 stages.
-    - float16 / bfloat16 (tensor cores), 8 warps, 3 stages: s = 1, 128 × 64 — two warpgroups
+      32 registers, and 52-384 bytes at 255 registers at BLOCK_D 16-32. 16 × 32 tiles, 4 warps,
+      2 stages spill nothing at BLOCK_D 32-64; since s = 1 also stores the joint (max, sum of
+      exp) for the backward, 16 × 16 at BLOCK_D 16 (16 × 32 spilled 8 bytes on sm_90) and
+      16 × 16 with 8 warps at BLOCK_D 128 (4 warps spilled 4-12 bytes).
+    - float16 / bfloat16 (tensor cores), 8 warps, 3 stages: s = 1, 128 rows — two warpgroups
       of Hopper's 64-row wgmma on disjoint rows; at 64 rows both warpgroups computed the same
-      scores and softmax (about 40 % of the issue slots). s > 1 keeps 64 × 64: at 128 rows it
-      spilled 16-132 bytes on sm_80 (BLOCK_D 16 and 128). With 4 warps at 64 rows, BLOCK_D 128
-      used 255 registers and spilled up to 64 bytes, and at BLOCK_D 16-64 ptxas held registers
-      to 128 or 168 (for occupancy) and spilled 4-44 bytes.
+      scores and softmax (about 40 % of the issue slots) — by 64 keys, 32 at BLOCK_D 128
+      (64 spilled 56-80 bytes on sm_80 with the backward's stores). s > 1 keeps 64 × 64: at
+      128 rows it spilled 16-132 bytes on sm_80 (BLOCK_D 16 and 128). With 4 warps at 64
+      rows, BLOCK_D 128 used 255 registers and spilled up to 64 bytes, and at BLOCK_D 16-64
+      ptxas held registers to 128 or 168 (for occupancy) and spilled 4-44 bytes.
     """
     if dtype == torch.float32:
-        return 16, (32 if block_d <= 64 else 16), 4, 2
-    return (128 if single_slot else 64), 64, 8, 3
+        return 16, (32 if 16 < block_d <= 64 else 16), (4 if block_d <= 64 else 8), 2
+    return (128 if single_slot else 64), (32 if single_slot and block_d > 64 else 64), 8, 3
 
 
 def dispatch_tile(dtype: torch.dtype, block_d: int, single_slot: bool) -> int:
@@ -96,7 +98,7 @@ def _online_softmax(m_i, l_i, acc, logits, values, IEEE: tl.constexpr, UPCAST: t
 @triton.jit(do_not_specialize=["H", "N", "M", "TOPK", "T"])
 def _mita_fused_kernel(
     Q, K, V, SK, SV, IDX, KEY_VALID, LANDMARK_VALID, ORDER, TILE_E, TILE_LO, TILE_HI,
-    OUT, PART_M, PART_L, SHARED_ACC, LSE,
+    OUT, PART_M, PART_L, SHARED_ACC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -179,9 +181,12 @@ def _mita_fused_kernel(
         m_i, l_i, acc = _online_softmax(m_i, l_i, acc, logits, vt, IEEE, UPCAST)
 
     if SINGLE_SLOT:
+        # The joint softmax's (max, sum of exp) over the shared partial read above, for the
+        # backward's log-sum-exp (mita/kernels/triton_backward.py); stored before the output so
+        # that the maximum is dead by then (after it, 4-80 bytes spilled at BLOCK_D 128).
+        tl.store(PART_M + row, m_i, mask=in_tile)
+        tl.store(PART_L + row, l_i, mask=in_tile)
         o = acc / l_i[:, None]
-        # The joint softmax's log-sum-exp, for the backward (mita/kernels/triton_backward.py).
-        tl.store(LSE + bh * N + qi, m_i + tl.log(l_i), mask=in_tile)
         tl.store(OUT + b * stride_ob + h * stride_oh + qi[:, None] * stride_on
                  + dvv[None, :] * stride_od, o.to(OUT.dtype.element_ty),
                  mask=in_tile[:, None] & dvmask[None, :])
@@ -218,7 +223,7 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
                 experts: Tensor, key_padding_mask: Tensor | None = None,
                 out: Tensor | None = None, interpreter: bool | None = None,
                 shared_partial: tuple[Tensor, Tensor, Tensor] | None = None,
-                key_valid: Tensor | None = None, lse: Tensor | None = None) -> LaunchPlan:
+                key_valid: Tensor | None = None) -> LaunchPlan:
     """Validate ``fused_attention``'s arguments and build its launch (tile table, buffers,
     kernel arguments, constexpr specialisation). Arguments, returns and errors as
     ``fused_attention``; works on CPU tensors (no launch happens here). ``interpreter``: plan
@@ -284,14 +289,10 @@ def launch_plan(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         part_m = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         part_l = torch.empty(B, H, N, s, dtype=torch.float32, device=q.device)
         shared_acc = part_l  # unused for s > 1
-    if lse is None:  # s = 1 writes each valid query's log-sum-exp (the backward reads it)
-        lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
-    elif tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse must be a contiguous {(B, H, N)} float32 tensor")
     args = (q, k, v, shared_keys, shared_values, expert_index,
             landmark_valid_i8 if key_valid is None else key_valid,  # unread without a mask
             landmark_valid_i8, order, tile_e, tile_lo, tile_hi, target, part_m, part_l,
-            shared_acc, lse,
+            shared_acc,
             *q.stride(), *k.stride(), *v.stride(), *shared_keys.stride(),
             *shared_values.stride(), *expert_index.stride(), *out.stride(),
             H, N, m, topk, d, dv, T, s, d ** -0.5)
@@ -329,12 +330,15 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         out: optional ``(B, H, N, dv)`` output buffer in q's dtype (tests poison it first).
         shared_partial: s = 1 only, optional: the shared half of the joint softmax per query
             from ``routing.route_shared`` (max, sum of exp, weighted ṽ); computed here from
-            ``shared_keys`` when not given.
+            ``shared_keys`` when not given. Its max and sum are **overwritten** with the joint
+            softmax's (what ``lse`` is made of): pass a fresh one to each call.
         key_valid: optional ``(B, N)`` int8, 1 = a real key: ``key_padding_mask`` as the
             kernels read it (``pooling.pool_landmarks`` writes it), built here when not given.
         lse: optional ``(B, H, N)`` float32 buffer, filled at every valid query with the
             log-sum-exp of its m + s·k joint logits (padded queries' entries are left as
-            they are): what the backward (``triton_backward``) recomputes P from.
+            they are): what the backward (``triton_backward``) recomputes P from. For s = 1
+            the kernel writes the joint (max, sum of exp) over ``shared_partial``'s (which it
+            reads first).
     Returns:
         ``(B, H, N, dv)`` in q's dtype; rows of padded queries are **zero**. Routed logits use
         1/√d. fp32 accumulation throughout.
@@ -351,10 +355,16 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, shared_keys: Tensor | None,
         shared_partial = route_shared(q, shared_keys, shared_values, landmark_valid, 1.0)[1:]
     plan = launch_plan(q, k, v, shared_keys, shared_values, landmark_valid, expert_index,
                        experts, key_padding_mask, out, shared_partial=shared_partial,
-                       key_valid=key_valid, lse=lse if experts.shape[-1] == 1 else None)
+                       key_valid=key_valid)
     run_tile_table(plan.tiles)
     _mita_fused_kernel[plan.grid](*plan.args, **plan.meta)
     out = plan.out
+    if lse is not None and plan.meta["SINGLE_SLOT"]:
+        # the kernel wrote the joint (max, sum of exp) over the shared partial it read
+        valid = plan.part_m.new_ones(plan.part_m.shape, dtype=torch.bool)
+        if key_padding_mask is not None:
+            valid = ~key_padding_mask[:, None, :].expand_as(valid)
+        lse.copy_(torch.where(valid, plan.part_m + plan.part_l.log(), lse))
     if not plan.meta["SINGLE_SLOT"]:
         # Slots with no valid key have max -1e30 and weight 0; slot 0 holds the shared keys,
         # so every real query has a finite top.

@@ -301,3 +301,27 @@ def test_operators_are_registered_for_compile_and_meta():
         torch.empty(2, 2, 4, 5, dtype=torch.long, device="meta"),
         torch.empty(2, 4, dtype=torch.bool, device="meta"), None, 3, "paper", "cpu")
     assert (out.shape, lse.shape, experts.shape) == ((2, 2, 20, 8), (2, 2, 20), (2, 2, 20, 3))
+
+
+def test_a_training_step_runs_the_operator():
+    """The model's training step (what ``python -m mita.training`` runs: ``backend="auto"``)
+    goes through ``mita::joint_attention`` and its backward in every MiTA layer, and the whole
+    loss's autograd graph stays small (each MiTA layer once built thousands of nodes)."""
+    from mita.model import EncoderClassifier
+
+    torch.manual_seed(0)
+    model = EncoderClassifier(ModelConfig(num_landmarks=8, topk=8, depth=2))
+    ids = torch.randint(1, 16, (4, 300))
+    loss = torch.nn.functional.cross_entropy(model(ids), torch.tensor([0, 1, 2, 3]))
+    seen, todo, names = set(), [loss.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__ if not hasattr(fn, "name") else fn.name())
+        todo.extend(f for f, _ in fn.next_functions)
+    assert sum("mita_joint_attention" in n for n in names) == 2, names
+    assert len(names) < 150, len(names)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

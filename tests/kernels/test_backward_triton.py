@@ -8,10 +8,10 @@ Tolerances, and why:
   the CPU float32 paths — IEEE fp32 products (no TF32), fp32 sums of at most m + s·k entries
   per query and of a key's uses across experts; at most 7.3e-7 measured when this was
   written.
-- bfloat16 / float16: 3e-2 / 4e-3 relative (8.2e-3 / 7.8e-4 measured, dk the worst). The kernels multiply in the input dtype, as the
-  forward (``test_kernels.py``: 1.5e-2 / 2e-3 for the output): P and dℓ are rounded to 16 bits
-  before their products, and the gradients to the input dtype at the end; a backward has about
-  twice the roundings of a forward.
+- bfloat16 / float16: 3e-2 / 4e-3 relative (8.2e-3 / 7.8e-4 measured, dk the worst). The
+  kernels multiply in the input dtype, as the forward (``test_kernels.py``: 1.5e-2 / 2e-3
+  for the output): P and dℓ are rounded to 16 bits before their products, and the gradients
+  to the input dtype at the end; a backward has about twice the roundings of a forward.
 - deterministic: two runs give the same bits; atomics (``triton_atomic``): equal to the
   deterministic result within float32 rounding (the order of the sums differs).
 """
@@ -24,7 +24,7 @@ import torch
 from mita import mita_attention
 from mita.hooks import NULL_HOOK
 
-from ..helpers import rand_qkv, random_mask, triton_interpreter
+from ..helpers import rand_qkv, random_mask, run_smoke_here, triton_interpreter
 
 pytestmark = [pytest.mark.slow]  # the Triton interpreter
 
@@ -98,3 +98,28 @@ def test_16_bit_gradients(interpreted, dtype, tol):
     for name, a, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == dtype
         assert _rel(a, w) < tol, (name, _rel(a, w))
+
+
+def test_gpu_training_script_dry_run(interpreted, tmp_path, monkeypatch):
+    """``benchmarks/gpu_training.py --smoke``: the GPU command's training step (gradient checks,
+    then the timed layer) on the CPU interpreter, so the prepared GPU run is not its first."""
+    result = run_smoke_here("gpu_training", tmp_path, monkeypatch)
+    assert [c.split()[0] for c in result["checks"][1:]] == ["PASS", "PASS"]
+    assert len(result["rows"]) == 1 and result["rows"][0].startswith("| 128 | 4 | 4 |")
+    assert "flash / MiTA" in (tmp_path / "gpu_training.md").read_text()
+
+
+def test_shared_gradients_over_several_query_slices(interpreted, monkeypatch):
+    """The shared branch's dk/dv kernel splits the queries into slices of ``SHARED_SLICE``
+    (4,096) and adds the slices' sums afterwards; here slices of 16 queries, so a 50-query
+    sequence takes 4 (the last partial), against the float64 tiled backward."""
+    from mita.kernels import triton_backward
+
+    monkeypatch.setattr(triton_backward, "SHARED_SLICE", 16)
+    q, k, v = rand_qkv(1, 2, 50, 16, seed=77, dtype=torch.float32)
+    kw = dict(num_landmarks=5, topk=6, route_topk=2, key_padding_mask=random_mask(1, 50, 78))
+    weight = torch.randn(1, 2, 50, 16, generator=torch.Generator().manual_seed(3))
+    want = _grads(_joint("tiled", kw), q.double(), k.double(), v.double(), weight.double())
+    got = _grads(_joint("triton", kw), q, k, v, weight)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert _rel(a, w) < 5e-6, (name, _rel(a, w))

@@ -24,8 +24,10 @@ def run(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_dry_form_lists_each_step_within_its_budget():
     """``gpu_check.sh --dry``: every specialisation per step, within ``BUDGET``. The whole
-    run compiles 95 (the mita step's speed rows, one-layer rows and checks: 89; topk: none its
-    own; serving: 6) — 206 before the shape integers were left unspecialised. Every listed
+    run compiles 112 (the mita step's speed rows, one-layer rows and checks: 89; training: the
+    backward's five kernels per dtype, s and ordered / atomic, and the fused forward's float32
+    s > 1 cases: 17; topk: none its own; serving: 6) — 206 before the shape integers were left
+    unspecialised (and without the training step). Every listed
     launch carries GPU meta (``UPCAST`` off: the interpreter's bfloat16 workaround), and the
     kernels of the model's path all appear."""
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry"], cwd=ROOT,
@@ -35,13 +37,14 @@ def test_dry_form_lists_each_step_within_its_budget():
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     heads = [line for line in done.stdout.splitlines() if not line.startswith("  ")]
     counts = {line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in heads}
-    assert counts == {"mita": 89, "topk": 0, "serving": 6}, heads
+    assert counts == {"mita": 89, "training": 17, "topk": 0, "serving": 6}, heads
     listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")]
-    assert len(listed) == 95
+    assert len(listed) == 112
     assert {"_pool_kernel", "_select_pass_kernel", "_theta_kernel", "_select_kernel",
             "_bisect_topk_kernel", "_landmark_topk_kernel", "_route_shared_kernel",
             "_tile_count_kernel", "_tile_scan_kernel", "_tile_scatter_kernel",
-            "_mita_fused_kernel"} == set(listed)
+            "_mita_fused_kernel", "_shared_dq_kernel", "_shared_dkv_kernel",
+            "_routed_dq_kernel", "_routed_dkv_kernel", "_key_sum_kernel"} == set(listed)
     assert '"UPCAST": true' not in done.stdout
 
 
@@ -77,7 +80,8 @@ def test_new_sequence_lengths_compile_nothing():
     assert int(count) >= 11 and same == "True", done.stdout
 
 
-@pytest.mark.parametrize("script", ["gpu_mita", "gpu_topk", "gpu_compiles", "gpu_mita_checks"])
+@pytest.mark.parametrize("script", ["gpu_mita", "gpu_topk", "gpu_compiles", "gpu_mita_checks",
+                                    "gpu_training"])
 def test_gpu_scripts_import_only_the_gpu_images_packages(script):
     """The GPU host's image has torch, Triton, numpy and safetensors, no pydantic and no Ray:
     the scripts of the steps that must run there import with both made unimportable (the
@@ -89,7 +93,7 @@ def test_gpu_scripts_import_only_the_gpu_images_packages(script):
                "from benchmarks import gpu_compiles\n"
                "print(gpu_compiles.steps())")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "['mita', 'topk']"
+    assert done.stdout.strip().splitlines()[-1] == "['mita', 'training', 'topk']"
 
 
 def preflight(tmp_path, fake_triton: str | None = None) -> subprocess.CompletedProcess:

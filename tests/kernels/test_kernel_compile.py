@@ -8,7 +8,7 @@ specialisation the launcher can choose, to a cubin, and checks its shared memory
 target; ptxas (``-v``) and cuobjdump give its registers, spills, stack and blocks per SM, and
 no specialisation may spill.
 
-All 264 compiles take 8-25 min on 2 cores, so their records are committed
+All 440 compiles take 15-40 min on 2 cores, so their records are committed
 (``mita/kernels/compiled.json``, ``make kernels-table``) under a key of what they are compiled
 from (``mita.kernels.aot_table``). Here: the key must be today's (else one line: run ``make
 kernels-table``), a seeded sample of 16 rows is compiled again and must equal its committed
@@ -87,12 +87,12 @@ def test_sample_is_drawn_by_its_seed():
     first, again = aot_table.sample(7), aot_table.sample(7)
     assert [(str(c), cap) for c, cap in first] == [(str(c), cap) for c, cap in again]
     assert len({(str(c), cap) for c, cap in first}) == 16
-    seen = {(str(c), cap) for seed in range(200) for c, cap in aot_table.sample(seed)}
-    assert len(seen) == 264  # every row is drawn over 200 seeds
+    seen = {(str(c), cap) for seed in range(400) for c, cap in aot_table.sample(seed)}
+    assert len(seen) == 440  # every row is drawn over 400 seeds
     skip = aot_table.SLOW_COMPILES
-    seen = {(str(c), cap) for seed in range(200)
+    seen = {(str(c), cap) for seed in range(400)
             for c, cap in aot_table.sample(seed, skip=skip)}
-    assert len(seen) == 264 - 2 * len(skip) and not {c for c, _ in seen} & set(skip)
+    assert len(seen) == 440 - 2 * len(skip) and not {c for c, _ in seen} & set(skip)
 
 
 def test_the_key_follows_the_code_not_its_comments(tmp_path):
@@ -113,21 +113,24 @@ def test_the_key_follows_the_code_not_its_comments(tmp_path):
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(results):
-    """All 132 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
+    """All 220 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
     cases reach every constexpr set the launchers can pick: for the attention kernel each
     (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
-    32 keys (16 keys at BLOCK_D = 128), 4 warps, 2 stages, and 16-bit tiles 128 × 64 (s = 1)
-    or 64 × 64 (s > 1), 8 warps, 3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
+    32 keys (16 keys at BLOCK_D 16 and 128), 4 warps (8 at BLOCK_D 128), 2 stages, and 16-bit
+    tiles 128 × 64 (s = 1; 128 × 32 at BLOCK_D 128) or 64 × 64 (s > 1), 8 warps, 3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
     K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32
     16 × 32 with 2 stages, 16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64,
     128}, HAS_MASK), 3 × 2 × 2; for the tile table's count and scatter each (s = 1 or not,
     HAS_MASK), 2 × 2, and its scan per attention tile (BLOCK_M 16, 64, 128); for the
     threshold select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64,
     128}), 3 × 2 each (the fallback's tiles and warps by dtype and BLOCK_D), its θ kernel, and
-    for its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096.
+    for its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096;
+    for the backward (``triton_backward._blocks``) each (dtype, BLOCK_D) of the shared dq and
+    dk/dv kernels, 3 × 4 each, of the routed dq (s = 1; s > 1 ordered or atomic), 3 × 4 × 3,
+    of the routed dk/dv (ordered, atomic), 3 × 4 × 2, and the per-key sum per BLOCK_D, 4.
     (The committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles
     a sample again.)"""
-    assert len(results) == 264
+    assert len(results) == 440
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
     assert all(r["cubin_bytes"] > 1000 for r in results)
@@ -152,6 +155,24 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
         if r["kernel"] == "theta":
             seen["theta"].add(meta["BLOCK_G"])
             continue
+        if r["kernel"] == "key_sum":  # fp32 buffers: no input dtype
+            seen["key_sum"].add(meta["BLOCK_D"])
+            assert meta["BLOCK_K"] * meta["BLOCK_D"] == 2048, r["case"]
+            continue
+        if r["kernel"] in aot.BACKWARD_LAUNCH:
+            assert meta["IEEE"] == f32 and meta["UPCAST"] is False
+            seen[r["kernel"]].add((dtype, meta["BLOCK_D"], meta.get("SINGLE_SLOT"),
+                                   meta.get("DETERMINISTIC")))
+            kind = "dkv" if r["kernel"].endswith("dkv") else r["kernel"]
+            want = {("dkv", True): (16, 16, 4, 1), ("shared_dq", True): (16, 32, 8, 1),
+                    ("routed_dq", True): (16, 32, 8, 1), ("dkv", False): (64, 32, 4, 1),
+                    ("shared_dq", False): (64, 64, 4, 2),
+                    ("routed_dq", False): (16, 32, 4, 2)}[kind, f32]
+            if meta["BLOCK_D"] > (32 if f32 and kind != "dkv" else 64) and kind != "dkv":
+                want = (want[0], 16 if f32 else 32, *want[2:])
+            assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"],
+                    meta["num_stages"]) == want, r["case"]
+            continue
         assert meta["IEEE"] == f32 and meta["UPCAST"] is False
         if r["kernel"] in ("groupmax", "filter"):
             assert meta["PHASE"] == ("groupmax", "filter").index(r["kernel"])
@@ -169,8 +190,10 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
         elif r["kernel"] == "attention":
             seen["attention"].add((dtype, meta["SINGLE_SLOT"], meta["HAS_MASK"],
                                    meta["BLOCK_D"]))
-            want = ((16, 32 if meta["BLOCK_D"] <= 64 else 16, 4, 2) if f32
-                    else (128 if meta["SINGLE_SLOT"] else 64, 64, 8, 3))
+            wide = meta["BLOCK_D"] > 64
+            want = ((16, 32 if 16 < meta["BLOCK_D"] <= 64 else 16, 8 if wide else 4, 2) if f32
+                    else (128 if meta["SINGLE_SLOT"] else 64,
+                          32 if meta["SINGLE_SLOT"] and wide else 64, 8, 3))
             assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"],
                     meta["num_stages"]) == want, r["case"]
         elif r["kernel"] == "landmark_topk":
@@ -185,7 +208,10 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
                                                      "tile_count": 4, "tile_scan": 3,
                                                      "tile_scatter": 4, "groupmax": 6,
                                                      "theta": 1, "filter": 6,
-                                                     "select": 6, "bisect": 6}
+                                                     "select": 6, "bisect": 6,
+                                                     "shared_dq": 12, "shared_dkv": 12,
+                                                     "routed_dq": 36, "routed_dkv": 24,
+                                                     "key_sum": 4}
     assert seen["select"] == {(128, 8, 4), (256, 4, 4), (512, 2, 4), (1024, 1, 4),
                               (2048, 1, 4), (4096, 1, 8)}
     assert {k[3] for k in seen["attention"]} == {16, 32, 64, 128}
@@ -194,19 +220,23 @@ def test_every_kernel_compiles_for_sm80_and_sm90(results):
 
 
 def _inputs(r) -> str:
-    """A record's input dtype; ``"int"`` for the kernels with integer inputs only."""
+    """A record's input dtype; ``"int"`` for the kernels with integer inputs only; float32 for
+    the backward's per-key sum (it reads float32 buffers whatever the model's dtype)."""
+    if r["kernel"] == "key_sum":
+        return "float32"
     return ("int" if r["kernel"] in ("tile_count", "tile_scan", "tile_scatter", "select", "theta")
             else r["case"].split("-")[1])
 
 
-@pytest.mark.parametrize("dtypes,records", [(("float16", "bfloat16"), 152), (("float32",), 76),
+@pytest.mark.parametrize("dtypes,records", [(("float16", "bfloat16"), 264), (("float32",), 140),
                                             (("int",), 36)])
 def test_no_specialisation_spills_registers(results, dtypes, records):
     """No case of ``aot.cases()`` — every specialisation the service can pick — spills
     registers to local memory on sm_80 or sm_90 (ptxas's spill store and spill load bytes
-    are 0): 38 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, and the
-    threshold select's group max, filter and fallback 2 each) and 18 with integer inputs only
-    (tile table 11, select 6, θ 1), × 2 targets. float32 too: its IEEE products are FMA loops
+    are 0): 66 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, the
+    threshold select's group max, filter and fallback 2 each, the backward's shared dq and
+    dk/dv 4 each, routed dq 12 and dk/dv 8), the backward's per-key sum 4 (float32 buffers),
+    and 18 with integer inputs only (tile table 11, select 6, θ 1), × 2 targets. float32 too: its IEEE products are FMA loops
     over registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
     mine = [r for r in results if _inputs(r) in dtypes]
     assert len(mine) == records
@@ -263,7 +293,7 @@ def test_resident_blocks_by_the_occupancy_rules(registers, shared, warps, sm, wa
 
 def test_table_has_one_row_per_result(results):
     lines = aot.table(results).splitlines()
-    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 264
+    assert lines[0].startswith("| case | sm | tiles | num_warps |") and len(lines) == 2 + 440
     assert all(line.count("|") == len(aot.COLUMNS) + 1 and "FAILED" not in line
                for line in lines[2:])
 
@@ -384,7 +414,7 @@ def test_filter_atomics_are_relaxed_and_the_filter_runs_its_tile_loop():
 ])
 def test_the_command_reads_its_flags_before_it_compiles(monkeypatch, capsys, argv, code, stream,
                                                          line):
-    """``python -m mita.kernels.aot --help`` once started all 264 compiles (~10 min on 2
+    """``python -m mita.kernels.aot --help`` once started all 440 compiles (~10 min on 2
     cores) before answering: its flags are parsed first now."""
     def no_compiles():
         raise AssertionError("compiled before reading the flags")

@@ -324,16 +324,24 @@ def test_k_over_512_falls_back_to_torch_topk(kernel):
     assert rel_err(out, torch.from_numpy(ref)) < 1e-5
 
 
-def test_triton_refuses_autograd_and_auto_trains_on_torch(kernel, monkeypatch):
-    """The Triton kernels have no backward: "triton" refuses inputs that need gradients, and
-    "auto" (what training on a GPU uses) takes the PyTorch stages, whose gradients flow."""
+def test_autograd_picks_the_triton_backward(kernel, monkeypatch):
+    """Under autograd "triton" trains on the Triton kernels (forward and backward,
+    ``test_backward_triton.py`` checks the numbers), and so does "auto" on CUDA where the
+    forward kernels take the inputs; elsewhere "auto" on CUDA takes the tiled PyTorch
+    backward."""
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 32, 16, seed=3, dtype=torch.float32))
-    with pytest.raises(ValueError, match="no backward"):
-        mita_attention(q, k, v, num_landmarks=4, topk=4, backend="triton")
+    out = mita_attention(q, k, v, num_landmarks=4, topk=4, backend="triton")
+    out.sum().backward()
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
+    assert A._grad_impl("triton", q, k, v) == "triton"
+    monkeypatch.setattr(A, "ATOMIC_TRITON_BACKWARD", True)
+    assert A._grad_impl("triton", q, k, v) == "triton_atomic"
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert not A._use_triton("auto", q, v, k)  # as on a GPU: is_cuda, float32, d ≤ 128
+    assert A._grad_impl("auto", q, k, v) == "triton_atomic"  # as on a GPU: float32, d ≤ 128
+    wide = torch.zeros(1, 1, 4, 256, requires_grad=True)  # head dim over the kernels' 128
+    assert A._grad_impl("auto", wide, wide, wide) == "tiled"
     with torch.no_grad():
-        assert A._use_triton("auto", q, v, k)
+        assert A._grad_impl("auto", q, k, v) is None  # inference: the forward paths
 
 
 # --- pool and tile table (mita/kernels/pooling.py, mita/kernels/tile_table.py) -------------

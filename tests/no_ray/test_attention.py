@@ -34,8 +34,8 @@ from mita import (
 from mita import stages as S
 from mita import topk as T
 from mita.hooks import MITA_STAGES
-from mita.reference import reference_dense, reference_mita
 from mita.joint import GRAD_STAGES
+from mita.reference import reference_dense, reference_mita
 
 from ..helpers import CPU_KERNEL_STAGES, F64_TOL, rand_qkv, random_mask
 

@@ -153,8 +153,8 @@ def test_unpack_with_a_relative_out_folder(tmp_path, monkeypatch):
     """``datasets.unpack`` with a relative ``--out`` (as the Makefile's `make data` passes):
     dpkg-deb runs inside out/debs, so the package path must not be relative to the caller's
     folder (it was: `make data` failed with "failed to read archive … No such file")."""
-    from pathlib import Path
     import subprocess
+    from pathlib import Path
 
     from mita.data import datasets
 
