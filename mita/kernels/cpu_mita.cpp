@@ -373,20 +373,12 @@ struct Tile {
   int64_t bh, expert, start, len;  // start: into the head's expert-sorted query list
 };
 
-template <typename T>
-void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& expert_index, const at::Tensor& landmark_valid,
-                 const at::Tensor& token_valid, const at::Tensor& experts, double scale_,
-                 at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum,
-                 const at::Tensor& lse) {
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
-  const int64_t m = expert_index.size(2), topk = expert_index.size(3), dv = v.size(3);
-  const T scale = static_cast<T>(scale_);
-  const int64_t* E = experts.data_ptr<int64_t>();
-  const bool* qv = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
-  // Counting sort of each head's queries by expert (padded queries left out: output zero).
-  std::vector<int64_t> order(B * H * N);
-  std::vector<Tile> tiles;
+// Each head's valid queries sorted by expert (counting sort, query order within an expert), cut
+// into tiles of at most kAttentionTile queries of one expert. order: (B·H·N) query indices,
+// head by head; tiles in (head, expert) order.
+void expert_sorted_tiles(const int64_t* E, const bool* qv, int64_t B, int64_t H, int64_t N,
+                         int64_t m, std::vector<int64_t>& order, std::vector<Tile>& tiles) {
+  order.assign(B * H * N, 0);
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H;
     std::vector<int64_t> start(m + 1, 0);
@@ -400,6 +392,23 @@ void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t n = 0; n < N; ++n)
       if (!qv || qv[b * N + n]) order[bh * N + start[E[bh * N + n]]++] = n;
   }
+}
+
+template <typename T>
+void routed_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& expert_index, const at::Tensor& landmark_valid,
+                 const at::Tensor& token_valid, const at::Tensor& experts, double scale_,
+                 at::Tensor& acc, const at::Tensor& mx, const at::Tensor& sum,
+                 const at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t m = expert_index.size(2), topk = expert_index.size(3), dv = v.size(3);
+  const T scale = static_cast<T>(scale_);
+  const int64_t* E = experts.data_ptr<int64_t>();
+  const bool* qv = token_valid.defined() ? token_valid.data_ptr<bool>() : nullptr;
+  // Each head's queries sorted by expert (padded queries left out: their output stays zero).
+  std::vector<int64_t> order;
+  std::vector<Tile> tiles;
+  expert_sorted_tiles(E, qv, B, H, N, m, order, tiles);
   const T* Q = q.data_ptr<T>();
   const T* K = k.data_ptr<T>();
   const T* Vp = v.data_ptr<T>();
@@ -508,27 +517,6 @@ void routed_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor exper
     routed_impl<scalar_t>(q, k, v, expert_index, landmark_valid, valid, experts, scale, acc, mx,
                           sum, lse_out);
   });
-}
-
-// Each head's valid queries sorted by expert (counting sort, query order within an expert), cut
-// into tiles of at most kAttentionTile queries of one expert. order: (B·H·N) query indices,
-// head by head; tiles in (head, expert) order.
-void expert_sorted_tiles(const int64_t* E, const bool* qv, int64_t B, int64_t H, int64_t N,
-                         int64_t m, std::vector<int64_t>& order, std::vector<Tile>& tiles) {
-  order.assign(B * H * N, 0);
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H;
-    std::vector<int64_t> start(m + 1, 0);
-    for (int64_t n = 0; n < N; ++n)
-      if (!qv || qv[b * N + n]) ++start[E[bh * N + n] + 1];
-    for (int64_t e = 0; e < m; ++e) {
-      for (int64_t t = 0; t < start[e + 1]; t += kAttentionTile)
-        tiles.push_back({bh, e, start[e] + t, std::min(kAttentionTile, start[e + 1] - t)});
-      start[e + 1] += start[e];
-    }
-    for (int64_t n = 0; n < N; ++n)
-      if (!qv || qv[b * N + n]) order[bh * N + start[E[bh * N + n]]++] = n;
-  }
 }
 
 // Work items of the backward: a head's tiles cut into `groups` runs of whole experts with about
