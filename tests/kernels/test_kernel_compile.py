@@ -113,23 +113,23 @@ def test_the_key_follows_the_code_not_its_comments(tmp_path):
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(results):
-    """All 220 specialisations × 2 targets compiled to a cubin whose shared memory fits. The
-    cases reach every constexpr set the launchers can pick: for the attention kernel each
-    (dtype, SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries ×
-    32 keys (16 keys at BLOCK_D 16 and 128), 4 warps (8 at BLOCK_D 128), 2 stages, and 16-bit
-    tiles 128 × 64 (s = 1; 128 × 32 at BLOCK_D 128) or 64 × 64 (s > 1), 8 warps, 3 stages; for landmark_topk each (dtype, BLOCK_D ∈ {64, 128},
-    K_PAD ∈ {64 … 512}), 3 × 2 × 4; for route_shared each (dtype, BLOCK_D), 3 × 4, float32
-    16 × 32 with 2 stages, 16-bit 64 × 64 with 3; for the pool each (dtype, BLOCK_D ∈ {64,
-    128}, HAS_MASK), 3 × 2 × 2; for the tile table's count and scatter each (s = 1 or not,
-    HAS_MASK), 2 × 2, and its scan per attention tile (BLOCK_M 16, 64, 128); for the
-    threshold select's group max, filter and bisection fallback each (dtype, BLOCK_D ∈ {64,
-    128}), 3 × 2 each (the fallback's tiles and warps by dtype and BLOCK_D), its θ kernel, and
-    for its select each (CAP, ROWS) from (128, 8) to (4096, 1), with 8 warps at CAP 4096;
-    for the backward (``triton_backward._blocks``) each (dtype, BLOCK_D) of the shared dq and
-    dk/dv kernels, 3 × 4 each, of the routed dq (s = 1; s > 1 ordered or atomic), 3 × 4 × 3,
-    of the routed dk/dv (ordered, atomic), 3 × 4 × 2, and the per-key sum per BLOCK_D, 4.
-    (The committed records; ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles
-    a sample again.)"""
+    """All 220 specialisations × 2 targets compiled to a cubin whose shared memory fits. The cases
+    reach every constexpr set the launchers can pick: for the attention kernel each (dtype,
+    SINGLE_SLOT, HAS_MASK, BLOCK_D), 3 × 2 × 2 × 4, with float32 tiles of 16 entries × 32 keys
+    (16 keys at BLOCK_D 16 and 128), 4 warps (8 at BLOCK_D 128), 2 stages, and 16-bit tiles 128
+    × 64 (s = 1; 128 × 32 at BLOCK_D 128) or 64 × 64 (s > 1), 8 warps, 3 stages; for
+    landmark_topk each (dtype, BLOCK_D ∈ {64, 128}, K_PAD ∈ {64 … 512}), 3 × 2 × 4; for
+    route_shared each (dtype, BLOCK_D), 3 × 4, float32 16 × 32 with 2 stages, 16-bit 64 × 64
+    with 3; for the pool each (dtype, BLOCK_D ∈ {64, 128}, HAS_MASK), 3 × 2 × 2; for the tile
+    table's count and scatter each (s = 1 or not, HAS_MASK), 2 × 2, and its scan per attention
+    tile (BLOCK_M 16, 64, 128); for the threshold select's group max, filter and bisection
+    fallback each (dtype, BLOCK_D ∈ {64, 128}), 3 × 2 each (the fallback's tiles and warps by
+    dtype and BLOCK_D), its θ kernel, and for its select each (CAP, ROWS) from (128, 8) to
+    (4096, 1), with 8 warps at CAP 4096; for the backward (``triton_backward._blocks``) each
+    (dtype, BLOCK_D) of the shared dq and dk/dv kernels, 3 × 4 each, of the routed dq (s = 1; s
+    > 1 ordered or atomic), 3 × 4 × 3, of the routed dk/dv (ordered, atomic), 3 × 4 × 2, and the
+    per-key sum per BLOCK_D, 4. (The committed records;
+    ``test_a_seeded_sample_compiles_to_its_committed_rows`` compiles a sample again.)"""
     assert len(results) == 440
     failed = [f"sm_{r['sm']} {r['case']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
@@ -236,8 +236,9 @@ def test_no_specialisation_spills_registers(results, dtypes, records):
     are 0): 66 cases per float dtype (attention 16, bitonic top-k 8, route 4, pool 4, the
     threshold select's group max, filter and fallback 2 each, the backward's shared dq and
     dk/dv 4 each, routed dq 12 and dk/dv 8), the backward's per-key sum 4 (float32 buffers),
-    and 18 with integer inputs only (tile table 11, select 6, θ 1), × 2 targets. float32 too: its IEEE products are FMA loops
-    over registers, and the 64 × 64 tiles it had spilled 13-88 KB per thread."""
+    and 18 with integer inputs only (tile table 11, select 6, θ 1), × 2 targets. float32
+    too: its IEEE products are FMA loops over registers, and the 64 × 64 tiles it had spilled
+    13-88 KB per thread."""
     mine = [r for r in results if _inputs(r) in dtypes]
     assert len(mine) == records
     spilled = [f"sm_{r['sm']} {r['case']}: {r['registers']} registers, "
