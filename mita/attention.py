@@ -54,7 +54,8 @@ def mita_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, topk:
         key_padding_mask: optional ``(B, N)`` bool, True = padding. Padded keys are never
             weighted (shared or routed); padded queries are left out of landmark pooling and
             their outputs are zero.
-        landmark_grid: None for 1-D contiguous pooling, ``(H, W)`` with H·W = N for 2-D.
+        landmark_grid: None for 1-D contiguous pooling, ``(H, W)`` with H·W ≤ N for 2-D
+            pooling of the first H·W tokens (``stages.pool``).
         shared_scale: ``"paper"`` (shared logit q·q̃/√d) or ``"official"`` (q·q̃/d, as the
             authors' code).
         backend: ``"torch"`` (the expert-grouped PyTorch stages, every stage timed apart — the

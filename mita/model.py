@@ -93,7 +93,8 @@ class EncoderClassifier(nn.Module):
     padding (``None`` means no padding; ``padding_mask(ids)`` derives it from ``pad_id``).
     Returns: ``(B, num_classes)`` float32 logits. Activations run in the parameters' dtype
     (``model.to(torch.bfloat16)`` for 16-bit serving); mean pooling sums in float32.
-    Raises: ValueError when N exceeds ``max_len`` or a row is all padding.
+    Raises: ValueError when N exceeds ``max_len``, differs from a ``landmark_grid``'s H·W,
+    or a row is all padding.
     """
 
     def __init__(self, cfg: ModelConfig, init_embedding: bool = True):
@@ -117,6 +118,9 @@ class EncoderClassifier(nn.Module):
         B, N = ids.shape
         if N > self.config.max_len:
             raise ValueError(f"sequence length {N} exceeds max_len {self.config.max_len}")
+        grid = self.config.landmark_grid
+        if grid is not None and grid[0] * grid[1] != N:  # an image model: exactly its grid
+            raise ValueError(f"landmark_grid {grid} has {grid[0] * grid[1]} cells but N = {N}")
         check_padding_mask(key_padding_mask, B, N)  # once per forward, not once per layer
         with hook.stage("embed"):
             x = self.embed(ids) + sinusoidal_positions(N, self.config.dim, ids.device,

@@ -68,9 +68,11 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
     1-D (``landmark_grid=None``): the L valid tokens of a row, in order, are cut into m
     contiguous segments; the token of rank r (0-based among valid tokens) goes to segment
     ⌊r·m/L⌋, so segment sizes differ by at most one and padding anywhere is skipped.
-    2-D (``landmark_grid=(H, W)``, H·W = N, row-major tokens): adaptive average pooling of the
-    H×W grid to p×p with p² = m, as the authors' code does (``adaptive_avg_pool2d`` windows),
-    averaging valid tokens only.
+    2-D (``landmark_grid=(H, W)``, H·W ≤ N): adaptive average pooling of the first H·W
+    tokens, row-major, as an H×W grid to p×p with p² = m, as the authors' code does
+    (``adaptive_avg_pool2d`` windows), averaging valid tokens only. Tokens after the grid
+    (H·W < N) are queries and keys but pool into no landmark: the authors' DeiT code pools
+    ``q[:, :-1]`` — the class token in the first cell, the last patch left out.
 
     Args:
         q: ``(B, H, N, d)`` queries, floating point.
@@ -83,7 +85,7 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
         ``(B, m)`` bool — False for a landmark whose segment/window holds no valid token
         (happens when L < m); such landmarks are excluded from routing and the shared branch.
     Raises:
-        ValueError: bad grid, m not a square for 2-D pooling.
+        ValueError: a grid of more than N cells, m not a square for 2-D pooling.
     """
     B, H, N, d = q.shape
     m = num_landmarks
@@ -105,13 +107,15 @@ def pool(q: Tensor, num_landmarks: int, key_padding_mask: Tensor | None = None,
         counts, sums = counts[:, :m], sums[:, :, :m]
     else:
         gh, gw = landmark_grid
-        if gh * gw != N:
-            raise ValueError(f"landmark_grid {landmark_grid} has {gh * gw} cells but N = {N}")
+        cells = gh * gw
+        if cells > N:
+            raise ValueError(f"landmark_grid {landmark_grid} has {cells} cells but N = {N}")
         p = math.isqrt(m)
         if p * p != m:
             raise ValueError(f"2-D pooling needs num_landmarks to be a square, got {m}")
-        w = valid.to(dtype)
-        grid = (q.to(dtype) * w[:, None, :, None]).transpose(2, 3).reshape(B * H, d, gh, gw)
+        w = valid[:, :cells].to(dtype)  # tokens past the grid pool into no landmark
+        grid = (q[:, :, :cells].to(dtype) * w[:, None, :, None]).transpose(2, 3).reshape(
+            B * H, d, gh, gw)
         # Mean of (q·valid) over a window divided by mean of valid = mean over valid tokens.
         sums = F.adaptive_avg_pool2d(grid, p).reshape(B, H, d, m).transpose(2, 3)
         counts = F.adaptive_avg_pool2d(w.reshape(B, 1, gh, gw), p).reshape(B, m)
