@@ -50,7 +50,8 @@ def parser() -> Parser:
     p.add_argument("--time-budget-min", type=POSITIVE_FLOAT, default=25.0,
                    help="stop training early after this many minutes")
     p.add_argument("--batch-size", type=POSITIVE_INT, default=32)
-    p.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3)
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=None,
+                   help="peak learning rate (default 1e-3; with --model 5e-5)")
     p.add_argument("--eval-every", type=POSITIVE_INT, default=500)
     p.add_argument("--threads", type=NONNEGATIVE_INT, default=0,
                    help="torch threads (0: all cores)")
@@ -72,6 +73,12 @@ def parser() -> Parser:
 def main(argv: list[str] | None = None) -> dict:
     p = parser()
     args = p.parse_args(argv)
+    if args.model is not None and args.train is not None:
+        from . import pretrained  # a transformers model folder: the 'pretrained' extra
+
+        return pretrained.main(p, args, argv)
+    if args.lr is None:
+        args.lr = 1e-3
     if args.train is not None:
         given = [n for n in LISTOPS_ONLY if getattr(args, n) is not None]
         if given:

@@ -90,6 +90,12 @@ def add_arguments(g) -> tuple[str, ...]:
     add("--task-name", default=None, help="default: the file's name")
     add("--landmark-grid", type=grid, default=None, metavar="HxW",
         help="2-D landmark pooling of H×W sequences (images)")
+    add("--model", type=Path, default=None, metavar="DIR",
+        help="fine-tune this transformers model folder (config.json, model.safetensors, "
+             "tokenizer) instead of training the product's own encoder (docs/pretrained.md)")
+    add("--setting", default=None, metavar="MxK[xS]",
+        help="--model: its MiTA setting (default: the folder's, else m = k = 16 for text, "
+             "25 for images)")
     add("--compare", action="store_true",
         help="dense, drop-in, fine-tuned, MiTA and mixed side by side")
     add("--keep-ways", nargs="+", choices=WAYS, default=None, metavar="WAY",
@@ -114,6 +120,9 @@ def main(p, args, argv) -> dict:
     if args.valid is not None and args.valid_share is not None:
         p.error("--valid and --valid-share: give one (a validation file, or a share of "
                 "--train)")
+    if args.setting is not None:
+        p.error("--setting is the MiTA setting of a --model folder (the product's own encoder: "
+                "--num-landmarks, --topk, --route-topk)")
     if args.resume and args.compare:
         p.error("--resume resumes one training run; --compare runs five")
     if args.init is not None and args.compare:
@@ -403,7 +412,11 @@ def markdown(report: dict) -> str:
                                           for r, w in warned]
     kept = [r for r in report["rows"] if r["checkpoint"] is not None
             and not (r["way"] == "mixed" and r["attention"] == "dense")]
-    if kept:
+    if kept and "model" in report:  # a transformers model's ways (mita.training.pretrained)
+        lines += ["", "The weights of each way, each a transformers model folder "
+                  "(`from_pretrained`, with its MiTA setting in `config.json`):", ""]
+        lines += [f"- {r['way']}: `{r['checkpoint']}`" for r in kept]
+    elif kept:
         lines += ["", "The weights of each way, each a checkpoint the service serves "
                   "(`args.checkpoint: FOLDER` in a Serve config; a mixed checkpoint serves "
                   "both attentions):", ""]
