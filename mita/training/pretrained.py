@@ -175,7 +175,10 @@ def main(p, args, argv) -> dict:
         run = train(base, rows, y, **budget)
         pred = predict(base, val_rows, pad_id)
         sc = classification_scores(y_val, pred, names)
+        lengths = sorted(len(r) for r in rows)
         record = {"model": str(args.model), "mode": args.mode, **run, "lr": lr,
+                  "train_tokens": {"p50": lengths[len(lengths) // 2], "max": lengths[-1],
+                                   "limit": limit},
                   "seed": args.seed, "batch_size": args.batch_size, "valid": sc,
                   "warnings": score_warnings(sc), "command": _command(argv)}
         _save(base, tokenizer, args.out, record)

@@ -80,25 +80,30 @@ def test_one_run_each_way_text_and_image(tmp_path, text_rows):
         assert record["mode"] == mode and record["steps"] == 2
         assert record["valid"]["rows"] == 5  # --valid-share 0.1 of 48 rows
         assert AutoModelForSequenceClassification.from_pretrained(tmp_path / mode).config.mita
-    vit = folders.vit(tmp_path / "vit")
-    record = main(["--model", str(vit), "--train", str(EXAMPLES / "fashion-mnist-14x14.jsonl"),
-                   "--out", str(tmp_path / "vit-mita"), "--mode", "mita", "--steps", "2",
-                   "--batch-size", "8"])
-    assert record["steps"] == 2 and record["valid"]["rows"] == 10
-    again = AutoModelForImageClassification.from_pretrained(tmp_path / "vit-mita")
-    assert again.config.mita["landmark_grid"] == [7, 7]
-    assert len(again.config.id2label) == len(record["valid"]["per_class"])
+    for kind in ("vit", "deit"):
+        image_model = folders.vit(tmp_path / kind, deit=kind == "deit")
+        for mode in ("mita", "dense"):
+            out = tmp_path / f"{kind}-{mode}"
+            record = main(["--model", str(image_model), "--train",
+                           str(EXAMPLES / "fashion-mnist-14x14.jsonl"), "--out", str(out),
+                           "--mode", mode, "--steps", "2", "--batch-size", "8"])
+            assert record["steps"] == 2 and record["valid"]["rows"] == 10
+            again = AutoModelForImageClassification.from_pretrained(out)
+            assert again.config.mita["landmark_grid"] == [7, 7]
+            assert len(again.config.id2label) == len(record["valid"]["per_class"]) == 10
 
 
-def test_modernbert_fine_tunes_at_4096_tokens(tmp_path):
+@pytest.mark.parametrize("mode", ["mita", "dense"])
+def test_modernbert_fine_tunes_at_4096_tokens(tmp_path, mode):
     model = folders.modernbert(tmp_path / "modernbert")
     rows = ["label\ttext"] + [f"{'ab'[i % 2]}\t" + ("the cat sat. " if i % 2 else
-                                                     "a dog ran! ") * 400 for i in range(4)]
+                                                     "a dog ran! ") * 500 for i in range(4)]
     (tmp_path / "long.tsv").write_text("\n".join(rows) + "\n")
     record = main(["--model", str(model), "--train", str(tmp_path / "long.tsv"),
                    "--valid", str(tmp_path / "long.tsv"), "--out", str(tmp_path / "out"),
-                   "--mode", "mita", "--steps", "1", "--batch-size", "2", "--setting", "32x64"])
+                   "--mode", mode, "--steps", "1", "--batch-size", "2", "--setting", "32x64"])
     assert record["steps"] == 1 and record["valid"]["rows"] == 4
+    assert record["train_tokens"]["max"] == record["train_tokens"]["limit"] == 4096  # cut
     assert record["last_loss"] == record["last_loss"]  # a number: the backward ran
 
 
