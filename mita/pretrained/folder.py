@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .hf_attention import PretrainedSetting, use_attention
+from .hf_attention import PretrainedSetting, setting_of, use_attention
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
@@ -85,21 +85,29 @@ def _model_class(config, kind: str):
 
 
 def load_classifier(path: str | Path, attention: str, labels: list[str] | None = None,
-                    setting: PretrainedSetting | None = None, device="cpu"):
+                    setting: PretrainedSetting | None = None, device="cpu", seed: int = 0):
     """The folder's model with a classification head, offline, in eval mode, attention
     ``"mita"`` or ``"dense"`` (``use_attention``), and its tokenizer (None for an image model).
 
     ``labels``: the data's label names; a head trained on other labels is refused, an
     untrained one is sized to them (``id2label`` / ``label2id`` written the transformers way).
     ``setting``: the MiTA setting (default: the folder's ``config.mita``, else
-    ``default_setting``). Raises ValueError (``folder_kind``'s, an architecture without
-    AttentionInterface, a head/label mismatch)."""
+    ``default_setting``). ``seed``: a new head's initial weights (the same head for every
+    way of a comparison). The weights are loaded in float32 whatever the folder's dtype (a
+    float16 model fine-tuned in float16 overflows to NaN). Raises ValueError
+    (``folder_kind``'s, an architecture without AttentionInterface, a decoder, a head/label
+    mismatch, a bad ``mita`` setting in its config, weights that do not read)."""
     from transformers import AutoConfig, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded
     kind = folder_kind(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     cls = _model_class(config, kind)
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{path}: a decoder or cross-attention config (is_decoder / "
+                         "add_cross_attention): MiTA here is bidirectional self-attention")
+    if getattr(config, "mita", None) is not None:
+        setting_of(config)  # a bad saved setting, refused by name before loading
     have = trained_labels(config)
     if labels is not None:
         if have is not None and sorted(have) != sorted(labels):
@@ -113,9 +121,15 @@ def load_classifier(path: str | Path, attention: str, labels: list[str] | None =
         setting = default_setting(config, kind)
     # an untrained head sized to the data's labels: its saved (default, 2-label) weights
     # are replaced, as transformers does for a new head
-    model = cls.from_pretrained(path, config=config, local_files_only=True,
-                                attn_implementation="sdpa",
-                                ignore_mismatched_sizes=have is None and labels is not None)
+    torch.manual_seed(seed)
+    try:
+        model = cls.from_pretrained(path, config=config, local_files_only=True,
+                                    attn_implementation="sdpa", dtype=torch.float32,
+                                    ignore_mismatched_sizes=have is None and labels is not None)
+    except Exception as e:  # safetensors' and transformers' own errors on bad weights
+        if isinstance(e, ValueError):
+            raise
+        raise ValueError(f"{path}: its weights do not load ({type(e).__name__}: {e})") from None
     use_attention(model, attention, setting)
     tokenizer = None if kind == "image" else AutoTokenizer.from_pretrained(
         path, local_files_only=True)
@@ -138,7 +152,15 @@ def max_tokens(model) -> int:
     c = model.config
     if hasattr(c, "image_size"):
         return (c.image_size // c.patch_size) ** 2 + 1
+    if c.model_type in OFFSET_POSITIONS:  # positions start after the padding index
+        return int(c.max_position_embeddings) - int(c.pad_token_id) - 1
     return int(c.max_position_embeddings)
+
+
+# Models whose position ids start at pad_token_id + 1 (RoBERTa's scheme): 514 positions hold
+# 512 tokens.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm",
+                    "data2vec-text", "xmod")
 
 
 def pixel_batch(rows: list[list[int]], config) -> Tensor:

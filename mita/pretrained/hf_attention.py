@@ -159,7 +159,8 @@ def key_padding_mask(attention_mask: Tensor | None, batch: int, n: int) -> Tenso
         return ~mask.bool()
     if mask.dim() != 4 or mask.shape[0] != batch or mask.shape[-1] != n:
         raise ValueError(f"MiTA takes a (B, N) padding mask or a 4-D padding mask; got "
-                         f"{tuple(mask.shape)} for ({batch}, {n})")
+                         f"{tuple(mask.shape)} for ({batch}, {n}) — an attention bias (e.g. "
+                         "a relative position bias) cannot be added to MiTA's joint softmax")
     if mask.dtype != torch.bool:
         keep = mask > torch.finfo(mask.dtype).min / 2
         if bool((mask[keep] != 0).any()):
@@ -194,6 +195,9 @@ def mita_attention_forward(module, query: Tensor, key: Tensor, value: Tensor,
         return dense_attention_forward(module, query, key, value, attention_mask,
                                        dropout=dropout, scaling=scaling, is_causal=is_causal,
                                        sliding_window=sliding_window, **kwargs)
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+        raise ValueError(f"MiTA is self-attention: {type(module).__name__} is a "
+                         "cross-attention layer")
     if is_causal or getattr(module, "is_causal", False):
         raise ValueError(f"MiTA attention is bidirectional: {type(module).__name__} is a "
                          "causal (decoder) layer")

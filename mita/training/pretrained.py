@@ -17,6 +17,7 @@ and plot in ``OUT/compare.{md,json,png}`` as for the product's own model.
 from __future__ import annotations
 
 import json
+import math
 import platform
 import random
 import statistics
@@ -38,26 +39,42 @@ WAYS = ("dense", "drop-in", "fine-tuned", "mita")
 DEFAULT_LR = 5e-5  # fine-tuning a pretrained encoder (BERT's recipe); --lr overrides
 
 
-def encode(examples: list[labelled.Example], tokenizer, kind: str, limit: int) -> list[list[int]]:
-    """Each example's model input: text through ``tokenizer`` (special tokens added, cut to
-    ``limit`` tokens), ids rows as they are (checked against the vocabulary), image rows as
-    they are. Raises ValueError naming the file and line of an id outside the vocabulary or
-    a text row for an image model."""
-    out = []
+def encode(examples: list[labelled.Example], tokenizer, kind: str, limit: int,
+           pixels: int | None = None) -> tuple[list[list[int]], int]:
+    """Each example's model input and how many were cut: text through ``tokenizer`` (special
+    tokens added, cut to ``limit`` tokens), ids rows cut to ``limit`` (checked against the
+    vocabulary), image rows as they are (``pixels`` = image_size² pixel ids 1 … 256 each).
+    Raises ValueError naming the file and line of an id outside the vocabulary, a text row
+    for an image model, an image row of another size or with a value that is not a pixel."""
+    out, cut = [], 0
     for ex in examples:
+        where = f"{ex.path}:{ex.line}"
         if kind == "image":
             if ex.text is not None:
-                raise ValueError(f"{ex.path}:{ex.line}: a text row for an image model")
+                raise ValueError(f"{where}: a text row for an image model")
+            if len(ex.ids) != pixels:
+                raise ValueError(f"{where}: an image row of {len(ex.ids)} pixels; the model "
+                                 f"takes {math.isqrt(pixels)}×{math.isqrt(pixels)} images "
+                                 f"({pixels} pixel ids)")
+            if max(ex.ids) > 256:
+                raise ValueError(f"{where}: pixel id {max(ex.ids)} is not a grey value + 1 "
+                                 "(1 … 256)")
             out.append(list(ex.ids))
-        elif ex.text is not None:
-            out.append(tokenizer(ex.text, truncation=True, max_length=limit)["input_ids"])
+            continue
+        if ex.text is not None:
+            ids = tokenizer(ex.text, truncation=False)["input_ids"]
         else:
-            bad = [i for i in ex.ids if not 0 <= i < len(tokenizer)]
+            ids = list(ex.ids)
+            bad = [i for i in ids if not 0 <= i < len(tokenizer)]
             if bad:
-                raise ValueError(f"{ex.path}:{ex.line}: id {bad[0]} is outside the model's "
-                                 f"vocabulary (0 … {len(tokenizer) - 1})")
-            out.append(list(ex.ids)[:limit])
-    return out
+                raise ValueError(f"{where}: id {bad[0]} is outside the model's vocabulary "
+                                 f"(0 … {len(tokenizer) - 1})")
+        if len(ids) > limit:
+            cut += 1
+            ids = (tokenizer(ex.text, truncation=True, max_length=limit)["input_ids"]
+                   if ex.text is not None else ids[:limit])
+        out.append(ids)
+    return out, cut
 
 
 def train(model, rows, labels, steps: int, batch_size: int, lr: float, seed: int,
@@ -83,6 +100,9 @@ def train(model, rows, labels, steps: int, batch_size: int, lr: float, seed: int
             opt.step()
             sched.step()
             step, loss = step + 1, loss_t.item()
+            if not math.isfinite(loss):
+                raise ValueError(f"the training loss is {loss} at step {step} (lr {lr:g}): "
+                                 "lower --lr")
             if step >= steps:
                 break
             if time.perf_counter() - t0 > 60 * time_budget_min:
@@ -123,28 +143,68 @@ def forward_ms(model, n: int, pad_id, seed: int = 0) -> float:
     return statistics.median(times)
 
 
-def _setting(args, kind) -> PretrainedSetting | None:
-    if args.setting is None and args.landmark_grid is None:
+# The product's own encoder's flags: they mean nothing for a pretrained model and are refused
+# when given with --model rather than silently ignored.
+OWN_ENCODER_FLAGS = ("--dim", "--depth", "--num-heads", "--ffn-dim", "--num-landmarks",
+                     "--topk", "--route-topk", "--class-weight", "--truncate", "--task-name",
+                     "--eval-every")
+
+
+def _setting(args, kind: str, config) -> PretrainedSetting | None:
+    """The setting of ``--setting``, ``--landmark-grid`` and ``--shared-scale`` (None: the
+    folder's own, else ``default_setting``). Images keep their patch grid unless
+    ``--landmark-grid`` says otherwise. Raises ValueError: a grid for a text model, a grid of
+    more cells than the model has patches."""
+    from ..pretrained.folder import default_setting
+
+    if args.setting is None and args.landmark_grid is None and args.shared_scale == "paper":
         return None
-    m, k, s = parse_setting(args.setting) if args.setting else (25 if kind == "image" else 16,
-                                                                 ) * 2 + (1,)
+    if kind == "text" and args.landmark_grid is not None:
+        raise ValueError("--landmark-grid is for image models (a text model pools in 1-D)")
+    base = default_setting(config, kind)
+    grid = args.landmark_grid or base.landmark_grid
+    if grid is not None and kind == "image":
+        side = config.image_size // config.patch_size
+        if grid[0] * grid[1] > side * side:
+            raise ValueError(f"--landmark-grid {grid[0]}x{grid[1]} has more cells than the "
+                             f"model's {side}×{side} patches")
+    m, k, s = parse_setting(args.setting) if args.setting else (
+        base.num_landmarks, base.topk, base.route_topk)
     return PretrainedSetting(num_landmarks=m, topk=k, route_topk=s,
-                             shared_scale=args.shared_scale, landmark_grid=args.landmark_grid)
+                             shared_scale=args.shared_scale, landmark_grid=grid)
 
 
 def main(p, args, argv) -> dict:
     """``python -m mita.training --model DIR --train FILE …`` (``p``: the parser, for its
     errors: a bad folder, data, setting or head/label mismatch is a usage error naming it)."""
+    import sys
+
+    given = [a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])]
     for flag in ("resume", "init", "subword_vocab", "vocab_size", "keep_ways"):
         if getattr(args, flag) not in (None, False):
             p.error(f"--{flag.replace('_', '-')} is not for --model (a pretrained model "
                     "brings its own tokenizer and weights)")
+    for flag in OWN_ENCODER_FLAGS:
+        if flag in given:
+            p.error(f"{flag} is for the product's own encoder, not for --model (its MiTA "
+                    "setting: --setting MxK[xS], --landmark-grid, --shared-scale)")
+    if "--mode" in given and args.mode == "mixed":
+        p.error("--mode mixed trains the product's own encoder with both attentions; with "
+                "--model: --mode dense or mita, or --compare")
+    if args.finetune_share is not None and not args.compare:
+        p.error("--finetune-share is the fine-tuned way's share of --compare")
+    if args.valid is not None and args.valid_share is not None:
+        p.error("--valid and --valid-share: give one (a validation file, or a share of "
+                "--train)")
     if args.mode == "mixed":
         args.mode = "dense" if args.compare else "mita"
     lr = args.lr if args.lr is not None else DEFAULT_LR
     try:
         kind = folder_kind(args.model)
-        setting = _setting(args, kind)
+        from transformers import AutoConfig
+
+        setting = _setting(args, kind, AutoConfig.from_pretrained(args.model,
+                                                                  local_files_only=True))
         train_file = labelled.read_file(args.train)
         valid_file = labelled.read_file(args.valid, like=train_file) if args.valid else None
         if valid_file is None:
@@ -153,23 +213,45 @@ def main(p, args, argv) -> dict:
         else:
             train_ex, valid_ex = train_file.examples, valid_file.examples
         names = labelled.label_order({ex.label for ex in train_ex})
+        if len(names) < 2:
+            raise ValueError(f"{args.train}: one class only ({names[0]!r}): there is nothing "
+                             "to classify")
         for ex in valid_ex:
             if ex.label not in names:
                 raise labelled.unknown_label(ex, names, str(args.train))
-        base, tokenizer = load_classifier(args.model, "dense", names, setting)
+        base, tokenizer = load_classifier(args.model, "dense", names, setting, seed=args.seed)
         names = [base.config.id2label[i] for i in range(base.config.num_labels)]
-        limit = min(args.max_len or max_tokens(base), max_tokens(base))
+        most = max_tokens(base)
+        if args.max_len is not None and args.max_len > most:
+            raise ValueError(f"--max-len {args.max_len}: the model's positions allow {most} "
+                             "tokens")
+        limit = args.max_len or most
+        pixels = base.config.image_size ** 2 if kind == "image" else None
         index = {n: i for i, n in enumerate(names)}
-        rows, val_rows = (encode(e, tokenizer, kind, limit) for e in (train_ex, valid_ex))
+        (rows, cut), (val_rows, val_cut) = (encode(e, tokenizer, kind, limit, pixels)
+                                            for e in (train_ex, valid_ex))
         y, y_val = ([index[ex.label] for ex in e] for e in (train_ex, valid_ex))
         args.out.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as e:
         p.error(str(e))
+    if cut or val_cut:
+        print(f"cut to {limit} tokens (the tokenizer's truncation: the end dropped): "
+              f"{cut} of {len(rows)} training rows, {val_cut} of {len(val_rows)} validation "
+              "rows")
     pad_id = None if tokenizer is None else tokenizer.pad_token_id
     budget = dict(steps=args.steps, batch_size=args.batch_size, lr=lr, seed=args.seed,
                   time_budget_min=args.time_budget_min, pad_id=pad_id)
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, base, tokenizer, names, rows, y, val_rows, y_val, budget,
+                    {"limit": limit, "cut_train_rows": cut, "cut_valid_rows": val_cut})
+    except ValueError as e:  # a loss that is not finite
+        p.error(str(e))
+
+
+def _run(args, argv, base, tokenizer, names, rows, y, val_rows, y_val, budget, cuts) -> dict:
+    pad_id, lr = budget["pad_id"], budget["lr"]
     if not args.compare:
         use_attention(base, args.mode)
         run = train(base, rows, y, **budget)
@@ -178,7 +260,7 @@ def main(p, args, argv) -> dict:
         lengths = sorted(len(r) for r in rows)
         record = {"model": str(args.model), "mode": args.mode, **run, "lr": lr,
                   "train_tokens": {"p50": lengths[len(lengths) // 2], "max": lengths[-1],
-                                   "limit": limit},
+                                   **cuts},
                   "seed": args.seed, "batch_size": args.batch_size, "valid": sc,
                   "warnings": score_warnings(sc), "command": _command(argv)}
         _save(base, tokenizer, args.out, record)
@@ -196,12 +278,12 @@ def compare(args, dense, tokenizer, names, rows, y, val_rows, y_val, budget, arg
     runs = {"dense": train(dense, rows, y, **budget)}
     drop_in = dense  # the same weights, switched: saved and scored before fine-tuning on
     setting = setting_of(dense.config)  # every way: the setting the dense model was given
-    fine, _ = load_classifier(args.model, "mita", names, setting)
+    fine, _ = load_classifier(args.model, "mita", names, setting, seed=args.seed)
     fine.load_state_dict(dense.state_dict())
     use_attention(fine, "mita")
     runs["fine-tuned"] = train(fine, rows, y, **(budget | {"steps": fine_steps}))
     runs["fine-tuned"]["steps"] += runs["dense"]["steps"]
-    mita, _ = load_classifier(args.model, "mita", names, setting)
+    mita, _ = load_classifier(args.model, "mita", names, setting, seed=args.seed)
     runs["mita"] = train(mita, rows, y, **budget)
     lengths = sorted(len(r) for r in val_rows)
     n50, n99 = lengths[len(lengths) // 2], lengths[min(len(lengths) - 1,

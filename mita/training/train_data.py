@@ -413,8 +413,10 @@ def markdown(report: dict) -> str:
     kept = [r for r in report["rows"] if r["checkpoint"] is not None
             and not (r["way"] == "mixed" and r["attention"] == "dense")]
     if kept and "model" in report:  # a transformers model's ways (mita.training.pretrained)
-        lines += ["", "The weights of each way, each a transformers model folder "
-                  "(`from_pretrained`, with its MiTA setting in `config.json`):", ""]
+        lines += ["", "The weights of each way, each a transformers model folder with its "
+                  "MiTA setting in `config.json` (`register()`, then `from_pretrained(FOLDER, "
+                  "attn_implementation=\"mita\")`; without it transformers loads dense SDPA):",
+                  ""]
         lines += [f"- {r['way']}: `{r['checkpoint']}`" for r in kept]
     elif kept:
         lines += ["", "The weights of each way, each a checkpoint the service serves "

@@ -125,3 +125,72 @@ def test_refusals_are_usage_errors_naming_the_problem(tmp_path, text_rows, capsy
         main([*argv, "--train", str(text_rows / "train.tsv"), "--out", str(tmp_path / "o")])
     assert e.value.code == 2
     assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+
+
+def test_a_float16_folder_fine_tunes_in_float32_and_heads_are_seeded(tmp_path, text_rows):
+    # a float16 model fine-tuned in float16 went to NaN weights with exit 0 (a new user's
+    # report); the new head was drawn unseeded, so two ways of --compare started apart
+    from transformers import BertForSequenceClassification
+
+    half = folders.bert(tmp_path / "bert")
+    BertForSequenceClassification.from_pretrained(half).half().save_pretrained(half)
+    out = tmp_path / "out"
+    main(["--model", str(half), "--train", str(text_rows / "train.tsv"), "--valid",
+          str(text_rows / "valid.tsv"), "--out", str(out), "--compare", "--steps", "1",
+          "--batch-size", "4", "--lr", "1e-12"])
+    ways = {w: load_file(out / "ways" / w / "model.safetensors") for w in ("dense", "mita")}
+    for w in ways.values():
+        assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in w.values())
+    # the same seed, the same initial head: one step at lr 1e-12 moves it by ~1e-12
+    head = "classifier.weight"
+    assert (ways["dense"][head] - ways["mita"][head]).abs().max() < 1e-6
+    assert ways["dense"][head].abs().max() > 1e-3
+
+
+def test_text_is_cut_to_the_positions_and_the_cut_counted(tmp_path, text_rows):
+    model = folders.bert(tmp_path / "bert", max_positions=64)
+    record = main(["--model", str(model), "--train", str(text_rows / "train.tsv"), "--out",
+                   str(tmp_path / "o"), "--mode", "dense", "--steps", "1"])
+    tokens = record["train_tokens"]
+    assert tokens["limit"] == 64 and tokens["max"] == 64 and tokens["cut_train_rows"] > 0
+
+
+def test_roberta_positions_hold_two_fewer_tokens():
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from mita.pretrained.folder import max_tokens
+
+    cfg = RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32,
+                        max_position_embeddings=514, pad_token_id=1)
+    assert max_tokens(RobertaForSequenceClassification(cfg)) == 512
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "{bert}", "--num-landmarks", "4"], "--num-landmarks is for the product's own "
+                                                    "encoder"),
+    (["--model", "{bert}", "--mode", "mixed"], "--mode mixed trains the product's own"),
+    (["--model", "{bert}", "--finetune-share", "0.5"], "--finetune-share is the fine-tuned"),
+    (["--model", "{bert}", "--landmark-grid", "4x4"], "--landmark-grid is for image models"),
+    (["--model", "{vit}", "--landmark-grid", "9x9"], "more cells than the model's 7×7"),
+    (["--model", "{bert}", "--max-len", "600"], "--max-len 600: the model's positions allow "
+                                                "512"),
+    (["--model", "{decoder}"], "a decoder or cross-attention config"),
+    (["--model", "{vit}", "--train", "{big}"], r"big\.jsonl:\d: an image row of 784 pixels; "
+                                               r"the model takes 14×14 images"),
+    (["--model", "{bert}", "--train", "{one}"], r"one class only \('a'\)"),
+])
+def test_more_refusals(tmp_path, text_rows, capsys, argv, message):
+    made = {"bert": folders.bert(tmp_path / "bert"), "vit": folders.vit(tmp_path / "vit"),
+            "decoder": folders.bert(tmp_path / "decoder", is_decoder=True),
+            "big": tmp_path / "big.jsonl", "one": tmp_path / "one.tsv"}
+    made["big"].write_text("".join(json.dumps({"ids": [1 + i] * 784, "label": "xy"[i % 2]})
+                                   + "\n" for i in range(6)))
+    made["one"].write_text("label\ttext\n" + "a\tsome text here\n" * 6)
+    argv = [a.format(**made) for a in argv]
+    if "--train" not in argv:
+        argv += ["--train", str(text_rows / "train.tsv")]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", str(tmp_path / "o"), "--steps", "1"])
+    assert e.value.code == 2
+    assert pytest.importorskip("re").search(message, capsys.readouterr().err)
