@@ -94,6 +94,26 @@ def setting_name(m: int, k: int, s: int, shared_scale: str) -> str:
     gateway looks it up in one: ``setting_name(16, 16, 1, "paper")`` = ``"m16 k16 s1 paper"``."""
     return f"m{m} k{k} s{s} {shared_scale}"
 
+def check_grid(grid, num_landmarks: int, max_len: int | None = None,
+               prefix: str = "") -> tuple[int, int]:
+    """The one check of a 2-D landmark grid (``ModelConfig`` and
+    ``mita.pretrained.PretrainedSetting``): two ints ≥ 1 (H, W) — a JSON list is taken — with
+    at most ``max_len`` cells, and m = ``num_landmarks`` a perfect square (2-D pooling to
+    p × p, §3.2). Returns the grid as a tuple. Raises ValueError, its message led by
+    ``prefix`` (``"config field "`` for a checkpoint's config)."""
+    if (not isinstance(grid, (list, tuple)) or len(grid) != 2
+            or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in grid)):
+        raise ValueError(f"{prefix}'landmark_grid' must be null or two ints ≥ 1 (H, W), got "
+                         f"{grid!r}")
+    if max_len is not None and grid[0] * grid[1] > max_len:
+        raise ValueError(f"{prefix}'landmark_grid' {list(grid)} has more cells than "
+                         f"'max_len' ({max_len})")
+    if math.isqrt(num_landmarks) ** 2 != num_landmarks:
+        raise ValueError(f"{prefix}'landmark_grid' needs 'num_landmarks' to be a perfect "
+                         f"square (2-D pooling to p×p), got {num_landmarks}")
+    return tuple(grid)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Model hyper-parameters; round-trips through ``config.json``.
@@ -147,18 +167,9 @@ class ModelConfig:
             self._check_grid()
 
     def _check_grid(self) -> None:
-        grid = self.landmark_grid
-        if (not isinstance(grid, (list, tuple)) or len(grid) != 2
-                or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in grid)):
-            raise ValueError(f"config field 'landmark_grid' must be null or two ints ≥ 1 "
-                             f"(H, W), got {grid!r}")
-        if grid[0] * grid[1] > self.max_len:
-            raise ValueError(f"config field 'landmark_grid' {list(grid)} has more cells than "
-                             f"'max_len' ({self.max_len})")
-        if math.isqrt(self.num_landmarks) ** 2 != self.num_landmarks:
-            raise ValueError(f"config field 'landmark_grid' needs 'num_landmarks' to be a "
-                             f"perfect square (2-D pooling to p×p), got {self.num_landmarks}")
-        object.__setattr__(self, "landmark_grid", tuple(grid))  # JSON gives a list
+        grid = check_grid(self.landmark_grid, self.num_landmarks, self.max_len,
+                          "config field ")
+        object.__setattr__(self, "landmark_grid", grid)  # JSON gives a list
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``, validated again (ValueError)."""

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..attention import mita_attention
-from ..config import check_backend, check_setting
+from ..config import check_backend, check_grid, check_setting
 from ..hooks import NULL_HOOK, StageHook
 
 # The product's attention names → transformers' ``attn_implementation`` names.
@@ -65,17 +65,9 @@ class PretrainedSetting:
     def __post_init__(self):
         check_setting(self.num_landmarks, self.topk, self.route_topk, self.shared_scale)
         check_backend(self.backend)
-        grid = self.landmark_grid
-        if grid is not None:
-            if (not isinstance(grid, (list, tuple)) or len(grid) != 2
-                    or any(not isinstance(x, int) or isinstance(x, bool) or x < 1
-                           for x in grid)):
-                raise ValueError(f"'landmark_grid' must be null or two ints ≥ 1 (H, W), "
-                                 f"got {grid!r}")
-            if math.isqrt(self.num_landmarks) ** 2 != self.num_landmarks:
-                raise ValueError(f"'landmark_grid' needs 'num_landmarks' to be a perfect "
-                                 f"square (2-D pooling to p×p), got {self.num_landmarks}")
-            object.__setattr__(self, "landmark_grid", tuple(grid))
+        if self.landmark_grid is not None:
+            object.__setattr__(self, "landmark_grid",
+                               check_grid(self.landmark_grid, self.num_landmarks))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -92,12 +84,6 @@ class PretrainedSetting:
         if unknown:
             raise ValueError(f"unknown MiTA setting field(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
-
-    @property
-    def name(self) -> str:
-        grid = "" if self.landmark_grid is None else " grid {}x{}".format(*self.landmark_grid)
-        return (f"m{self.num_landmarks} k{self.topk} s{self.route_topk} "
-                f"{self.shared_scale}{grid}")
 
 
 def setting_of(config) -> PretrainedSetting:

@@ -35,7 +35,6 @@ from ..tools.scores import classification_scores, score_warnings
 from .fit import length_batches, one_cycle
 from .train_data import TIMING_REPEATS, markdown, write_compare
 
-WAYS = ("dense", "drop-in", "fine-tuned", "mita")
 DEFAULT_LR = 5e-5  # fine-tuning a pretrained encoder (BERT's recipe); --lr overrides
 
 
