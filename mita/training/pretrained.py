@@ -20,7 +20,6 @@ import json
 import math
 import platform
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from ..pretrained import PretrainedSetting, setting_of, use_attention
 from ..pretrained.folder import folder_kind, load_classifier, logits, max_tokens
 from ..tools.scores import classification_scores, score_warnings
 from .fit import length_batches, one_cycle
-from .train_data import TIMING_REPEATS, markdown, write_compare
+from .train_data import add_retention, markdown, median_ms, way_row, write_compare
 
 DEFAULT_LR = 5e-5  # fine-tuning a pretrained encoder (BERT's recipe); --lr overrides
 
@@ -133,13 +132,7 @@ def forward_ms(model, n: int, pad_id, seed: int = 0) -> float:
     row = (torch.randint(1, 257, (c.image_size ** 2,), generator=g) if hasattr(c, "image_size")
            else torch.randint(1000 if c.vocab_size > 2000 else 1, c.vocab_size, (n,),
                               generator=g)).tolist()
-    logits(model, [row], pad_id)
-    times = []
-    for _ in range(TIMING_REPEATS):
-        t0 = time.perf_counter()
-        logits(model, [row], pad_id)
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return median_ms(lambda: logits(model, [row], pad_id))
 
 
 # The product's own encoder's flags: they mean nothing for a pretrained model and are refused
@@ -298,21 +291,10 @@ def compare(args, dense, tokenizer, names, rows, y, val_rows, y_val, budget, arg
         run = runs.get(way, runs["dense"])
         _save(model, tokenizer, folder, {"way": way, "attention": attention, **run,
                                          "valid": sc, "command": _command(argv)})
-        out_rows.append({
-            "way": way, "attention": attention, "steps": run["steps"] if way != "drop-in" else
-            runs["dense"]["steps"], "accuracy": sc["accuracy"],
-            "accuracy_se": sc["accuracy_se"], "macro_f1": sc["macro_f1"],
-            "macro_f1_se": sc["macro_f1_se"], "balanced_accuracy": sc["balanced_accuracy"],
-            "balanced_accuracy_se": sc["balanced_accuracy_se"],
-            "f1_per_class": {r["label"]: r["f1"] for r in sc["per_class"]},
-            "agreement": sum(a == b for a, b in zip(pred, ref, strict=True)) / len(pred),
-            "forward_ms_p50": forward_ms(model, n50, pad_id),
-            "forward_ms_p99": forward_ms(model, n99, pad_id),
-            "stopped_by_time_budget": run["stopped_by_time_budget"],
-            "warnings": score_warnings(sc), "checkpoint": str(folder)})
-    for r in out_rows:
-        r["retention"] = r["accuracy"] / out_rows[0]["accuracy"] if out_rows[0]["accuracy"] \
-            else None
+        ms = (forward_ms(model, n50, pad_id), forward_ms(model, n99, pad_id))
+        out_rows.append(way_row(way, attention, run["steps"], sc, pred, ref, ms,
+                                run["stopped_by_time_budget"], folder))
+    add_retention(out_rows)
     sc = classification_scores(y_val, ref, names)
     report = {"model": str(args.model), "setting": setting.to_dict(), "rows": out_rows,
               "lengths": {"p50": n50, "p99": n99},

@@ -280,14 +280,45 @@ def forward_ms(model: EncoderClassifier, n: int, seed: int = 0) -> float:
     mask = torch.zeros_like(ids, dtype=torch.bool)
     was = model.training
     model.eval()
-    model(ids, mask)
+    ms = median_ms(lambda: model(ids, mask))
+    model.train(was)
+    return ms
+
+
+def median_ms(call) -> float:
+    """Median wall time (ms) of ``TIMING_REPEATS`` calls of ``call()``, after one warm-up
+    call: the forward times of both comparisons (this one and ``training.pretrained``'s)."""
+    call()
     times = []
     for _ in range(TIMING_REPEATS):
         t0 = time.perf_counter()
-        model(ids, mask)
+        call()
         times.append(1e3 * (time.perf_counter() - t0))
-    model.train(was)
     return statistics.median(times)
+
+
+def way_row(way: str, attention: str, steps: int, sc: dict, pred: list[int], ref: list[int],
+            ms: tuple[float, float], stopped: bool, checkpoint: Path | None) -> dict:
+    """One way's row of a comparison's report (``markdown``, ``write_compare``): its scores
+    ``sc`` (``classification_scores``), its agreement with the dense way's predictions
+    ``ref``, forward ms at the validation lengths' p50 and p99, whether the time budget
+    stopped it and where its weights are (``retention``: ``add_retention``)."""
+    return {"way": way, "attention": attention, "steps": steps,
+            "accuracy": sc["accuracy"], "accuracy_se": sc["accuracy_se"],
+            "macro_f1": sc["macro_f1"], "macro_f1_se": sc["macro_f1_se"],
+            "balanced_accuracy": sc["balanced_accuracy"],
+            "balanced_accuracy_se": sc["balanced_accuracy_se"],
+            "f1_per_class": {r["label"]: r["f1"] for r in sc["per_class"]},
+            "agreement": sum(a == b for a, b in zip(pred, ref, strict=True)) / len(pred),
+            "forward_ms_p50": ms[0], "forward_ms_p99": ms[1],
+            "stopped_by_time_budget": stopped, "warnings": score_warnings(sc),
+            "checkpoint": None if checkpoint is None else str(checkpoint)}
+
+
+def add_retention(rows: list[dict]) -> None:
+    """Each row's ``retention``: its accuracy / the first (dense) row's, None when that is 0."""
+    for r in rows:
+        r["retention"] = r["accuracy"] / rows[0]["accuracy"] if rows[0]["accuracy"] else None
 
 
 def compare(cfg: ModelConfig, run: Run, train, val, data: labelled.Dataset, share: float,
@@ -349,20 +380,10 @@ def compare(cfg: ModelConfig, run: Run, train, val, data: labelled.Dataset, shar
                 save_way(model, folder, task, data.labels, {
                     "mode": way, "steps": steps_run, "seed": run.seed,
                     "valid_accuracy": sc["accuracy"], "budget_stop": stop})
-        rows.append({"way": way, "attention": attention, "steps": steps_run,
-                     "accuracy": sc["accuracy"], "accuracy_se": sc["accuracy_se"],
-                     "macro_f1": sc["macro_f1"], "macro_f1_se": sc["macro_f1_se"],
-                     "balanced_accuracy": sc["balanced_accuracy"],
-                     "balanced_accuracy_se": sc["balanced_accuracy_se"],
-                     "f1_per_class": {r["label"]: r["f1"] for r in sc["per_class"]},
-                     "agreement": sum(a == b for a, b in zip(pred, ref, strict=True)) / len(val),
-                     "forward_ms_p50": timing[attention][n50],
-                     "forward_ms_p99": timing[attention][n99],
-                     "stopped_by_time_budget": results[way].budget_stop is not None,
-                     "warnings": score_warnings(sc),
-                     "checkpoint": None if folder is None else str(folder)})
-    for r in rows:
-        r["retention"] = r["accuracy"] / rows[0]["accuracy"] if rows[0]["accuracy"] else None
+        rows.append(way_row(way, attention, steps_run, sc, pred, ref,
+                            (timing[attention][n50], timing[attention][n99]),
+                            results[way].budget_stop is not None, folder))
+    add_retention(rows)
     report = {"rows": rows, "lengths": {"p50": n50, "p99": n99}, "budget": {
         "steps": run.steps, "time_budget_min": run.time_budget_min,
         "finetune_steps": steps, "batch_size": run.batch_size, "seed": run.seed},
