@@ -26,13 +26,16 @@ from itertools import chain
 from mita.data.labelled import DataFile
 
 SEPARATOR = " "  # between two text rows; ids rows have no separator id, so none
+# Target tokenizers whose token count of a text only the model knows (N counts characters):
+# the product's sentencepiece and a pretrained model's own (transformers).
+SUBWORD = ("sentencepiece", "transformers")
 GENERATED = {"source": "generated", "text": "real ListOps (generate_long)", "unit": "tokens"}
 # What N counts, per unit, in the report's words.
 UNIT_NOTES = {
     "ids": "N ids, each a token",
     "bytes": "N UTF-8 bytes, each a token of the byte-level tokenizer; a cut never splits a "
              "character, so a sequence may be up to 3 bytes short of N",
-    "characters": "N characters: the target's sentencepiece tokenizer makes its tokens of "
+    "characters": "N characters: the target's subword tokenizer makes its tokens of "
                   "them and only the model knows how many, so N counts characters sent and "
                   "the served n column the tokens the model read, from the answers' n",
 }
@@ -62,7 +65,7 @@ def input_unit(models: dict, data: DataFile | None) -> str:
         return "tokens"
     if data.kind == "ids":
         return "ids"
-    return "characters" if models["task"]["tokenizer"]["kind"] == "sentencepiece" else "bytes"
+    return "characters" if models["task"]["tokenizer"]["kind"] in SUBWORD else "bytes"
 
 
 def join_rows(rows: list, n: int, start: int, unit: str) -> Joined:
@@ -210,7 +213,13 @@ def refusal(models: dict, ns: list[int], data: DataFile | None) -> str | None:
                     f"must have exactly {h * w} tokens, and --n {wrong} would be refused: pass "
                     f"--n {h * w}")
     max_n = (models.get("ab_policy") or {}).get("max_n")
-    characters = data is not None and data.kind == "text" and tok["kind"] == "sentencepiece"
+    characters = data is not None and data.kind == "text" and tok["kind"] in SUBWORD
+    positions = task.get("positions")  # a pretrained model's
+    if positions is not None and not characters:
+        over = " ".join(str(n) for n in sorted(served) if served[n] > positions)
+        if over:
+            return (f"--n {over} is above the target model's {positions} positions (its "
+                    f"gateway refuses longer sequences): pass --n up to {positions}")
     if max_n is not None and not characters:  # N characters: the token count is not known
         over = " ".join(str(n) for n in sorted(served) if served[n] > max_n)
         if over:
@@ -245,6 +254,13 @@ def warnings(models: dict, ns: list[int], unit: str) -> list[str]:
     if unit == "characters" and top is None and beyond:
         out.append(f"N = {beyond} characters may make more tokens than the target's max_n = "
                    f"{max_n}: such requests are refused (422) and count as errors")
+    positions = task.get("positions")
+    longer = ", ".join(str(n) for n in sorted(set(ns)) if positions is not None
+                       and n > positions)
+    if unit == "characters" and longer:
+        out.append(f"N = {longer} characters may make more tokens than the target model's "
+                   f"{positions} positions: such requests are refused (422) and count as "
+                   "errors")
     return out
 
 

@@ -214,7 +214,10 @@ def checkpoint_config(folder: str | Path, meta: dict | None = None,
 
 def checkpoint_metadata(folder: str | Path) -> dict:
     """The parsed ``config.json`` of a checkpoint: ``config`` (an object), ``weights_sha256``
-    and training metadata (``training``, an object, when present).
+    and training metadata (``training``, an object, when present). A transformers model
+    folder (a ``config.json`` with ``model_type``) is read by
+    ``mita.pretrained.served.folder_metadata`` (needs the ``pretrained`` extra), which adds
+    ``pretrained``.
 
     Raises: FileNotFoundError without the file; ValueError (naming the file) when it is not
     UTF-8 JSON, repeats a key, nests too deeply, or has not that shape."""
@@ -225,6 +228,10 @@ def checkpoint_metadata(folder: str | Path) -> dict:
         meta = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
         raise ValueError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'})") from None
+    if isinstance(meta, dict) and "model_type" in meta and "config" not in meta:
+        from .pretrained.served import folder_metadata  # torch and transformers: only here
+
+        return folder_metadata(folder)
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
         raise ValueError(f"{path}: expected an object with a 'config' object")
     if not isinstance(meta.get("training", {}), dict):

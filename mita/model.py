@@ -165,6 +165,8 @@ def set_mita_backend(model: nn.Module, backend: str) -> None:
     for module in model.modules():
         if isinstance(module, MiTAAttention):
             module.backend = backend
+    if hasattr(model, "set_mita_backend"):  # mita.pretrained.served.PretrainedClassifier
+        model.set_mita_backend(backend)
 
 
 def _sha256(path: Path) -> str:
@@ -190,6 +192,8 @@ def save_checkpoint(model: EncoderClassifier, folder: str | Path, **extra) -> Pa
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
                     **overrides) -> EncoderClassifier:
     """Load a checkpoint folder; ``overrides`` replace config fields (e.g. ``attention``).
+    A transformers model folder loads as a ``mita.pretrained.served.PretrainedClassifier``
+    (same forward interface; ``overrides`` set its attention and MiTA setting).
 
     Raises:
         FileNotFoundError: missing ``config.json`` or ``model.safetensors``.
@@ -200,11 +204,16 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     """
     folder = Path(folder)
     cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    for p in (cfg_path, weights_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"checkpoint file missing: {p}")
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {cfg_path}")
     meta = checkpoint_metadata(folder)
     cfg = checkpoint_config(folder, meta, **overrides)
+    if "pretrained" in meta:  # a transformers model folder: its own loading and checks
+        from .pretrained.served import load_served
+
+        return load_served(folder, meta, cfg, device)
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {weights_path}")
     expected = meta.get("weights_sha256")
     actual = _sha256(weights_path)
     if expected != actual:

@@ -189,7 +189,9 @@ def profile_forward(model: EncoderClassifier, ids: torch.Tensor,
             logits = model(ids, key_padding_mask, hook=timer)
     batch, n = ids.shape
     dtype = next(model.parameters()).dtype
-    flops, activation_bytes = _forward_cost(model.config, batch, n, dtype)
+    # a pretrained image model sees patches, not the pixel ids sent (PretrainedClassifier)
+    tokens = model.model_tokens(n) if hasattr(model, "model_tokens") else n
+    flops, activation_bytes = _forward_cost(model.config, batch, tokens, dtype)
     return logits, timer.result(flops=flops, activation_bytes=activation_bytes,
                                 dtype=str(dtype).removeprefix("torch."), batch_size=batch,
                                 padded_n=n, staged=not replayed, cuda_graph=replayed)

@@ -152,7 +152,8 @@ def _advise(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         pick_device(a.device, "the advisor", auto=False)
         cfg = advise_config.AdviseConfig(
             checkpoint=a.checkpoint, ns=ns, grid=grid, constraint=constraint, data=a.data,
-            data_format=a.data_format or ("own" if "task" in meta else "lra"),
+            data_format=a.data_format or ("own" if "task" in meta or "pretrained" in meta
+                                          else "lra"),
             size=a.size, min_length=a.min_length,
             max_length=a.max_length, seed=a.seed, device=a.device, dtype=a.dtype,
             mita_backend=a.mita_backend, repeats=a.repeats, budget_s=60 * a.budget_min,

@@ -213,6 +213,10 @@ def run_advise(cfg: AdviseConfig, fresh: bool = False) -> dict:
     meta = checkpoint_metadata(checkpoint_folder(cfg.checkpoint))
     model_cfg = meta["config"]
     task = load_task(cfg.checkpoint)
+    for n in cfg.ns:  # a grid model takes H·W tokens, a pretrained one its positions
+        why = task.length_refusal(n)
+        if why is not None:
+            raise ValueError(f"--n {n}: {why}")
     data = load_data(cfg, model_cfg["num_classes"],
                      Vocabulary(model_cfg["vocab_size"], model_cfg["pad_id"]), task)
     labels = np.array([y for _, y in data])

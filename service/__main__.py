@@ -62,6 +62,11 @@ def describe(task: Task) -> str:
     """What ``task``'s application classifies, for the start banner's list."""
     if task.listops:
         what = "ListOps expressions"
+    elif task.architecture is not None:  # a pretrained transformers model
+        what = (f"{task.grid[0]}×{task.grid[1]} images ({task.grid[0] ** 2} pixel ids)"
+                if task.grid is not None else
+                f"text (its own tokenizer) or token ids, at most {task.positions} tokens")
+        what = f"{task.architecture}: {what}"
     elif task.grid is not None:
         h, w = task.grid
         what = f"{h}×{w} grids of token ids ({h * w} tokens)"

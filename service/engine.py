@@ -248,7 +248,8 @@ class ClassifierEngine:
         self.backend = mita_backend
         # Unstaged forwards replay CUDA graphs per input shape (service.graphs; CUDA only).
         # The PyTorch MiTA stages read the device from the host (not capturable): no graphs.
-        capturable = attention == "dense" or mita_backend != "torch"
+        capturable = (attention == "dense" or mita_backend != "torch") and getattr(
+            self.model, "cuda_graph_safe", True)
         self.graphs = (GraphCache(self.model)
                        if cuda_graphs and capturable and self.device.type == "cuda" else None)
         # mita.attention's choice for inference: the Triton launcher, whose top-k path is
@@ -278,6 +279,8 @@ class ClassifierEngine:
             "torch_threads": torch.get_num_threads(),
             "config": dataclasses.asdict(self.model.config),  # what is served, setting included
             "training": meta.get("training", {}),
+            # a transformers model folder: architecture, text or image, MiTA setting
+            "pretrained": meta.get("pretrained"),
         }
 
     def fused(self) -> bool:

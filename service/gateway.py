@@ -115,6 +115,7 @@ class Gateway:
         # handle.classify makes a new handle on every access: made once here.
         self._classify_calls = {v: h.classify for v, h in self.handles.items()}
         self.task, self.vocab = task, task.vocab
+        task.tokenizer.warm()  # a pretrained model's tokenizer loads here, not in a request
         self.config = GatewayConfig()
         context = serve.get_replica_context()
         self.live = LiveConfig(GatewayConfig, f"deployment {context.deployment!r} user_config",

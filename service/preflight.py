@@ -331,7 +331,7 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
     from .routing import check_warm_start
 
     for app in config.applications:
-        a, cfg, _ = served_config(app.args or {})
+        a, cfg, task = served_config(app.args or {})
         try:
             check_warm_start(gateway_config(app), setting_name(
                 cfg.num_landmarks, cfg.topk, cfg.route_topk, cfg.shared_scale))
@@ -341,7 +341,8 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
         checkpoint = a.checkpoint
         model = load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
         max_n = gateway_config(app).max_n
-        if model.config.max_len < max_n:
+        # a pretrained model's positions refuse longer requests with a 422 of their own
+        if task.positions is None and model.config.max_len < max_n:
             raise ValueError(f"checkpoint {checkpoint}: its max_len ({model.config.max_len}) "
                              f"is below the Gateway's max_n ({max_n}): requests between "
                              f"them would be accepted and then fail; lower max_n")

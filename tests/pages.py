@@ -200,6 +200,21 @@ README_COMMANDS = {
     "python -m mita.training --model DIR --train FILE": (
         "test", "tests/no_ray/test_pretrained_training.py::test_one_run_each_way_text_and_"
                 "image"),
+    ".venv/bin/python -m mita.training --model $MINILM --train examples/austen-persuasion.tsv "
+    "--valid examples/austen-persuasion-valid.tsv --out runs/own-data --mode mita --steps 200 "
+    "--batch-size 16": (
+        "test", "tests/service/test_pretrained_service.py (the same file and --mode, a tiny "
+                "BERT and budget, served at /bert; the real MiniLM's serving: "
+                "tests/no_ray/test_pretrained_minilm.py)"),
+    "curl -s -X POST http://127.0.0.1:8000/own/v1/classify -H 'content-type: application/json' "
+    "-d '{\"text\": \"Captain Wentworth wrote to Anne while she spoke with Captain "
+    "Harville.\"}'": (
+        "test", "tests/service/test_pretrained_service.py::test_text_is_classified_by_both_"
+                "variants_with_label_names (text at the folder's application)"),
+    ".venv/bin/python -m profiler advise runs/own-data --data "
+    "examples/austen-persuasion-valid.tsv --n 128 256 512 --out runs/advise-minilm": (
+        "test", "tests/no_ray/test_pretrained_served.py::test_the_advisor_runs_on_a_folder "
+                "(a tiny BERT, the same kind of file)"),
 }
 
 

@@ -23,22 +23,26 @@ def tokenizer(folder: Path):
     return tok
 
 
+def head(labels) -> dict:
+    """Config fields of a head trained on ``labels`` (None: transformers' untrained default)."""
+    return {} if labels is None else {"id2label": dict(enumerate(labels)),
+                                      "label2id": {n: i for i, n in enumerate(labels)}}
+
+
 def bert(folder: Path, labels=None, seed: int = 0, max_positions: int = 512, **config):
     """A 2-layer BERT (hidden 32, 4 heads) with its tokenizer; ``labels``: a trained head's."""
     from transformers import BertConfig, BertForSequenceClassification
 
     tok = tokenizer(folder)
     torch.manual_seed(seed)
-    extra = {} if labels is None else {"id2label": dict(enumerate(labels)),
-                                       "label2id": {n: i for i, n in enumerate(labels)}}
     cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
                      num_attention_heads=4, intermediate_size=64,
-                     max_position_embeddings=max_positions, **extra, **config)
+                     max_position_embeddings=max_positions, **head(labels), **config)
     BertForSequenceClassification(cfg).save_pretrained(folder)
     return folder
 
 
-def modernbert(folder: Path, seed: int = 0, max_positions: int = 4096):
+def modernbert(folder: Path, seed: int = 0, max_positions: int = 4096, labels=None):
     """A 3-layer ModernBERT (global attention every 3rd layer, local window 16) with 8K-style
     long positions, and the character tokenizer."""
     from transformers import ModernBertConfig, ModernBertForSequenceClassification
@@ -50,13 +54,14 @@ def modernbert(folder: Path, seed: int = 0, max_positions: int = 4096):
                            max_position_embeddings=max_positions, global_attn_every_n_layers=3,
                            local_attention=16, pad_token_id=tok.pad_token_id,
                            cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id,
-                           bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
+                           bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id,
+                           **head(labels))
     ModernBertForSequenceClassification(cfg).save_pretrained(folder)
     return folder
 
 
 def vit(folder: Path, seed: int = 0, deit: bool = False, image_size: int = 14,
-        patch_size: int = 2):
+        patch_size: int = 2, labels=None):
     """A 2-layer ViT (or DeiT with its distillation token) over ``image_size``² grey images in
     ``patch_size``² patches: a 7 × 7 patch grid by default, grey values on 3 channels."""
     from transformers import (
@@ -70,7 +75,8 @@ def vit(folder: Path, seed: int = 0, deit: bool = False, image_size: int = 14,
     config, model = (DeiTConfig, DeiTForImageClassification) if deit else (
         ViTConfig, ViTForImageClassification)
     cfg = config(image_size=image_size, patch_size=patch_size, hidden_size=32,
-                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 **head(labels))
     folder.mkdir(parents=True, exist_ok=True)
     model(cfg).save_pretrained(folder)
     return folder

@@ -24,7 +24,10 @@ class Task:
     """``name``; ``labels``: class index → name; ``tokenizer``; ``max_length`` and
     ``truncate``: the training length and the end cut off longer sequences (None: no limit
     was set); ``vocab``: the ids the model takes; ``grid``: the (H, W) token grid of a model
-    with 2-D landmark pooling (every sequence then has exactly H·W tokens), else None."""
+    with 2-D landmark pooling (every sequence then has exactly H·W tokens), else None.
+    A pretrained transformers model (``mita.pretrained.served``): ``architecture`` its
+    class name, ``positions`` the most tokens its position embeddings take (a longer
+    sequence is refused, not cut), ``grid`` an image model's (S, S) pixels."""
 
     name: str
     labels: tuple[str, ...]
@@ -33,13 +36,24 @@ class Task:
     max_length: int | None = None
     truncate: str | None = None
     grid: tuple[int, int] | None = None
+    architecture: str | None = None
+    positions: int | None = None
 
     @property
     def listops(self) -> bool:
         return self.tokenizer.kind == "listops"
 
     def length_refusal(self, n: int) -> str | None:
-        """Why a sequence of ``n`` tokens cannot be classified by a grid model, or None."""
+        """Why a sequence of ``n`` tokens (after the cut) cannot be classified, or None: a
+        grid model takes exactly H·W tokens, a pretrained model at most its ``positions``."""
+        if self.positions is not None and n > self.positions:
+            return (f"sequence length N = {n} exceeds this model's {self.positions} positions "
+                    f"({self.architecture}'s position embeddings)")
+        if self.grid is not None and self.architecture is not None and n != self.grid[0] ** 2:
+            side = self.grid[0]
+            return (f"this model ({self.architecture}) classifies {side}×{side} images: a "
+                    f"sequence must have exactly {side * side} pixel ids (grey value + 1, "
+                    f"row by row), got {n}")
         if self.grid is not None and n != self.grid[0] * self.grid[1]:
             h, w = self.grid
             return (f"this model classifies {h}×{w} grids (2-D landmark pooling): a sequence "
@@ -91,7 +105,8 @@ class Task:
                 "tokenizer": self.tokenizer.spec() | {"vocab_size": self.vocab.size},
                 "takes_text": self.tokenizer.takes_text, "max_length": self.max_length,
                 "truncate": self.truncate,
-                "grid": list(self.grid) if self.grid is not None else None}
+                "grid": list(self.grid) if self.grid is not None else None,
+                "architecture": self.architecture, "positions": self.positions}
 
 
 def label_maps(labels) -> dict:
@@ -105,6 +120,10 @@ def checkpoint_task(meta: dict, cfg: ModelConfig, folder=".") -> Task:
     (``checkpoint_metadata``), ``cfg`` its ``ModelConfig``. Raises ValueError (naming the
     file) when ``task`` is malformed or does not fit the model (label count against
     ``num_classes``, tokenizer vocabulary against ``vocab_size``)."""
+    if "pretrained" in meta:  # a transformers model folder (checkpoint_metadata)
+        from ..pretrained.served import folder_task
+
+        return folder_task(meta, cfg, folder)
     where = f"{folder}/{CONFIG_FILE}"
     vocab = Vocabulary(cfg.vocab_size, cfg.pad_id)
     spec = meta.get("task")

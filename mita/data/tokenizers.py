@@ -9,6 +9,10 @@
   SentencePiece's unigram model, set to round-trip every text exactly: no normalisation, no
   added or removed spaces, bytes for what its pieces do not cover); id 0 padding. Its model
   file lies beside the checkpoint's config.json (``SUBWORD_FILE``).
+- ``transformers``: a pretrained transformers model's own tokenizer (``AutoTokenizer`` of its
+  folder, special tokens added, as ``python -m mita.training --model`` tokenized its rows;
+  ``mita.pretrained.served``); its padding id is the tokenizer's. Never in a spec: the
+  folder's tokenizer files are the spec.
 
 A spec is a small JSON object, ``{"kind": "bytes"}``, ``{"kind": "ids", "vocab_size": V}``,
 ``{"kind": "listops"}``, ``{"kind": "sentencepiece", "file": "tokenizer.model", "vocab_size":
@@ -39,6 +43,7 @@ class Tokenizer:
     kind: str
     vocab_size: int
     model: bytes | None = field(default=None, repr=False)
+    folder: str | None = None  # a transformers model folder (kind "transformers")
 
     @cached_property
     def _subword(self):
@@ -46,8 +51,21 @@ class Tokenizer:
 
         return sentencepiece.SentencePieceProcessor(model_proto=self.model)
 
+    @cached_property
+    def _transformers(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+
+    def warm(self) -> None:
+        """Load what ``encode`` needs now (a pretrained model's tokenizer: seconds, with
+        transformers' import), not in the first request."""
+        if self.kind == "transformers":
+            self._transformers  # noqa: B018 (a cached property: loaded once)
+
     def __getstate__(self):  # pickled to the gateway's replica without the processor
-        return {k: v for k, v in self.__dict__.items() if k != "_subword"}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_subword", "_transformers")}
 
     @property
     def vocab(self) -> Vocabulary:
@@ -69,6 +87,8 @@ class Tokenizer:
             return listops.encode(text)
         if self.kind == "sentencepiece":
             return list(self._subword.encode(text))
+        if self.kind == "transformers":  # not cut: a sequence over the positions is refused
+            return self._transformers(text, truncation=False, verbose=False)["input_ids"]
         raise ValueError("this model takes token ids ('ids'), not text: it was trained on "
                          "ids, so it has no tokenizer for text")
 
@@ -76,6 +96,8 @@ class Tokenizer:
         """The JSON object ``from_spec`` reads back."""
         if self.kind == "sentencepiece":
             return {"kind": self.kind, "file": SUBWORD_FILE, "vocab_size": self.vocab_size}
+        if self.kind == "transformers":
+            return {"kind": self.kind, "class": type(self._transformers).__name__}
         return {"kind": self.kind} | ({"vocab_size": self.vocab_size}
                                       if self.kind == "ids" else {})
 
@@ -85,6 +107,8 @@ class Tokenizer:
             return bytes(i - 1 for i in ids).decode("utf-8")
         if self.kind == "sentencepiece":
             return self._subword.decode([int(i) for i in ids])
+        if self.kind == "transformers":
+            return self._transformers.decode([int(i) for i in ids])
         raise ValueError(f"a {self.kind} tokenizer does not decode here")
 
 

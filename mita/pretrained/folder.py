@@ -148,10 +148,11 @@ def default_setting(config, kind: str) -> PretrainedSetting:
 
 def max_tokens(model) -> int:
     """The longest sequence the model's positions allow (``max_position_embeddings``; image
-    models: their patches and prefix tokens)."""
-    c = model.config
+    models: their patches and prefix tokens — the class token, and DeiT's distillation
+    token). ``model``: a transformers model or its config."""
+    c = getattr(model, "config", model)
     if hasattr(c, "image_size"):
-        return (c.image_size // c.patch_size) ** 2 + 1
+        return (c.image_size // c.patch_size) ** 2 + (2 if c.model_type == "deit" else 1)
     if c.model_type in OFFSET_POSITIONS:  # positions start after the padding index
         return int(c.max_position_embeddings) - int(c.pad_token_id) - 1
     return int(c.max_position_embeddings)

@@ -102,3 +102,43 @@ def test_the_stage_benchmark_script_runs_and_tables_every_stage(tmp_path, monkey
                - mita["total"]) < 1e-6
     assert -1 <= out["drop_in"][0]["cosine_min"] <= out["drop_in"][0]["cosine_mean"] < 1
     assert "| 64 | mita | m4 k4 s1 |" in (tmp_path / "minilm_stages.md").read_text()
+
+
+def test_minilm_fine_tuned_is_served_and_refused_untrained(tmp_path):
+    """The real MiniLM through the serving code: its shipped folder has no trained head, so
+    deploy refuses it; fine-tuned a few steps on 16 real rows (``--mode mita``), the service's
+    engine serves it — the dense variant's probabilities are the softmax of transformers'
+    own SDPA logits on the same weights (1e-5, as above); the task's labels are the head's
+    ``id2label`` and its limit MiniLM's 512 positions."""
+    import numpy as np
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from mita.training.train import main as train_main
+    from service.app import served_config
+    from service.engine import ClassifierEngine
+
+    path = minilm.get_model_path()
+    with pytest.raises(ValueError, match="its classification head is untrained"):
+        served_config({"checkpoint": str(path)})
+    sample = Path(__file__).resolve().parents[2] / "examples" / "austen-persuasion.tsv"
+    lines = sample.read_text().splitlines()
+    rows = [r for r in lines[1:] if r.startswith("Persuasion")][:8] + [
+        r for r in lines[1:] if r.startswith("other")][:8]
+    (tmp_path / "train.tsv").write_text("\n".join([lines[0]] + rows) + "\n")
+    out = tmp_path / "minilm"
+    train_main(["--model", str(path), "--train", str(tmp_path / "train.tsv"), "--out", str(out),
+                "--mode", "mita", "--steps", "2", "--batch-size", "4", "--max-len", "128",
+                "--setting", "8x8"])
+    _, cfg, task = served_config({"checkpoint": str(out)})
+    assert task.labels == ("Persuasion", "other") and task.positions == 512
+    assert (cfg.dim, cfg.depth, cfg.num_heads, cfg.num_landmarks) == (384, 6, 12, 8)
+    text = rows[0].split("\t", 1)[1][:300]
+    ids = np.array(AutoTokenizer.from_pretrained(out)(text)["input_ids"])
+    dense = ClassifierEngine(str(out), "dense", "cpu", dtype="float32").run([ids])[0]
+    model = AutoModelForSequenceClassification.from_pretrained(out, attn_implementation="sdpa")
+    with torch.no_grad():
+        want = torch.softmax(model.eval()(input_ids=torch.from_numpy(ids)[None]).logits
+                             .double(), -1)[0]
+    assert dense["probabilities"] == pytest.approx(want.tolist(), abs=1e-5)
+    mita = ClassifierEngine(str(out), "mita", "cpu", dtype="float32").run([ids])[0]
+    assert mita["label"] in (0, 1) and mita["n"] == len(ids)

@@ -107,7 +107,8 @@ def test_a_users_checkpoint_answers_with_label_names_beside_listops(service, own
     assert task == {"name": "austen-512", "labels": labels,
                     "tokenizer": {"kind": "sentencepiece", "file": "tokenizer.model",
                                   "vocab_size": 400}, "takes_text": True,
-                    "max_length": MAX_LEN, "truncate": "tail", "grid": None}
+                    "max_length": MAX_LEN, "truncate": "tail", "grid": None,
+                    "architecture": None, "positions": None}
     # the ListOps application at / is unchanged, and names its labels by their values
     r = c.post("/v1/classify", json={"text": "[MAX 2 9 ]"})
     assert r.status_code == 200 and r.json()["label_name"] == str(r.json()["label"])
