@@ -71,6 +71,25 @@ def _hf_config(folder: Path):
                          f"({type(e).__name__}: {e})"[:400]) from None
 
 
+def measured_config(config, setting: PretrainedSetting, attention: str = "mita") -> dict:
+    """The ``ModelConfig`` fields a transformers model (its ``config``) is measured as: the
+    analytic FLOPs, activation memory and the top-k choice read hidden size, layers, heads,
+    FFN width, classes and the MiTA ``setting``. Text: its vocabulary, padding id and
+    positions; image: pixel ids 1 … 256 (257 ids, never padded) and image_size² of them."""
+    image = hasattr(config, "image_size")
+    dim = config.hidden_size
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None)
+    return {"vocab_size": 257 if image else int(config.vocab_size),
+            "num_classes": int(config.num_labels),
+            "pad_id": 0 if image else int(config.pad_token_id or 0),
+            "dim": int(dim), "depth": int(config.num_hidden_layers),
+            "num_heads": int(config.num_attention_heads), "ffn_dim": int(ffn or 4 * dim),
+            "max_len": config.image_size ** 2 if image else max_tokens(config),
+            "attention": attention, "num_landmarks": setting.num_landmarks,
+            "topk": setting.topk, "route_topk": setting.route_topk,
+            "shared_scale": setting.shared_scale, "landmark_grid": setting.landmark_grid}
+
+
 def folder_metadata(folder: str | Path) -> dict:
     """The ``checkpoint_metadata`` of a transformers model folder (module docstring).
     Raises ValueError naming the folder: ``folder_kind``'s refusals, an untrained head, a
@@ -87,19 +106,8 @@ def folder_metadata(folder: str | Path) -> dict:
     saved = getattr(config, CONFIG_KEY, None)
     setting = setting_of(config) if saved is not None else default_setting(config, kind)
     positions = max_tokens(config)
-    dim = config.hidden_size
-    ffn = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None)
     side = config.image_size if kind == "image" else None
-    cfg = {"vocab_size": 257 if kind == "image" else int(config.vocab_size),
-           "num_classes": len(labels),
-           # image rows are pixel ids 1 … 256, never padded; text pads with the model's id
-           "pad_id": 0 if kind == "image" else int(config.pad_token_id or 0),
-           "dim": int(dim), "depth": int(config.num_hidden_layers),
-           "num_heads": int(config.num_attention_heads), "ffn_dim": int(ffn or 4 * dim),
-           "max_len": side * side if kind == "image" else positions,
-           "attention": "mita", "num_landmarks": setting.num_landmarks, "topk": setting.topk,
-           "route_topk": setting.route_topk, "shared_scale": setting.shared_scale,
-           "landmark_grid": setting.landmark_grid}
+    cfg = measured_config(config, setting)
     ModelConfig.from_dict(cfg)  # refused here, naming the field, not in a replica
     training = {}
     if (folder / TRAINING_FILE).is_file():

@@ -199,11 +199,17 @@ def test_ties_past_the_window_take_one_pass_from_theta(kernels, monkeypatch):
     """Where the window (keys 0 … 223) holds fewer ties than needed — its keys are distinct
     and low-scoring, and the 2,744 keys from 256 on one tied high-scoring vector — the landmark
     is flagged 2 and the fallback launch takes one pass from θ: the lowest-index ties, exact
-    (keys 256 … 305), never the 32-pass bisection."""
+    (keys 256 … 305), never the 32-pass bisection.
+
+    The landmarks are small integers and the tied vector all ones, so every tied score is an
+    exact float sum whatever order a dot product adds in: with fractional values the
+    interpreter's numpy matmul rounds the same dot differently at different positions of a
+    tile on some CPUs (SIMD paths), and the "ties" differed in their last bit."""
     _, topk_module = kernels
     monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 4)
     g = torch.Generator().manual_seed(6)
-    landmarks = torch.rand(1, 1, 3, 16, generator=g) + 0.5  # positive: the tied vector wins
+    # positive integers: the tied vector wins, its score exact
+    landmarks = torch.randint(1, 4, (1, 1, 3, 16), generator=g).float()
     k = torch.randn(1, 1, 3000, 16, generator=g) * 0.1
     k[:, :, 256:] = 1.0
     got, flag = run_plans(topk_module, landmarks, k, 50)

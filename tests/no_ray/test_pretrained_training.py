@@ -56,6 +56,10 @@ def test_compare_runs_the_four_ways_on_one_budget(tmp_path, text_rows):
     assert json.loads((out / "compare.json").read_text())["rows"][0]["way"] == "dense"
     assert (out / "compare.png").stat().st_size > 1000
     assert "transformers model folder" in (out / "compare.md").read_text()
+    # the activation estimate at the p99 length: dense holds N × N scores per head, MiTA not
+    assert 0 < rows["mita"]["activation_bytes_p99"] < rows["dense"]["activation_bytes_p99"]
+    assert rows["drop-in"]["activation_bytes_p99"] == rows["mita"]["activation_bytes_p99"]
+    assert "activation memory at N = " in (out / "compare.md").read_text()
     weights = {w: load_file(out / "ways" / w / "model.safetensors") for w in rows}
     key = "bert.encoder.layer.0.attention.self.query.weight"
     assert torch.equal(weights["drop-in"][key], weights["dense"][key])  # swapped, untrained
