@@ -9,6 +9,7 @@ module: every layer above reads its rules from here."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import operator
@@ -215,9 +216,7 @@ def checkpoint_config(folder: str | Path, meta: dict | None = None,
 def checkpoint_metadata(folder: str | Path) -> dict:
     """The parsed ``config.json`` of a checkpoint: ``config`` (an object), ``weights_sha256``
     and training metadata (``training``, an object, when present). A transformers model
-    folder (a ``config.json`` with ``model_type``) is read by
-    ``mita.pretrained.served.folder_metadata`` (needs the ``pretrained`` extra), which adds
-    ``pretrained``.
+    folder (a ``config.json`` with ``model_type``): ``pretrained_metadata``.
 
     Raises: FileNotFoundError without the file; ValueError (naming the file) when it is not
     UTF-8 JSON, repeats a key, nests too deeply, or has not that shape."""
@@ -229,11 +228,164 @@ def checkpoint_metadata(folder: str | Path) -> dict:
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
         raise ValueError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'})") from None
     if isinstance(meta, dict) and "model_type" in meta and "config" not in meta:
-        from .pretrained.served import folder_metadata  # torch and transformers: only here
-
-        return folder_metadata(folder)
+        return pretrained_metadata(folder, meta)
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
         raise ValueError(f"{path}: expected an object with a 'config' object")
     if not isinstance(meta.get("training", {}), dict):
         raise ValueError(f"{path}: 'training' must be an object")
     return meta
+
+
+# A transformers model folder (config.json with ``model_type``, as ``save_pretrained`` writes
+# it) is read here, without transformers or torch, so the service's start-up, its gateway and
+# the advisor take it as a checkpoint; ``mita.pretrained.served`` loads its weights.
+PRETRAINED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PRETRAINED_TOKENIZER = "tokenizer.json"  # the model's fast tokenizer, special tokens included
+PRETRAINED_TRAINING = "training.json"  # python -m mita.training --model's record
+# config.json's names of what ModelConfig reads: transformers' own, then DistilBERT's
+_PRETRAINED_FIELDS = {"dim": ("hidden_size", "dim"), "depth": ("num_hidden_layers", "n_layers"),
+                      "num_heads": ("num_attention_heads", "n_heads"),
+                      "ffn_dim": ("intermediate_size", "hidden_dim")}
+# Models whose position ids start at pad_token_id + 1 (RoBERTa's scheme): 514 positions hold
+# 512 tokens.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm",
+                    "data2vec-text", "xmod")
+PRETRAINED_SETTING_FIELDS = ("num_landmarks", "topk", "route_topk", "shared_scale",
+                             "landmark_grid", "backend")
+
+
+def pretrained_positions(raw: dict) -> int:
+    """The most tokens a transformers model takes (``raw``: its config as a dict): text, its
+    ``max_position_embeddings`` (RoBERTa's offset taken off); image, its patches and prefix
+    tokens (the class token, DeiT's distillation token)."""
+    if "image_size" in raw:
+        side = raw["image_size"] // raw["patch_size"]
+        return side * side + (2 if raw.get("model_type") == "deit" else 1)
+    n = int(raw["max_position_embeddings"])
+    return n - int(raw["pad_token_id"]) - 1 if raw.get("model_type") in OFFSET_POSITIONS else n
+
+
+def default_pretrained_setting(raw: dict) -> dict:
+    """A transformers model's MiTA setting when it has none: images, m = k = 25 (the paper's
+    DeiT, §4.1) over the patch grid (m = 4 for grids under 10 × 10); text, m = k = 16, 1-D
+    pooling."""
+    if "image_size" in raw:
+        side = raw["image_size"] // raw["patch_size"]
+        m = 25 if side >= 10 else 4
+        grid = (side, side)
+    else:
+        m, grid = 16, None
+    return {"num_landmarks": m, "topk": m, "route_topk": 1, "shared_scale": "paper",
+            "landmark_grid": grid, "backend": "auto"}
+
+
+def pretrained_setting(raw: dict, where: str = "config") -> dict:
+    """The MiTA setting of a transformers config (its ``mita`` entry, else
+    ``default_pretrained_setting``), checked: ``check_setting``, ``check_backend``,
+    ``check_grid``. Raises ValueError naming ``where`` and the field."""
+    setting = raw.get("mita")
+    if setting is None:
+        return default_pretrained_setting(raw)
+    if not isinstance(setting, dict) or set(setting) - set(PRETRAINED_SETTING_FIELDS):
+        raise ValueError(f"{where}: 'mita' must be an object with fields "
+                         f"{list(PRETRAINED_SETTING_FIELDS)}, got {setting!r:.120}")
+    out = default_pretrained_setting({}) | {"landmark_grid": None} | setting
+    try:
+        check_setting(out["num_landmarks"], out["topk"], out["route_topk"],
+                      out["shared_scale"])
+        check_backend(out["backend"])
+        if out["landmark_grid"] is not None:
+            out["landmark_grid"] = check_grid(out["landmark_grid"], out["num_landmarks"])
+    except ValueError as e:
+        raise ValueError(f"{where}: 'mita' {e}") from None
+    return out
+
+
+def pretrained_model_config(raw: dict, setting: dict, attention: str = "mita") -> dict:
+    """The ``ModelConfig`` fields a transformers model (``raw``: its config as a dict) is
+    measured as — the analytic FLOPs, the activation estimate and the top-k choice read hidden
+    size, layers, heads, FFN width, classes and the MiTA ``setting``. Text: its vocabulary,
+    padding id and positions; image: pixel ids 1 … 256 (257 ids, never padded), image_size²
+    of them. Raises KeyError for a config without those sizes."""
+    image = "image_size" in raw
+
+    def field(name: str) -> int | None:
+        return next((raw[k] for k in _PRETRAINED_FIELDS[name] if raw.get(k) is not None), None)
+    dim = field("dim")
+    if dim is None or field("depth") is None or field("num_heads") is None:
+        raise KeyError("hidden_size, num_hidden_layers or num_attention_heads")
+    return {"vocab_size": 257 if image else int(raw["vocab_size"]),
+            "num_classes": len(raw.get("id2label") or {"0": 0, "1": 1}),
+            "pad_id": 0 if image else int(raw.get("pad_token_id") or 0),
+            "dim": int(dim), "depth": int(field("depth")), "num_heads": int(field("num_heads")),
+            "ffn_dim": int(field("ffn_dim") or 4 * dim),
+            "max_len": raw["image_size"] ** 2 if image else pretrained_positions(raw),
+            "attention": attention, "num_landmarks": setting["num_landmarks"],
+            "topk": setting["topk"], "route_topk": setting["route_topk"],
+            "shared_scale": setting["shared_scale"], "landmark_grid": setting["landmark_grid"]}
+
+
+def pretrained_labels(raw: dict) -> list[str] | None:
+    """A transformers head's label names in index order (``id2label``), or None for
+    transformers' defaults (``LABEL_0``, …: an untrained head)."""
+    id2label = raw.get("id2label") or {}
+    names = [str(id2label.get(str(i), id2label.get(i))) for i in range(len(id2label))]
+    return None if names == [f"LABEL_{i}" for i in range(len(names))] else names
+
+
+def _sha256_files(paths) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def pretrained_metadata(folder: str | Path, raw: dict) -> dict:
+    """``checkpoint_metadata`` of a transformers model folder (``raw``: its config.json):
+    ``config`` the ``pretrained_model_config`` with its MiTA setting, ``weights_sha256`` over
+    its safetensors files, ``training`` its ``training.json`` and ``pretrained``: its
+    ``architecture``, ``model_type``, ``kind`` (text or image), ``labels``, ``positions``,
+    ``image_size`` and ``saved_setting`` (its config's own ``mita``, None without). Raises
+    ValueError naming the folder: no safetensors weights, a text model without tokenizer.json,
+    an untrained head, a decoder or cross-attention config, a bad setting, sizes it lacks."""
+    folder = Path(folder)
+    weights = sorted(folder.glob("*.safetensors"))
+    if not any((folder / w).is_file() for w in PRETRAINED_WEIGHTS) or not weights:
+        raise ValueError(f"{folder}: no weights ({' or '.join(PRETRAINED_WEIGHTS)}; "
+                         "save_pretrained writes them)")
+    kind = "image" if "image_size" in raw and "patch_size" in raw else "text"
+    if kind == "text" and not (folder / PRETRAINED_TOKENIZER).is_file():
+        raise ValueError(f"{folder}: a text model without its tokenizer ({PRETRAINED_TOKENIZER}, "
+                         "the fast tokenizer its save_pretrained writes)")
+    if raw.get("is_decoder") or raw.get("add_cross_attention"):
+        raise ValueError(f"{folder}: a decoder or cross-attention config (is_decoder / "
+                         "add_cross_attention): MiTA here is bidirectional self-attention")
+    labels = pretrained_labels(raw)
+    if labels is None:
+        raise ValueError(f"{folder}: its classification head is untrained (transformers' "
+                         "default labels LABEL_0 …): fine-tune it on your labelled file first, "
+                         f"python -m mita.training --model {folder} --train FILE --out DIR, "
+                         "and serve DIR")
+    setting = pretrained_setting(raw, f"{folder / CONFIG_FILE}")
+    try:
+        cfg = pretrained_model_config(raw, setting)
+        ModelConfig.from_dict(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{folder / CONFIG_FILE}: not a model this product measures ({e})"
+                         ) from None
+    training = {}
+    if (folder / PRETRAINED_TRAINING).is_file():
+        try:
+            training = json.loads((folder / PRETRAINED_TRAINING).read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"{folder / PRETRAINED_TRAINING}: not valid JSON ({e})") from None
+    return {"config": cfg, "weights_sha256": _sha256_files(weights),
+            "training": training if isinstance(training, dict) else {},
+            "pretrained": {"architecture": (raw.get("architectures") or [raw["model_type"]])[0],
+                           "model_type": raw["model_type"], "kind": kind, "labels": labels,
+                           "positions": pretrained_positions(raw),
+                           "image_size": raw.get("image_size") if kind == "image" else None,
+                           "saved_setting": raw.get("mita") and setting}}
+

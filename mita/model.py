@@ -192,8 +192,6 @@ def save_checkpoint(model: EncoderClassifier, folder: str | Path, **extra) -> Pa
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
                     **overrides) -> EncoderClassifier:
     """Load a checkpoint folder; ``overrides`` replace config fields (e.g. ``attention``).
-    A transformers model folder loads as a ``mita.pretrained.served.PretrainedClassifier``
-    (same forward interface; ``overrides`` set its attention and MiTA setting).
 
     Raises:
         FileNotFoundError: missing ``config.json`` or ``model.safetensors``.
@@ -204,16 +202,14 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     """
     folder = Path(folder)
     cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {cfg_path}")
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint file missing: {p}")
     meta = checkpoint_metadata(folder)
+    if "pretrained" in meta:
+        raise ValueError(f"{folder}: a transformers model folder, not this product's "
+                         "checkpoint (service.engine.load_served loads both)")
     cfg = checkpoint_config(folder, meta, **overrides)
-    if "pretrained" in meta:  # a transformers model folder: its own loading and checks
-        from .pretrained.served import load_served
-
-        return load_served(folder, meta, cfg, device)
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {weights_path}")
     expected = meta.get("weights_sha256")
     actual = _sha256(weights_path)
     if expected != actual:

@@ -31,7 +31,7 @@ import torch
 
 from mita.hooks import Cancelled, cancellable
 from mita.kernels import MAX_HEAD_DIM, choose, triton_supported
-from mita.model import checkpoint_metadata, load_checkpoint, set_mita_backend
+from mita.model import checkpoint_config, checkpoint_metadata, load_checkpoint, set_mita_backend
 from mita.timer import profile_forward
 
 from . import resolve_checkpoint
@@ -192,6 +192,22 @@ class HeapTrim:
             self._lock.release()
 
 
+def load_served(folder, device: torch.device | str, attention: str,
+                setting: dict | None = None):
+    """A checkpoint folder's model as the service serves it, ``attention`` with ``setting``
+    (``ModelConfig`` overrides: m, k, s, shared scale): the product's own
+    (``mita.model.load_checkpoint``) or a fine-tuned transformers model folder
+    (``mita.pretrained.served.PretrainedClassifier``, the same forward interface). Raises as
+    ``load_checkpoint``, or ValueError naming a transformers folder it cannot load."""
+    meta = checkpoint_metadata(folder)
+    if "pretrained" not in meta:
+        return load_checkpoint(folder, device=device, attention=attention, **(setting or {}))
+    from mita.pretrained.served import load_served as load_pretrained  # transformers: here
+
+    return load_pretrained(folder, meta, checkpoint_config(folder, meta, attention=attention,
+                                                           **(setting or {})), device)
+
+
 def length_groups(lengths: list[int]) -> list[list[int]]:
     """Indices grouped by power-of-two length bucket (⌈log2 n⌉), so padding at most doubles
     a sequence's length. Deterministic: groups in bucket order, indices ascending."""
@@ -229,8 +245,7 @@ class ClassifierEngine:
         folder = resolve_checkpoint(checkpoint)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_checkpoint(folder, device=self.device, attention=attention,
-                                     **(setting or {}))
+        self.model = load_served(folder, self.device, attention, setting)
         self.model.to(self.dtype)
         if attention == "mita" and self.device.type == "cpu" and mita_backend in ("auto", "cpu"):
             # Load (or build) the compiled kernels here, not in the first request: the wait for

@@ -324,10 +324,10 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
     naming the problem (e.g. a hash mismatch, a ``mita_setting`` the model refuses:
     ``app.served_config``) so the service refuses to start."""
     from mita.config import setting_name
-    from mita.model import load_checkpoint
 
     from . import resolve_checkpoint
     from .app import served_config
+    from .engine import load_served
     from .routing import check_warm_start
 
     for app in config.applications:
@@ -339,7 +339,8 @@ def verify_checkpoints(config: ServeDeploySchema) -> None:
             raise ValueError(f"application {app.name!r} deployment {DEPLOYMENTS['gateway']!r} "
                              f"user_config: {e}") from None
         checkpoint = a.checkpoint
-        model = load_checkpoint(resolve_checkpoint(str(checkpoint)), device="cpu")
+        model = load_served(resolve_checkpoint(str(checkpoint)), "cpu", "mita",
+                            a.mita_setting.overrides())
         max_n = gateway_config(app).max_n
         # a pretrained model's positions refuse longer requests with a 422 of their own
         if task.positions is None and model.config.max_len < max_n:

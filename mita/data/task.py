@@ -10,8 +10,9 @@ named ``"0"`` … ``"C-1"``. No torch: the service's gateway reads it at start-u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..config import CONFIG_FILE, ModelConfig
+from ..config import CONFIG_FILE, PRETRAINED_TOKENIZER, ModelConfig
 from .labelled import TRUNCATE_SIDES, read_file, truncate, unknown_label
 from .tokenizers import LISTOPS, Tokenizer, from_spec
 from .vocab import Vocabulary
@@ -121,9 +122,7 @@ def checkpoint_task(meta: dict, cfg: ModelConfig, folder=".") -> Task:
     file) when ``task`` is malformed or does not fit the model (label count against
     ``num_classes``, tokenizer vocabulary against ``vocab_size``)."""
     if "pretrained" in meta:  # a transformers model folder (checkpoint_metadata)
-        from ..pretrained.served import folder_task
-
-        return folder_task(meta, cfg, folder)
+        return pretrained_task(meta, cfg, folder)
     where = f"{folder}/{CONFIG_FILE}"
     vocab = Vocabulary(cfg.vocab_size, cfg.pad_id)
     spec = meta.get("task")
@@ -161,3 +160,28 @@ def checkpoint_task(meta: dict, cfg: ModelConfig, folder=".") -> Task:
     if not isinstance(name, str) or not name or len(name) > MAX_LABEL_CHARS:
         raise ValueError(f"{where}: task 'name' must be 1-{MAX_LABEL_CHARS} characters")
     return Task(name, tuple(labels), tok, vocab, max_length, side, cfg.landmark_grid)
+
+
+def pretrained_task(meta: dict, cfg: ModelConfig, folder) -> Task:
+    """The ``Task`` of a transformers model folder (``meta``: its ``checkpoint_metadata``,
+    with ``pretrained``): labels from its ``id2label``; text through its own tokenizer
+    (``tokenizer.json``, special tokens added, as ``python -m mita.training --model`` tokenized
+    its rows), at most its ``positions`` tokens — longer is refused, never cut; an image
+    model's rows are image_size² pixel ids. Raises ValueError naming a tokenizer.json that
+    does not load."""
+    p = meta["pretrained"]
+    if p["kind"] == "image":
+        side = p["image_size"]
+        return Task("pretrained-image", tuple(p["labels"]), Tokenizer("ids", cfg.vocab_size),
+                    Vocabulary(cfg.vocab_size, 0), grid=(side, side),
+                    architecture=p["architecture"])
+    path = Path(folder) / PRETRAINED_TOKENIZER
+    tok = Tokenizer("transformers", cfg.vocab_size, path.read_bytes())
+    try:
+        tok.warm()
+    except Exception as e:  # the tokenizers library's own errors on a broken file
+        raise ValueError(f"{path}: not a tokenizer this model's library reads "
+                         f"({type(e).__name__}: {e})"[:400]) from None
+    return Task("pretrained-text", tuple(p["labels"]), tok, Vocabulary(cfg.vocab_size,
+                cfg.pad_id), architecture=p["architecture"], positions=p["positions"])
+

@@ -9,10 +9,10 @@
   SentencePiece's unigram model, set to round-trip every text exactly: no normalisation, no
   added or removed spaces, bytes for what its pieces do not cover); id 0 padding. Its model
   file lies beside the checkpoint's config.json (``SUBWORD_FILE``).
-- ``transformers``: a pretrained transformers model's own tokenizer (``AutoTokenizer`` of its
-  folder, special tokens added, as ``python -m mita.training --model`` tokenized its rows;
-  ``mita.pretrained.served``); its padding id is the tokenizer's. Never in a spec: the
-  folder's tokenizer files are the spec.
+- ``transformers``: a pretrained transformers model's own fast tokenizer (its folder's
+  ``tokenizer.json``, read by the tokenizers library, special tokens added: what
+  ``python -m mita.training --model`` trained on); its padding id is the model's. Never in a
+  spec: the folder's ``tokenizer.json`` is the spec.
 
 A spec is a small JSON object, ``{"kind": "bytes"}``, ``{"kind": "ids", "vocab_size": V}``,
 ``{"kind": "listops"}``, ``{"kind": "sentencepiece", "file": "tokenizer.model", "vocab_size":
@@ -37,13 +37,13 @@ MAX_IDS_VOCAB_SIZE = 1 << 20  # mita.config.LIMITS["vocab_size"]
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """``kind`` in ``KINDS``; ``vocab_size``: ids 0 … vocab_size − 1, 0 padding; ``model``:
-    a sentencepiece tokenizer's model file (bytes)."""
+    """``kind`` in ``KINDS`` or ``"transformers"``; ``vocab_size``: ids 0 … vocab_size − 1, 0
+    padding (``transformers``: the model's padding id); ``model``: a sentencepiece tokenizer's
+    model file or a transformers ``tokenizer.json`` (bytes)."""
 
     kind: str
     vocab_size: int
     model: bytes | None = field(default=None, repr=False)
-    folder: str | None = None  # a transformers model folder (kind "transformers")
 
     @cached_property
     def _subword(self):
@@ -53,9 +53,12 @@ class Tokenizer:
 
     @cached_property
     def _transformers(self):
-        from transformers import AutoTokenizer
+        import tokenizers
 
-        return AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        tok = tokenizers.Tokenizer.from_str(self.model.decode("utf-8"))
+        tok.no_truncation()  # a sequence past the positions is refused, not cut
+        tok.no_padding()
+        return tok
 
     def warm(self) -> None:
         """Load what ``encode`` needs now (a pretrained model's tokenizer: seconds, with
@@ -88,7 +91,7 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return list(self._subword.encode(text))
         if self.kind == "transformers":  # not cut: a sequence over the positions is refused
-            return self._transformers(text, truncation=False, verbose=False)["input_ids"]
+            return self._transformers.encode(text).ids
         raise ValueError("this model takes token ids ('ids'), not text: it was trained on "
                          "ids, so it has no tokenizer for text")
 
@@ -97,7 +100,7 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return {"kind": self.kind, "file": SUBWORD_FILE, "vocab_size": self.vocab_size}
         if self.kind == "transformers":
-            return {"kind": self.kind, "class": type(self._transformers).__name__}
+            return {"kind": self.kind, "file": "tokenizer.json"}
         return {"kind": self.kind} | ({"vocab_size": self.vocab_size}
                                       if self.kind == "ids" else {})
 
@@ -108,7 +111,7 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return self._subword.decode([int(i) for i in ids])
         if self.kind == "transformers":
-            return self._transformers.decode([int(i) for i in ids])
+            return self._transformers.decode([int(i) for i in ids], skip_special_tokens=False)
         raise ValueError(f"a {self.kind} tokenizer does not decode here")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..config import default_pretrained_setting, pretrained_labels, pretrained_positions
 from .hf_attention import PretrainedSetting, setting_of, use_attention
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -58,9 +59,8 @@ def folder_kind(path: str | Path) -> str:
 
 def trained_labels(config) -> list[str] | None:
     """The head's label names in index order, or None for transformers' defaults
-    (``LABEL_i``: an untrained head)."""
-    names = [config.id2label[i] for i in range(len(config.id2label))]
-    return None if names == [f"LABEL_{i}" for i in range(len(names))] else names
+    (``LABEL_i``: an untrained head); ``mita.config.pretrained_labels``."""
+    return pretrained_labels(config.to_dict())
 
 
 def _model_class(config, kind: str):
@@ -136,32 +136,18 @@ def load_classifier(path: str | Path, attention: str, labels: list[str] | None =
     return model.to(device).eval(), tokenizer
 
 
-def default_setting(config, kind: str) -> PretrainedSetting:
-    """A model's MiTA setting when none is given: images, m = k = 25 (the paper's DeiT, §4.1)
-    over the patch grid (m = 4 for grids under 10 × 10); text, m = k = 16, 1-D pooling."""
-    if kind == "image":
-        side = config.image_size // config.patch_size
-        m = 25 if side >= 10 else 4
-        return PretrainedSetting(num_landmarks=m, topk=m, landmark_grid=(side, side))
-    return PretrainedSetting(num_landmarks=16, topk=16)
+def default_setting(config, kind: str | None = None) -> PretrainedSetting:
+    """A model's MiTA setting when none is given (``mita.config.default_pretrained_setting``):
+    images, m = k = 25 (the paper's DeiT, §4.1) over the patch grid (m = 4 for grids under
+    10 × 10); text, m = k = 16, 1-D pooling."""
+    return PretrainedSetting.from_dict(default_pretrained_setting(config.to_dict()))
 
 
 def max_tokens(model) -> int:
-    """The longest sequence the model's positions allow (``max_position_embeddings``; image
-    models: their patches and prefix tokens — the class token, and DeiT's distillation
-    token). ``model``: a transformers model or its config."""
-    c = getattr(model, "config", model)
-    if hasattr(c, "image_size"):
-        return (c.image_size // c.patch_size) ** 2 + (2 if c.model_type == "deit" else 1)
-    if c.model_type in OFFSET_POSITIONS:  # positions start after the padding index
-        return int(c.max_position_embeddings) - int(c.pad_token_id) - 1
-    return int(c.max_position_embeddings)
-
-
-# Models whose position ids start at pad_token_id + 1 (RoBERTa's scheme): 514 positions hold
-# 512 tokens.
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm",
-                    "data2vec-text", "xmod")
+    """The longest sequence the model's positions allow (``mita.config.pretrained_positions``:
+    ``max_position_embeddings``, RoBERTa's offset taken off; image models: their patches and
+    prefix tokens). ``model``: a transformers model or its config."""
+    return pretrained_positions(getattr(model, "config", model).to_dict())
 
 
 def pixel_batch(rows: list[list[int]], config) -> Tensor:

@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig, parse_setting
+from ..config import ModelConfig, parse_setting, pretrained_model_config
 from ..cost import activation_bytes_estimate
 from ..data import labelled
 from ..pretrained import PretrainedSetting, setting_of, use_attention
 from ..pretrained.folder import folder_kind, load_classifier, logits, max_tokens
-from ..pretrained.served import measured_config
 from ..tools.scores import classification_scores, score_warnings
 from .compare_report import add_retention, markdown, median_ms, way_row, write_compare
 from .fit import length_batches, one_cycle
@@ -296,8 +295,8 @@ def compare(args, dense, tokenizer, names, rows, y, val_rows, y_val, budget, arg
         ms = (forward_ms(model, n50, pad_id), forward_ms(model, n99, pad_id))
         # an image model sees its patches and prefix tokens, not the pixel ids
         tokens = max_tokens(model) if hasattr(model.config, "image_size") else n99
-        memory = activation_bytes_estimate(ModelConfig.from_dict(
-            measured_config(model.config, setting, attention)), 1, tokens)
+        memory = activation_bytes_estimate(ModelConfig.from_dict(pretrained_model_config(
+            model.config.to_dict(), setting.to_dict(), attention)), 1, tokens)
         out_rows.append(way_row(way, attention, run["steps"], sc, pred, ref, ms,
                                 run["stopped_by_time_budget"], folder, memory))
     add_retention(out_rows)

@@ -29,7 +29,7 @@ GROUND = {"mita.config", "mita.hooks"}
 # imports torch: the load tester, every command's argument checks and the gateway's
 # tokenizing import them, and torch takes 1.5-2 s to import.
 TOOLS_LIBRARIES = {"numpy", "tqdm", "matplotlib", "sklearn"}
-DATA_LIBRARIES = {"numpy", "sentencepiece",
+DATA_LIBRARIES = {"numpy", "sentencepiece", "tokenizers",
                   "rdata", "sklearn"}  # the last two: python -m mita.data.datasets only
 STAGE_MODULES = {"mita.stages", "mita.topk"}
 # The dispatcher and its autograd half: the only modules of mita/ above the kernels to import them.

@@ -19,7 +19,7 @@ import pytest
 
 from loadtest.__main__ import main
 from loadtest.engine import Sample
-from loadtest.inputs import build, error_gate, join_rows, refusal, warnings
+from loadtest.inputs import build, error_gate, input_unit, join_rows, refusal, warnings
 from mita.data.labelled import read_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +175,23 @@ def test_what_the_target_takes_passes(files):
     assert refusal(austen, [32768], text) is None
     assert warnings(austen, [1024, 32768], "characters") == [
         "N = 32768 characters may make more tokens than the target's max_n = 16384: such "
+        "requests are refused (422) and count as errors"]
+
+
+def test_a_pretrained_models_positions_refuse_ids_and_warn_for_text(files):
+    """A pretrained transformers target (``positions``, its own tokenizer): N ids past its
+    positions are refused before sending; text rows count N in characters (only its tokenizer
+    knows the tokens), with a warning where N characters may pass the positions."""
+    ids, text = files
+    bert = models("transformers", "pretrained-text", 30522)
+    bert["task"] |= {"architecture": "BertForSequenceClassification", "positions": 512}
+    assert refusal(bert, [256, 600], ids) == (
+        "--n 600 is above the target model's 512 positions (its gateway refuses longer "
+        "sequences): pass --n up to 512")
+    assert refusal(bert, [600], text) is None
+    assert input_unit(bert, text) == "characters" and input_unit(bert, ids) == "ids"
+    assert warnings(bert, [256, 600], "characters") == [
+        "N = 600 characters may make more tokens than the target model's 512 positions: such "
         "requests are refused (422) and count as errors"]
 
 

@@ -133,7 +133,13 @@ def test_minilm_fine_tuned_is_served_and_refused_untrained(tmp_path):
     assert task.labels == ("Persuasion", "other") and task.positions == 512
     assert (cfg.dim, cfg.depth, cfg.num_heads, cfg.num_landmarks) == (384, 6, 12, 8)
     text = rows[0].split("\t", 1)[1][:300]
-    ids = np.array(AutoTokenizer.from_pretrained(out)(text)["input_ids"])
+    auto = AutoTokenizer.from_pretrained(out)
+    ids = np.array(auto(text)["input_ids"])
+    # the gateway's tokenizer (tokenizer.json through the tokenizers library, no transformers)
+    # gives the ids training gave (AutoTokenizer), special tokens, accents and quotes included
+    for t in [text, *(r.split("\t", 1)[1] for r in rows[1:6]),
+              "Naïve café — “Anne’s” letter, 1814!"]:
+        assert task.tokenizer.encode(t) == auto(t)["input_ids"]
     dense = ClassifierEngine(str(out), "dense", "cpu", dtype="float32").run([ids])[0]
     model = AutoModelForSequenceClassification.from_pretrained(out, attn_implementation="sdpa")
     with torch.no_grad():

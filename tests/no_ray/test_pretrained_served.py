@@ -139,7 +139,7 @@ def test_text_is_tokenized_as_training_did_and_positions_refuse(made):
         served_ids(ClassifyRequest(ids=[2, 101]), 16384, task.vocab, task.tokenizer, task)
     assert e.value.status == 422
     assert (cfg.dim, cfg.depth, cfg.num_heads, cfg.ffn_dim) == (32, 2, 4, 64)
-    assert task.info()["tokenizer"] == {"kind": "transformers", "class": "BertTokenizer",
+    assert task.info()["tokenizer"] == {"kind": "transformers", "file": "tokenizer.json",
                                         "vocab_size": 101}
 
 

@@ -108,7 +108,7 @@ def test_models_shows_the_architecture_task_and_setting(service, pretrained_apps
     task = models["task"]
     assert task["labels"] == LABELS and task["positions"] == 512
     assert task["architecture"] == "BertForSequenceClassification"
-    assert task["tokenizer"] == {"kind": "transformers", "class": "BertTokenizer",
+    assert task["tokenizer"] == {"kind": "transformers", "file": "tokenizer.json",
                                  "vocab_size": 101}
     mita = models["variants"]["mita"]
     assert mita["pretrained"]["architecture"] == "BertForSequenceClassification"
