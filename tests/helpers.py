@@ -349,3 +349,25 @@ LOAD_CFG = LoadConfig(url="http://127.0.0.1:8000", ns=[256], variants=["mita"])
 def only_row(samples, cfg=LOAD_CFG):
     (row,) = summarize(samples, cfg)["rows"]
     return row
+
+
+def with_documented_apps(session, checkpoints: dict[str, str]):
+    """The session's config and, beside it, the second application of
+    ``deploy/serve_config.own-data.yaml`` once per ``{route prefix: checkpoint}`` (its
+    replicas asking for no CPU, as the session's: the suite shares two cores)."""
+    from pathlib import Path
+
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.config_file import read_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    raw = session.model_dump(exclude_unset=True)
+    for prefix, checkpoint in checkpoints.items():
+        own = read_yaml(root / "deploy/serve_config.own-data.yaml")["applications"][1]
+        own |= {"name": f"own{prefix.replace('/', '-')}", "route_prefix": prefix}
+        own["args"]["checkpoint"] = str(checkpoint)
+        for d in own["deployments"]:
+            d["ray_actor_options"] = {**d.get("ray_actor_options", {}), "num_cpus": 0}
+        raw["applications"].append(own)
+    return ServeDeploySchema.model_validate(raw)

@@ -211,6 +211,12 @@ README_COMMANDS = {
     "Harville.\"}'": (
         "test", "tests/service/test_pretrained_service.py::test_text_is_classified_by_both_"
                 "variants_with_label_names (text at the folder's application)"),
+    "python -m mita.training --model": (
+        "test", "tests/no_ray/test_pretrained_training.py (every run of it)"),
+    "python -m service --check": (
+        "test", "tests/no_ray/test_pretrained_served.py::test_deploy_refuses_what_it_cannot_"
+                "serve (service.app.served_config, what --check reads) and "
+                "tests/no_ray/test_check.py"),
     ".venv/bin/python -m profiler advise runs/own-data --data "
     "examples/austen-persuasion-valid.tsv --n 128 256 512 --out runs/advise-minilm": (
         "test", "tests/no_ray/test_pretrained_served.py::test_the_advisor_runs_on_a_folder "

@@ -82,8 +82,9 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (not padded, not truncated). Raises ValueError when the text
-        cannot be tokenized: an unknown ListOps token (named, with its position), or any text
-        for an ``ids`` tokenizer."""
+        cannot be tokenized: an unknown ListOps token (named, with its position), any text
+        for an ``ids`` tokenizer, a text that gives a ``transformers`` tokenizer only its
+        special tokens (empty, or only spaces)."""
         if self.kind == "bytes":
             return [b + 1 for b in text.encode("utf-8")]
         if self.kind == "listops":
@@ -91,7 +92,11 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return list(self._subword.encode(text))
         if self.kind == "transformers":  # not cut: a sequence over the positions is refused
-            return self._transformers.encode(text).ids
+            encoding = self._transformers.encode(text)
+            if all(encoding.special_tokens_mask):  # [CLS] [SEP] of an empty text: no token
+                raise ValueError("empty sequence: the text has no tokens to classify (only "
+                                 "the model's special tokens)")
+            return encoding.ids
         raise ValueError("this model takes token ids ('ids'), not text: it was trained on "
                          "ids, so it has no tokenizer for text")
 

@@ -31,9 +31,10 @@ from ..cost import activation_bytes_estimate
 from ..data import labelled
 from ..pretrained import PretrainedSetting, setting_of, use_attention
 from ..pretrained.folder import folder_kind, load_classifier, logits, max_tokens
+from ..tools.progress import Progress
 from ..tools.scores import classification_scores, score_warnings
 from .compare_report import add_retention, markdown, median_ms, way_row, write_compare
-from .fit import length_batches, one_cycle
+from .fit import LOG_INTERVAL_S, length_batches, one_cycle
 
 DEFAULT_LR = 5e-5  # fine-tuning a pretrained encoder (BERT's recipe); --lr overrides
 
@@ -88,6 +89,9 @@ def train(model, rows, labels, steps: int, batch_size: int, lr: float, seed: int
     sched = one_cycle(opt, lr, steps)
     model.train()
     t0, step, loss, budget_stop = time.perf_counter(), 0, float("nan"), False
+    # a bar on a terminal, a line every LOG_INTERVAL_S in a log: minutes pass on a CPU
+    attention = "dense" if model.config._attn_implementation == "mita_dense" else "mita"
+    bar = Progress(steps, f"fine-tune[{attention}]", "step", interval_s=LOG_INTERVAL_S)
     while step < steps and not budget_stop:
         for batch in length_batches([len(r) for r in rows], batch_size, rng):
             y = torch.tensor([labels[i] for i in batch], device=model.device)
@@ -99,6 +103,8 @@ def train(model, rows, labels, steps: int, batch_size: int, lr: float, seed: int
             opt.step()
             sched.step()
             step, loss = step + 1, loss_t.item()
+            bar.update()
+            bar.phase(f"loss {loss:.3f}")
             if not math.isfinite(loss):
                 raise ValueError(f"the training loss is {loss} at step {step} (lr {lr:g}): "
                                  "lower --lr")
@@ -107,6 +113,7 @@ def train(model, rows, labels, steps: int, batch_size: int, lr: float, seed: int
             if time.perf_counter() - t0 > 60 * time_budget_min:
                 budget_stop = True
                 break
+    bar.close()
     model.eval()
     return {"steps": step, "wall_s": round(time.perf_counter() - t0, 1), "last_loss": loss,
             "stopped_by_time_budget": budget_stop}

@@ -134,6 +134,11 @@ def test_text_is_tokenized_as_training_did_and_positions_refuse(made):
     assert task.length_refusal(513) == ("sequence length N = 513 exceeds this model's 512 "
                                         "positions (BertForSequenceClassification's position "
                                         "embeddings)")
+    # an empty text is the model's [CLS] [SEP] alone: refused as an empty sequence
+    for empty in ("", "   "):
+        with pytest.raises(ApiError, match=r"^empty sequence: the text has no tokens to "
+                                           r"classify \(only the model's special tokens\)$"):
+            served_ids(ClassifyRequest(text=empty), 16384, task.vocab, task.tokenizer, task)
     with pytest.raises(ApiError, match=r"token id 101 at position 1 is out of range \[1, 100\] "
                                        r"\(0 is padding\)") as e:
         served_ids(ClassifyRequest(ids=[2, 101]), 16384, task.vocab, task.tokenizer, task)

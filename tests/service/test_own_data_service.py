@@ -11,17 +11,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from ray.serve.schema import ServeDeploySchema
 
 from loadtest.__main__ import main as loadtest_main
 from mita.config import checkpoint_config, checkpoint_metadata
 from mita.data.task import checkpoint_task
 from mita.training.train import main as train_main
-from service.config_file import read_yaml
 from service.engine import ClassifierEngine
 from service.settings import VARIANTS
 
-from ..helpers import wait_for
+from ..helpers import wait_for, with_documented_apps
 
 ROOT = Path(__file__).resolve().parents[2]
 NOVELS = ["Emma", "Mansfield Park", "Northanger Abbey", "Persuasion", "Pride and Prejudice",
@@ -39,22 +37,6 @@ IMAGES = "checkpoints/fashion-mnist-14x14"
 # The shipped image checkpoint's right answers on the sample's 100 images, MiTA and dense
 # alike (its validation accuracy on the first 2,000 test images: 77.6 % MiTA, 77.3 % dense).
 SAMPLE_RIGHT = 75
-
-
-def with_documented_apps(session: ServeDeploySchema, checkpoints: dict[str, str]
-                         ) -> ServeDeploySchema:
-    """The session's config and, beside it, the second application of
-    ``deploy/serve_config.own-data.yaml`` once per ``{route prefix: checkpoint}`` (its
-    replicas asking for no CPU, as the session's: the suite shares two cores)."""
-    raw = session.model_dump(exclude_unset=True)
-    for prefix, checkpoint in checkpoints.items():
-        own = read_yaml(ROOT / "deploy/serve_config.own-data.yaml")["applications"][1]
-        own |= {"name": f"own{prefix.replace('/', '-')}", "route_prefix": prefix}
-        own["args"]["checkpoint"] = str(checkpoint)
-        for d in own["deployments"]:
-            d["ray_actor_options"] = {**d.get("ray_actor_options", {}), "num_cpus": 0}
-        raw["applications"].append(own)
-    return ServeDeploySchema.model_validate(raw)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from service.engine import ClassifierEngine  # noqa: E402
 from service.settings import VARIANTS  # noqa: E402
 
 from .. import pretrained_folders as folders  # noqa: E402
-from .test_own_data_service import with_documented_apps  # noqa: E402
+from ..helpers import with_documented_apps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -99,6 +99,8 @@ def test_past_the_positions_is_a_422_naming_them(service, pretrained_apps):
     n = len(text.replace(" ", "")) + 2  # the character tokenizer: one token per character
     assert r.json()["error"] == (f"sequence length N = {n} exceeds this model's 512 positions "
                                  "(BertForSequenceClassification's position embeddings)")
+    r = c.post("/bert/v1/classify", json={"text": " "})  # only [CLS] [SEP]: nothing to classify
+    assert r.status_code == 422 and r.json()["error"].startswith("empty sequence")
     r = c.post("/bert/v1/classify", json={"ids": [2, 101, 3]})
     assert r.status_code == 422 and "out of range [1, 100] (0 is padding)" in r.json()["error"]
 
