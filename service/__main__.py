@@ -265,10 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     except StopAtOnce:
         stop_now()
     except Gone as e:
-        # what is left (our own Ray's processes after serve shutdown) stops; nothing to drain
-        print(f"mita-serve: {e}; stopping and exiting with status 1", file=sys.stderr,
-              flush=True)
+        # what is left (our own Ray's processes after serve shutdown) stops; nothing to drain.
+        # Said again once stopped: Ray's shutdown may print after the first line (gRPC's
+        # "skipping fork() handlers" when a process forks beside a gRPC call), and the last
+        # line is what a user or a supervisor reads.
+        print(f"mita-serve: {e}; stopping", file=sys.stderr, flush=True)
         launch.stop(at_once=True)
+        print(f"mita-serve: {e}; stopped, exiting with status 1", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except BaseException:
         launch.stop()

@@ -296,6 +296,66 @@ def counter(text: str, name: str, **labels) -> float:
     return total
 
 
+def counter_series(text: str, name: str, **labels) -> dict[tuple, float]:
+    """Each sample of a metric whose labels include ``labels``, keyed by all its labels."""
+    return {tuple(sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
+
+
+class CounterHighs:
+    """Polls ``metrics_text()`` in a thread: per series of a counter, the highest value seen,
+    and when each predicate ``track``ed first held. A killed replica's series keep its last
+    export only until they leave /metrics (``metrics.DEAD_SERIES_S`` later), so a sum read
+    once after a slow recovery misses them, and a wait for them to leave that starts late
+    reads the leaving late; the highest seen keeps them (counters only grow), the poll times
+    the leaving. Use as a context manager."""
+
+    def __init__(self, metrics_text, name: str, interval_s: float = 0.25, **labels):
+        self._read, self._name, self._labels = metrics_text, name, labels
+        self._interval_s, self._stop = interval_s, threading.Event()
+        self._predicates: dict[str, object] = {}
+        self.highs: dict[tuple, float] = {}
+        self.first: dict[str, float] = {}  # predicate → monotonic time of the first poll it held
+        self._poll()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def track(self, key: str, predicate) -> None:
+        """From the next poll on, note in ``first[key]`` when ``predicate(text)`` first holds."""
+        self._predicates[key] = predicate
+
+    def _poll(self) -> None:
+        text, now = self._read(), time.monotonic()
+        for key, value in counter_series(text, self._name, **self._labels).items():
+            self.highs[key] = max(value, self.highs.get(key, value))
+        for key, predicate in list(self._predicates.items()):
+            if key not in self.first and predicate(text):
+                self.first[key] = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._poll()
+            except httpx.HTTPError:  # the endpoint's node restarting: the next poll reads it
+                pass
+
+    def grown(self, text0: str) -> float:
+        """How much the series seen grew from exposition ``text0`` to their highest (read now
+        once more); a series of ``text0`` never seen since (an earlier replica's, leaving)
+        counts nothing."""
+        self._poll()
+        base = counter_series(text0, self._name, **self._labels)
+        return sum(high - base.get(key, 0.0) for key, high in self.highs.items())
+
+    def __enter__(self) -> CounterHighs:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def delta(text: str, text0: str, name: str, **labels) -> float:
     """How much ``counter`` grew from exposition ``text0`` to ``text``."""
     return counter(text, name, **labels) - counter(text0, name, **labels)
