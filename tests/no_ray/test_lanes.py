@@ -10,8 +10,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 from .. import lanes
 from ..lanes import FOLDERS, STAND_IN_INI, write_lane_folders
 
@@ -90,29 +88,35 @@ def test_tests_taking_service_are_marked_service(pytester, monkeypatch):
                                  "*::test_takes_serve_reset PASSED*"])
 
 
-@pytest.mark.parametrize("files,message", [
-    ({"no_ray/test_a.py": "def test_x(service):\n    pass\n"},
-     "tests/no_ray/test_a.py::test_x: takes the session's service, so it belongs in "
-     "tests/service/"),
-    ({"own_ray/test_a.py": "import pytest\n\n\n@pytest.mark.quiet\ndef test_x():\n    pass\n"},
-     "tests/own_ray/test_a.py::test_x: marked quiet, which is for tests/service/ only"),
-    ({"service/test_a.py": "import pytest\n\npytestmark = pytest.mark.heavy(0)\n\n\n"
-                           "def test_x(service):\n    pass\n"},
-     "tests/service/test_a.py::test_x: marked heavy, which orders background tests only"),
-    ({"own_ray/test_a.py": "def test_x():\n    pass\n"},
-     "tests/own_ray/test_a.py::test_x: in tests/own_ray/ without a service or slow mark, so "
-     "make test-fast would run it"),
-    ({"test_top.py": "def test_x():\n    pass\n"},
-     "tests/test_top.py::test_x: not in a lane folder (tests/{service,own_ray,no_ray,kernels}/)"),
-])
-def test_a_test_outside_its_lane_fails_before_its_fixtures(pytester, monkeypatch, files,
-                                                           message):
+# One stand-in suite holds every misplaced test (one pytest run: each run was ~10 s).
+MISPLACED = {
+    "no_ray/test_a.py": ("def test_x(service):\n    pass\n",
+                         "tests/no_ray/test_a.py::test_x: takes the session's service, so it "
+                         "belongs in tests/service/"),
+    "own_ray/test_b.py": ("import pytest\n\n\n@pytest.mark.quiet\ndef test_x():\n    pass\n",
+                          "tests/own_ray/test_b.py::test_x: marked quiet, which is for "
+                          "tests/service/ only"),
+    "service/test_c.py": ("import pytest\n\npytestmark = pytest.mark.heavy(0)\n\n\n"
+                          "def test_x(service):\n    pass\n",
+                          "tests/service/test_c.py::test_x: marked heavy, which orders "
+                          "background tests only"),
+    "own_ray/test_d.py": ("def test_x():\n    pass\n",
+                          "tests/own_ray/test_d.py::test_x: in tests/own_ray/ without a service "
+                          "or slow mark, so make test-fast would run it"),
+    "test_top.py": ("def test_x():\n    pass\n",
+                    "tests/test_top.py::test_x: not in a lane folder "
+                    "(tests/{service,own_ray,no_ray,kernels}/)"),
+}
+
+
+def test_a_test_outside_its_lane_fails_before_its_fixtures(pytester, monkeypatch):
     """Under make test's xdist workers (where a collection error only reads as a worker's
-    crash), the misplaced test fails in its set-up with the message, and the service it takes
-    never starts."""
+    crash), each misplaced test fails in its set-up with the message, and the service they
+    take never starts."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    stand_in(pytester, files)
+    stand_in(pytester, {name: text for name, (text, _) in MISPLACED.items()})
     result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadgroup", "tests")
-    result.assert_outcomes(errors=1)  # failed in its set-up
-    result.stdout.fnmatch_lines([f"*outside its lane (tests/lanes.py): {message}*"])
+    result.assert_outcomes(errors=len(MISPLACED))  # each failed in its set-up
+    for _, message in MISPLACED.values():
+        result.stdout.fnmatch_lines([f"*outside its lane (tests/lanes.py): {message}*"])
     assert not (pytester.path / "service-started").exists()
