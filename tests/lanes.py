@@ -13,7 +13,9 @@
 
 Each folder's ``conftest.py`` names its lane with ``folder_lane``. Three markers, written on a
 module (``pytestmark``) or a test, refine the order: ``sharing`` (a session-service test that
-mostly waits, run first and beside the ``ray-own`` worker's test without the cores lock),
+mostly waits or checks no timing, run first and beside the ``ray-own`` worker's test without
+the cores lock: the two Ray lanes' locked tests run one at a time, so what needs no lock
+shortens the run),
 ``quiet`` (no background test runs beside it: latency ratios it checks moved 2x beside them)
 and ``heavy(rank)`` (a background file started first, lowest rank first, so that the run does
 not end on it alone). A test placed where its lane cannot hold it fails at once, before its

@@ -15,6 +15,11 @@ OCTETS = {"content-type": "application/octet-stream"}
 EXAMPLES = generate(4, seed=424_242, cfg=ListOpsConfig(100, 400))
 
 
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
+
+
 def binary(service, data: bytes, **params):
     return service.client.post("/v1/classify/binary", content=data, headers=OCTETS,
                                params=params)

@@ -43,6 +43,11 @@ ARTIFACTS = ROOT / "test-artifacts"
 
 
 
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
+
+
 def test_dashboard_page_in_chromium(service, browser, serve_reset):
     """After requests of both variants in two N buckets with shadow on, the page draws every
     stage of both variants with non-zero p50, the latency/throughput lines, the ratio bars,

@@ -3,9 +3,14 @@ expressions answer from start-up (the rules themselves: tests/no_ray/test_alert_
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..helpers import REJECTION_SERIES, REQUEST_SERIES, wait_for
+
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
 
 
 def test_error_series_are_on_metrics_before_their_first_event(service):

@@ -17,6 +17,10 @@ from service import launch
 
 from ..helpers import REFUSALS, REFUSALS_COUNTED, counter, send_refusals, set_gateway, wait_for
 
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
+
 
 def classifier_refused(service, variant: str) -> float | None:
     """``ray_mita_serve_classifier_config_refused{variant}`` as the gateway exports it, or
@@ -52,7 +56,6 @@ def shipped_user_config(name: str) -> dict:
     return dict(next(d for d in app.deployments if d.name == name).user_config)
 
 
-@pytest.mark.sharing  # mostly waits (a deadline of seconds); checks counts
 def test_refused_live_update_keeps_the_running_version(service):
     """Found by a user: ``weights.mita: -0.5`` through ``serve deploy`` made the Gateway's
     reconfigure raise, Serve stopped the replica, and every request, /healthz included, got

@@ -6,8 +6,13 @@ from __future__ import annotations
 import os
 
 import psutil
+import pytest
 
 from ..processes import listening
+
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
 
 
 def test_http_and_metrics_bind_to_loopback_no_dashboard(service):

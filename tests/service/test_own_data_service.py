@@ -39,6 +39,11 @@ IMAGES = "checkpoints/fashion-mnist-14x14"
 SAMPLE_RIGHT = 75
 
 
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
+
+
 @pytest.fixture(scope="module")
 def own_apps(service, tmp_path_factory):
     """At /own a checkpoint trained here on the shipped Austen sample (real text, six novels)

@@ -31,6 +31,11 @@ EXAMPLES = ROOT / "examples"
 LABELS = ["Persuasion", "other"]
 
 
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
+
+
 @pytest.fixture(scope="module")
 def pretrained_apps(service, tmp_path_factory):
     """/bert and /deit beside ListOps in one redeploy; the session's config afterwards."""
@@ -148,3 +153,51 @@ def test_the_load_tester_sends_text_rows_counted_in_characters(service, pretrain
     assert [(r["variant"], r["ok"], r["errors"]) for r in summary["rows"]] == [
         ("dense", 2, {}), ("mita", 2, {})]
     assert summary["input"]["unit"] == "characters"
+
+
+def test_modernbert_and_vit_are_served_after_a_live_redeploy(service, pretrained_apps,
+                                                             tmp_path):
+    """The other two architectures, over HTTP: a ModernBERT fine-tuned with MiTA replaces the
+    BERT at /bert and a ViT (class token, no distillation token) fine-tuned dense replaces the
+    DeiT at /deit, in one live redeploy (deploying all four folders at once did not become
+    ready within 300 s on 2 cores). Each answers both variants with its label names, as the
+    plain engine here answers (1e-6, as above); /v1/models names the new architectures.
+    Last in this module: its fixture puts the session's config back afterwards."""
+    from transformers import AutoTokenizer
+
+    from service import launch
+
+    modernbert, vit = tmp_path / "modernbert", tmp_path / "vit"
+    train_main(["--model", str(folders.modernbert(tmp_path / "modernbert-base")), "--train",
+                str(EXAMPLES / "austen-persuasion.tsv"), "--out", str(modernbert), "--mode",
+                "mita", "--steps", "2", "--batch-size", "4"])
+    train_main(["--model", str(folders.vit(tmp_path / "vit-base")), "--train",
+                str(EXAMPLES / "fashion-mnist-14x14.jsonl"), "--out", str(vit), "--mode",
+                "dense", "--steps", "2", "--batch-size", "8"])
+    session = launch.load_config(launch.CPU_CONFIG, service.overrides)
+    launch.deploy(with_documented_apps(session, {"/bert": modernbert, "/deit": vit}))
+    c = service.client
+    assert c.get("/bert/v1/models").json()["task"]["architecture"] == (
+        "ModernBertForSequenceClassification")
+    assert c.get("/deit/v1/models").json()["task"]["architecture"] == (
+        "ViTForImageClassification")
+    text = _valid_text(shortest=True)
+    ids = AutoTokenizer.from_pretrained(modernbert)(text)["input_ids"]
+    row = json.loads((EXAMPLES / "fashion-mnist-14x14.jsonl").read_text().splitlines()[3])
+    image_labels = c.get("/deit/v1/models").json()["task"]["labels"]
+    for variant in VARIANTS:
+        r = c.post("/bert/v1/classify", json={"text": text, "variant": variant})
+        assert r.status_code == 200, r.text
+        assert r.json()["n"] == len(ids)
+        mine = ClassifierEngine(str(modernbert), variant, "cpu", "auto", "auto").run(
+            [np.array(ids)])[0]
+        assert r.json()["label"] == mine["label"]
+        assert r.json()["label_name"] == LABELS[mine["label"]]
+        assert r.json()["probabilities"] == pytest.approx(mine["probabilities"], abs=1e-6)
+        r = c.post("/deit/v1/classify", json={"ids": row["ids"], "variant": variant})
+        assert r.status_code == 200, r.text
+        mine = ClassifierEngine(str(vit), variant, "cpu", "auto", "auto").run(
+            [np.array(row["ids"])])[0]
+        assert r.json()["label"] == mine["label"]
+        assert r.json()["label_name"] == image_labels[mine["label"]]
+        assert r.json()["probabilities"] == pytest.approx(mine["probabilities"], abs=1e-6)

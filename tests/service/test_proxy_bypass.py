@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from ..helpers import NO_PROXY_VARIABLES
+
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
 
 
 def test_processes_the_service_started_bypass_proxies_for_loopback(service):

@@ -21,6 +21,10 @@ from service.metrics import DURATION_BUCKETS_S, n_bucket
 
 from ..helpers import CHECKPOINT, EXAMPLES, set_classifier, set_gateway, wait_for
 
+# sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
+# tests instead of waiting for the cores lock (tests/lanes.py)
+pytestmark = pytest.mark.sharing
+
 
 def samples(text: str, name: str) -> dict[tuple, float]:
     """{(sample name, sorted labels): value} for one metric family in exposition text."""
