@@ -184,8 +184,32 @@ def cpu_priority(request):
     if WORKERS > 1:
         from .helpers import set_priority
 
-        set_priority(0 if lanes.lane(request.node) in lanes.RAY_LANES else BACKGROUND_NICE)
+        background = lanes.lane(request.node) not in lanes.RAY_LANES
+        set_priority(BACKGROUND_NICE if background else 0)
+        background_threads(background)
     yield
+
+
+_THREADS = {}  # the worker's own torch threads and OMP_NUM_THREADS, before background_threads
+
+
+def background_threads(background: bool) -> None:
+    """A background test's torch (and the processes it starts: ``OMP_NUM_THREADS``) on one
+    thread; a Ray test's as the worker started. Three workers, the Ray instances and their
+    replicas share two cores: a torch on two threads there spends its time waiting for its
+    other thread (OpenMP spins): the replica-memory test took 121 CPU-s beside the other
+    background worker, 30 alone on one thread. Tests of thread counts set theirs."""
+    import torch
+
+    if not _THREADS:
+        _THREADS.update(torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
+    torch.set_num_threads(1 if background else _THREADS["torch"])
+    if background:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    elif _THREADS["omp"] is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = _THREADS["omp"]
 
 
 @pytest.fixture(scope="session")
