@@ -19,7 +19,8 @@ import pytest
 
 from ..helpers import free_port
 
-pytestmark = pytest.mark.service
+# sharing: placement and answers, nothing timed: runs beside the session's locked tests
+pytestmark = [pytest.mark.service, pytest.mark.sharing]
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
