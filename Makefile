@@ -29,13 +29,12 @@ serve: $(STAMP)
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
-# Four pytest-xdist workers, each test in the lane of its folder (tests/lanes.py): the session
+# Three pytest-xdist workers, each test in the lane of its folder (tests/lanes.py): the session
 # service's tests (tests/service/) in one, the tests that start a Ray of their own
 # (tests/own_ray/) in another (a lock keeps their timed parts apart), the tests
-# without Ray in the background (a session of their own at nice 19, torch on one thread) of
-# the other two and of any worker that is done: two of them fill what the Ray tests leave
-# of the two cores. TEST_WORKERS=0 runs it all in this process, one test after another.
-TEST_WORKERS ?= 4
+# without Ray in the background (a session of their own at nice 19) of the third and of any
+# worker that is done. TEST_WORKERS=0 runs it all in this process, one test after another.
+TEST_WORKERS ?= 3
 
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25

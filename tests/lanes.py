@@ -12,10 +12,10 @@
   ahead-of-time compiles, builds), started before ``no_ray`` (they cost the most).
 
 Each folder's ``conftest.py`` names its lane with ``folder_lane``. Three markers, written on a
-module (``pytestmark``) or a test, refine the order: ``sharing`` (a Ray test that mostly waits
-or checks no timing, run without the cores lock: the two Ray lanes' locked tests run one at a
-time, so what needs no lock shortens the run; in ``tests/service/`` first, beside the
-``ray-own`` worker's locked tests, in ``tests/own_ray/`` last, beside the session's),
+module (``pytestmark``) or a test, refine the order: ``sharing`` (a session-service test that
+mostly waits or checks no timing, run first and beside the ``ray-own`` worker's test without
+the cores lock: the two Ray lanes' locked tests run one at a time, so what needs no lock
+shortens the run),
 ``quiet`` (no background test runs beside it: latency ratios it checks moved 2x beside them)
 and ``heavy(rank)`` (a background file started first, lowest rank first, so that the run does
 not end on it alone). A test placed where its lane cannot hold it fails at once, before its
@@ -80,11 +80,9 @@ def problems(item) -> list[str]:
     if "service" in getattr(item, "fixturenames", ()) and marker.args[0] != RAY:
         out.append(f"{item.nodeid}: takes the session's service, so it belongs in "
                    "tests/service/")
-    if item.get_closest_marker("quiet") and marker.args[0] != RAY:
-        out.append(f"{item.nodeid}: marked quiet, which is for tests/service/ only")
-    if item.get_closest_marker("sharing") and marker.args[0] not in RAY_LANES:
-        out.append(f"{item.nodeid}: marked sharing, which is for tests/service/ and "
-                   "tests/own_ray/ only")
+    for name in ("sharing", "quiet"):
+        if item.get_closest_marker(name) and marker.args[0] != RAY:
+            out.append(f"{item.nodeid}: marked {name}, which is for tests/service/ only")
     if item.get_closest_marker("heavy") and marker.args[0] != BACKGROUND:
         out.append(f"{item.nodeid}: marked heavy, which orders background tests only")
     # make test-fast (-m "not service and not slow") must leave out every test that starts a
@@ -105,8 +103,8 @@ def rank(item) -> tuple[int, int]:
     slow files (the interpreter, compiles, subprocesses), so that the workers end together."""
     if lane(item) == RAY:
         return (0 if item.get_closest_marker("sharing") else 1, 0)
-    if lane(item) == OWN_RAY:  # its sharing tests last: beside the session's locked ones
-        return (2, 1 if item.get_closest_marker("sharing") else 0)
+    if lane(item) == OWN_RAY:
+        return (2, 0)
     heavy = item.get_closest_marker("heavy")
     if heavy:
         return (3, heavy.args[0])

@@ -19,8 +19,7 @@ import pytest
 
 from ..helpers import free_port
 
-# sharing: placement and answers, nothing timed: runs beside the session's locked tests
-pytestmark = [pytest.mark.service, pytest.mark.sharing]
+pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''

@@ -44,7 +44,6 @@ def settled_metrics(service) -> str:
 # ---------------------------------------------------------------------------------------------
 # Fuzzing: schemathesis against the service's own OpenAPI schema.
 
-@pytest.mark.sharing  # nothing timed: beside the other Ray lane
 def test_openapi_fuzz(service):
     """Every request schemathesis generates from the service's own OpenAPI schema (valid and
     invalid data, every operation) gets a status the schema documents, a body matching the
@@ -181,7 +180,6 @@ def test_many_bad_items_answer_fast_and_small(service):
     assert elapsed < 5, elapsed
 
 
-@pytest.mark.sharing  # nothing timed: beside the other Ray lane
 def test_every_refusal_of_a_classify_request_is_counted(service):
     """Found by a user: refusals by the middleware, the JSON parser, schema validation and the
     router were missing from requests_total (and /v1/stats). Each one counts once, as
