@@ -286,21 +286,16 @@ def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None
     assert wait_for(applied)
 
 
-def counter(text: str, name: str, **labels) -> float:
-    """Sum of a metric's samples whose labels include ``labels``."""
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
 def counter_series(text: str, name: str, **labels) -> dict[tuple, float]:
     """Each sample of a metric whose labels include ``labels``, keyed by all its labels."""
     return {tuple(sorted(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
+
+
+def counter(text: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    return sum(counter_series(text, name, **labels).values())
 
 
 class CounterHighs:
@@ -314,6 +309,7 @@ class CounterHighs:
     def __init__(self, metrics_text, name: str, interval_s: float = 0.25, **labels):
         self._read, self._name, self._labels = metrics_text, name, labels
         self._interval_s, self._stop = interval_s, threading.Event()
+        self._lock = threading.Lock()  # the thread's polls and grown()'s own, one at a time
         self._predicates: dict[str, object] = {}
         self.highs: dict[tuple, float] = {}
         self.first: dict[str, float] = {}  # predicate → monotonic time of the first poll it held
@@ -326,11 +322,12 @@ class CounterHighs:
 
     def _poll(self) -> None:
         text, now = self._read(), time.monotonic()
-        for key, value in counter_series(text, self._name, **self._labels).items():
-            self.highs[key] = max(value, self.highs.get(key, value))
-        for key, predicate in list(self._predicates.items()):
-            if key not in self.first and predicate(text):
-                self.first[key] = now
+        with self._lock:
+            for key, value in counter_series(text, self._name, **self._labels).items():
+                self.highs[key] = max(value, self.highs.get(key, value))
+            for key, predicate in list(self._predicates.items()):
+                if key not in self.first and predicate(text):
+                    self.first[key] = now
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -345,7 +342,8 @@ class CounterHighs:
         counts nothing."""
         self._poll()
         base = counter_series(text0, self._name, **self._labels)
-        return sum(high - base.get(key, 0.0) for key, high in self.highs.items())
+        with self._lock:
+            return sum(high - base.get(key, 0.0) for key, high in self.highs.items())
 
     def __enter__(self) -> CounterHighs:
         self._thread.start()

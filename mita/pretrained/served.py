@@ -4,11 +4,12 @@ serves and the advisor profiles (``args.checkpoint: DIR``, ``python -m profiler 
 ``mita.config.checkpoint_metadata`` reads such a folder (a ``config.json`` with
 ``model_type``) without torch (``pretrained_metadata``: the ``ModelConfig`` it is measured as,
 its labels, positions and MiTA setting), ``mita.data.task.checkpoint_task`` gives its task
-(its own tokenizer, at most its positions) and ``service.engine.load_served`` loads it here
-(``load_served``), as a ``PretrainedClassifier``: the model behind the product's forward interface
-(``model(ids, key_padding_mask, hook=)``), every MiTA stage of every layer timed by the hook
-(``stage_hook``). Everything downstream — the service's classifiers and gateway, its pre-start
-checks, the advisor — takes it as it takes the product's own checkpoints.
+(its own tokenizer, at most its positions) and ``service.engine.load_served`` loads it with
+this module's ``load_served``, as a ``PretrainedClassifier``: the model behind the product's
+forward interface (``model(ids, key_padding_mask, hook=)``), every MiTA stage of every layer
+timed by the hook (``stage_hook``). Everything downstream — the service's classifiers and
+gateway, its pre-start checks, the advisor — takes it as it takes the product's own
+checkpoints.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ print(json.dumps({{"rss": rss, "trims": engine.heap.trims}}))
 def soak(env: dict | None = None) -> dict:
     """Run ``CHILD`` in a fresh Python (the project root as working directory); returns its
     RSS readings ``[(forwards, MiB)]`` and the number of trims. The timeout only guards
-    against a hang: alone the child takes ~40 s, but beside make test's other workers on 2
-    cores it has taken over 300 s (two clean-clone runs timed out at 300)."""
+    against a hang: alone the child takes ~30 s (one torch thread), but beside make test's
+    other workers on 2 cores it has taken over 300 s (two clean-clone runs timed out at 300)."""
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
                           timeout=900, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
