@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FLOOD_N, PROBE_N = 2048, 4096  # a dense forward at 2K takes ~1/4 of one at 4K here
 FLOOD_CONCURRENCY, PROBES = 8, 16
 THINK_S = 0.3  # between probes: dense is free, and shadow calls start
+SHADOW_MAX_INFLIGHT = 2  # the default; one gateway replica here, so at most 2 in the cluster
 
 
 async def flood_with_probes(url: str, flood_ids: list[int], probe_ids: list[int]):
@@ -57,18 +58,23 @@ async def flood_with_probes(url: str, flood_ids: list[int], probe_ids: list[int]
 def test_shadow_flood_does_not_delay_dense_primaries(service, serve_reset):
     """Found by a user: with shadow on and all traffic to MiTA, the dense queue filled with
     shadow calls and dense *primary* requests took 0.71, 10.2 and 45.4 s instead of ~0.5 s.
-    Now shadow calls are capped per variant and shed while the variant serves primaries: the
-    dense primaries' p99 under a MiTA flood with shadow on stays within 2× its p99 under the
-    same flood with shadow off, and each flood request's shadow has one counted outcome.
-    Between probes dense is free, so shadow calls start there and a probe can arrive behind
-    them (at most ``shadow_max_inflight`` of them)."""
+    Now shadow calls are capped per variant and shed while the variant serves primaries, so
+    a probe waits behind at most ``shadow_max_inflight`` shadow forwards (between probes dense
+    is free and shadow calls start there): the dense primaries' p99 under a MiTA flood with
+    shadow on stays within their p99 with shadow off plus that many dense forwards, each
+    counted as the probes' median with shadow off (a forward at ``PROBE_N``, ~4x one at
+    ``FLOOD_N``: a generous bound that still fails the 10-45 s the user saw by 10x). Each
+    flood request's shadow has one counted outcome.
+
+    A bound of 2x the p99 with shadow off (16 probes: the p99 is about the slowest) failed on
+    a slow CI machine at 0.98 s against 2 x 0.45 s, with the median 0.39 against 0.32 s."""
     flood_ids = encode(generate_long(FLOOD_N, seed=21)[0])
     probe_ids = encode(generate_long(PROBE_N, seed=22)[0])
     policy = {"weights": {"mita": 1.0, "dense": 0.0}}
     report = {"flood_n": FLOOD_N, "probe_n": PROBE_N, "concurrency": FLOOD_CONCURRENCY}
     set_gateway(service, **policy, shadow=False)
     base, base_status, _ = asyncio.run(flood_with_probes(service.url, flood_ids, probe_ids))
-    set_gateway(service, **policy, shadow=True)
+    set_gateway(service, **policy, shadow=True, shadow_max_inflight=SHADOW_MAX_INFLIGHT)
     text0 = service.metrics_text()
     shadowed, status, flood_status = asyncio.run(
         flood_with_probes(service.url, flood_ids, probe_ids))
@@ -92,6 +98,7 @@ def test_shadow_flood_does_not_delay_dense_primaries(service, serve_reset):
     report |= {"dense_p99_s": p99, "dense_p50_s": {"off": float(np.median(base)),
                                                    "on": float(np.median(shadowed))},
                "flood_requests": flood_done, "shadow_outcomes": outcomes}
+    report["dense_p99_bound_s"] = p99["off"] + SHADOW_MAX_INFLIGHT * report["dense_p50_s"]["off"]
     print(f"shadow_flood: {report}")
     out = ROOT / "test-artifacts"
     out.mkdir(exist_ok=True)
@@ -100,4 +107,4 @@ def test_shadow_flood_does_not_delay_dense_primaries(service, serve_reset):
     assert set(flood_status) == {200}
     assert outcomes is not None, report
     assert outcomes["busy"] >= 1 and outcomes["compared"] >= 1, report
-    assert p99["on"] <= 2 * p99["off"], report
+    assert p99["on"] <= report["dense_p99_bound_s"], report
