@@ -286,10 +286,18 @@ def set_classifier(service, name: str = "MiTAClassifier", **user_config) -> None
     assert wait_for(applied)
 
 
+def metric_families(text: str, name: str):
+    """prometheus_client's families of the lines of exposition ``text`` that mention ``name``
+    (its samples, its HELP and TYPE lines). Ray's endpoint serves ~1.5 MB (~4,000 series, long
+    label sets): parsing all of it took ~0.3 s of CPU per read, and the tests poll it."""
+    return text_string_to_metric_families(
+        "".join(line + "\n" for line in text.splitlines() if name in line))
+
+
 def counter_series(text: str, name: str, **labels) -> dict[tuple, float]:
     """Each sample of a metric whose labels include ``labels``, keyed by all its labels."""
     return {tuple(sorted(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples
+            for fam in metric_families(text, name) for s in fam.samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
 
 
@@ -306,7 +314,7 @@ class CounterHighs:
     reads the leaving late; the highest seen keeps them (counters only grow), the poll times
     the leaving. Use as a context manager."""
 
-    def __init__(self, metrics_text, name: str, interval_s: float = 0.25, **labels):
+    def __init__(self, metrics_text, name: str, interval_s: float = 0.5, **labels):
         self._read, self._name, self._labels = metrics_text, name, labels
         self._interval_s, self._stop = interval_s, threading.Event()
         self._lock = threading.Lock()  # the thread's polls and grown()'s own, one at a time
@@ -355,8 +363,13 @@ class CounterHighs:
 
 
 def delta(text: str, text0: str, name: str, **labels) -> float:
-    """How much ``counter`` grew from exposition ``text0`` to ``text``."""
-    return counter(text, name, **labels) - counter(text0, name, **labels)
+    """How much ``counter``'s series in ``text`` grew from exposition ``text0`` (a series new
+    since then from 0). A series of ``text0`` gone since (a replaced replica's: they leave
+    /metrics ``metrics.DEAD_SERIES_S`` after its last export) counts nothing: subtracted, as
+    the difference of two sums did, it made a count short when it left during a test."""
+    before = counter_series(text0, name, **labels)
+    return sum(value - before.get(key, 0.0)
+               for key, value in counter_series(text, name, **labels).items())
 
 
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.5):

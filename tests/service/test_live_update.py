@@ -9,13 +9,20 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.schema import ServeDeploySchema
 
 from mita.data.listops import encode, generate_long
 from service import launch
 
-from ..helpers import REFUSALS, REFUSALS_COUNTED, counter, send_refusals, set_gateway, wait_for
+from ..helpers import (
+    REFUSALS,
+    REFUSALS_COUNTED,
+    counter,
+    metric_families,
+    send_refusals,
+    set_gateway,
+    wait_for,
+)
 
 # sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
 # tests instead of waiting for the cores lock (tests/lanes.py)
@@ -25,8 +32,9 @@ pytestmark = pytest.mark.sharing
 def classifier_refused(service, variant: str) -> float | None:
     """``ray_mita_serve_classifier_config_refused{variant}`` as the gateway exports it, or
     None while the series is absent (so a 0 is a real 0)."""
-    values = [s.value for fam in text_string_to_metric_families(service.metrics_text())
-              for s in fam.samples if s.name == "ray_mita_serve_classifier_config_refused"
+    name = "ray_mita_serve_classifier_config_refused"
+    values = [s.value for fam in metric_families(service.metrics_text(), name)
+              for s in fam.samples if s.name == name
               and s.labels.get("variant") == variant]
     return values[0] if values else None
 

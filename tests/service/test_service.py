@@ -11,7 +11,6 @@ import socket
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from mita.data.listops import encode, generate_long
 from mita.hooks import MITA_STAGES
@@ -19,7 +18,15 @@ from mita.model import load_checkpoint
 from service import launch
 from service.metrics import DURATION_BUCKETS_S, n_bucket
 
-from ..helpers import CHECKPOINT, EXAMPLES, set_classifier, set_gateway, wait_for
+from ..helpers import (
+    CHECKPOINT,
+    EXAMPLES,
+    delta,
+    metric_families,
+    set_classifier,
+    set_gateway,
+    wait_for,
+)
 
 # sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
 # tests instead of waiting for the cores lock (tests/lanes.py)
@@ -29,7 +36,7 @@ pytestmark = pytest.mark.sharing
 def samples(text: str, name: str) -> dict[tuple, float]:
     """{(sample name, sorted labels): value} for one metric family in exposition text."""
     out = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in metric_families(text, name):
         for s in fam.samples:
             if s.name == name:
                 labels = tuple(sorted((k, v) for k, v in s.labels.items()
@@ -273,7 +280,8 @@ def test_ab_split_stickiness_and_shadow(service, serve_reset):
                 [{"x-client-key": keys[0]}] * 10)
     assert {r["variant"] for r in got} == {"dense"}  # explicit override beats stickiness
 
-    before = samples(service.metrics_text(), "ray_mita_serve_shadow_comparisons_total")
+    comparisons_total = "ray_mita_serve_shadow_comparisons_total"
+    text0 = service.metrics_text()
     # Room for every shadow call of the burst (the default cap of 2 in flight sheds most of
     # them: tests/service/test_shadow_load.py), so each request is compared.
     set_gateway(service, weights={"mita": 1.0, "dense": 0.0}, shadow=True,
@@ -288,13 +296,14 @@ def test_ab_split_stickiness_and_shadow(service, serve_reset):
         with torch.no_grad():
             agree += int(models["mita"](ids).argmax() == models["dense"](ids).argmax())
 
-    def comparisons():
-        now = samples(service.metrics_text(), "ray_mita_serve_shadow_comparisons_total")
-        delta = {k: v - before.get(k, 0) for k, v in now.items()}
-        return delta if sum(delta.values()) == len(texts) else None
-    delta = wait_for(comparisons)
-    assert delta, "shadow comparisons never reached the metrics endpoint"
-    assert delta.get((("agree", "true"), ("primary", "mita")), 0) == agree
+    def comparisons():  # per series (a replaced gateway's leave /metrics: helpers.delta)
+        text = service.metrics_text()
+        got = {a: delta(text, text0, comparisons_total, agree=a, primary="mita")
+               for a in ("true", "false")}
+        return got if sum(got.values()) == len(texts) else None
+    got = wait_for(comparisons)
+    assert got, "shadow comparisons never reached the metrics endpoint"
+    assert got["true"] == agree
 
 
 def stage_counts(service, stage: str) -> dict[str, float]:
