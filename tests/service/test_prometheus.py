@@ -247,9 +247,9 @@ def test_histogram_percentiles_match_the_load_tester_and_peak_memory_stays(servi
     """p50/p99 from the gateway's request-duration histogram, as the dashboards compute them
     (histogram_quantile over bucket increases, in real Prometheus), agree with the load
     tester's raw-sample percentiles within the width of the bucket the raw value falls in
-    (the client's latency adds its HTTP round trip, well under a bucket at these sizes). Then
+    (the client's latency adds its HTTP round trip, well under a bucket at these sizes). And
     the peak-memory gauge stays on /metrics for 30 s without requests (it vanished ~20 s after
-    the last request).
+    the last request), counted from the last request, the checks above included.
 
     The increase is taken between two scraped states, exactly (bucket values now minus the
     same at t0, PromQL's @ modifier), not by ``increase(...[2m])``: that extrapolates, misses
@@ -282,6 +282,7 @@ def test_histogram_percentiles_match_the_load_tester_and_peak_memory_stays(servi
     assert c0, "the priming request never reached Prometheus"
     t0 = time.time()
     samples = asyncio.run(run_load(cfg))
+    last_request = time.monotonic()  # the silence the peak-memory gauge must outlast
     assert all(s.status == 200 for s in samples)
     lat = np.array([s.latency_s for s in samples])
     assert wait_for(lambda: scraped(c0 + len(lat)), timeout_s=60), (
@@ -308,8 +309,9 @@ def test_histogram_percentiles_match_the_load_tester_and_peak_memory_stays(servi
     def gauge_present() -> bool:
         return "ray_mita_serve_peak_memory_bytes{" in service.metrics_text()
     assert wait_for(gauge_present, timeout_s=20)
-    seen = []
-    for _ in range(7):  # 30 s of silence, polled every 5 s
+    seen = []  # polled every 2 s until 32 s after the last request (the checks above included)
+    while time.monotonic() - last_request < 32:
         seen.append(gauge_present())
-        time.sleep(5)
+        time.sleep(2)
+    seen.append(gauge_present())
     assert all(seen), seen

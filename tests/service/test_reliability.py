@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import ray
 
 from loadtest.engine import LoadConfig, run_load
@@ -140,6 +141,7 @@ def test_overload_4x_capacity(service):
 OVERLOAD_REPORT: dict = {}
 
 
+@pytest.mark.sharing  # counts outcomes, times nothing
 def test_overloaded_shadow_does_not_fail_primary(service):
     """Primary dense (padded batching), shadow MiTA limited to one request in flight and one
     queued, the gateway's shadow cap lifted so that the classifier's back-pressure is what
@@ -278,6 +280,7 @@ def overflowing_checkpoint(dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.sharing  # statuses and counts, no timing
 def test_non_finite_logits_answer_500_and_count_as_errors(service, tmp_path):
     """A forward whose logits are not finite is a JSON 500 (never a 200 with NaN
     probabilities), counted with status 500 in requests_total and in /v1/stats."""
