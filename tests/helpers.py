@@ -227,20 +227,24 @@ class Service:
     def post(self, path: str, **kw) -> httpx.Response:
         return self.client.post(path, **kw)
 
+    # metrics_text's pacing: the last read's monotonic time, and a lock for CounterHighs's
+    # thread and the test's reads
+    _last_read: float = field(default=0.0, repr=False)
+    _read_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
     def metrics_text(self) -> str:
         """The exporter's /metrics page, at most one read a second (waiting for the rest):
         each read costs Ray's agent ~0.16 CPU s (a ~1.3 MB page), and the tests' polls of it
         at 2-4 a second took that from the suite's two cores."""
-        with _METRICS_READS["lock"]:
-            wait = _METRICS_READS["last"] + METRICS_READ_INTERVAL_S - time.monotonic()
+        with self._read_lock:
+            wait = self._last_read + METRICS_READ_INTERVAL_S - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            _METRICS_READS["last"] = time.monotonic()
+            self._last_read = time.monotonic()
             return httpx.get(self.metrics_url, timeout=10).text
 
 
 METRICS_READ_INTERVAL_S = 1.0  # the exporter exports every 0.5 s in tests
-_METRICS_READS = {"lock": threading.Lock(), "last": 0.0}
 
 
 # Fixed replicas and short metric export so tests see exact counts quickly. Every MiTA forward

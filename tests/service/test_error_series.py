@@ -4,9 +4,8 @@ expressions answer from start-up (the rules themselves: tests/no_ray/test_alert_
 from __future__ import annotations
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from ..helpers import REJECTION_SERIES, REQUEST_SERIES, wait_for
+from ..helpers import REJECTION_SERIES, REQUEST_SERIES, metric_families, wait_for
 
 # sharing: answers, counts and refusals, nothing timed: runs beside the tests/own_ray/
 # tests instead of waiting for the cores lock (tests/lanes.py)
@@ -19,9 +18,8 @@ def test_error_series_are_on_metrics_before_their_first_event(service):
     session has produced it; variant none's 503 (only a draining gateway answers it, never in
     this session) is there at exactly 0."""
     def scrape() -> tuple[dict, dict]:
-        text = "\n".join(x for x in service.metrics_text().splitlines() if "mita_serve_" in x)
         requests, rejections = {}, {}
-        for fam in text_string_to_metric_families(text):
+        for fam in metric_families(service.metrics_text(), "mita_serve_"):
             for s in fam.samples:
                 if s.name == "ray_mita_serve_requests_total":
                     key = (s.labels["variant"], s.labels["status"])

@@ -18,6 +18,7 @@ from ..helpers import (
     REFUSALS,
     REFUSALS_COUNTED,
     counter,
+    delta,
     metric_families,
     send_refusals,
     set_gateway,
@@ -99,10 +100,8 @@ def test_refused_live_update_keeps_the_running_version(service):
 
         def counted():
             text = service.metrics_text()
-            return counter(text, "ray_mita_serve_config_updates_total", outcome="refused",
-                           deployment="Gateway") - counter(
-                text0, "ray_mita_serve_config_updates_total", outcome="refused",
-                deployment="Gateway") or None
+            return delta(text, text0, "ray_mita_serve_config_updates_total",
+                         outcome="refused", deployment="Gateway") or None
         assert wait_for(counted, timeout_s=20) == 1, service.metrics_text()[-3000:]
         assert wait_for(lambda: counter(service.metrics_text(), "ray_mita_serve_config_"
                                         "refused", deployment="Gateway") == 1, timeout_s=20)
@@ -138,9 +137,8 @@ def test_every_check_holds_under_a_route_prefix(service):
 
         def counted():
             text = service.metrics_text()
-            got = {st: counter(text, "ray_mita_serve_requests_total", variant="none",
-                               status=str(st)) - counter(text0, "ray_mita_serve_requests_"
-                                                         "total", variant="none", status=str(st))
+            got = {st: delta(text, text0, "ray_mita_serve_requests_total", variant="none",
+                             status=str(st))
                    for st in REFUSALS_COUNTED}
             return got if got == REFUSALS_COUNTED else None
         assert wait_for(counted, timeout_s=20) == REFUSALS_COUNTED

@@ -14,7 +14,7 @@ import pytest
 
 from mita.data.listops import encode, generate_long
 
-from ..helpers import counter, set_gateway, wait_for
+from ..helpers import delta, set_gateway, wait_for
 
 # quiet: its dense p99 ratio (shadow on over off, bound 2x) was 0.8x alone, 2.1-2.5x beside
 # background tests
@@ -83,7 +83,7 @@ def test_shadow_flood_does_not_delay_dense_primaries(service, serve_reset):
     def shadow_outcomes():  # each flood request's dense shadow: one outcome
         text = service.metrics_text()
         dropped = "ray_mita_serve_shadow_dropped_total"
-        got = {k: counter(text, name, **labels) - counter(text0, name, **labels)
+        got = {k: delta(text, text0, name, **labels)
                for k, (name, labels) in {
                    "compared": ("ray_mita_serve_shadow_comparisons_total",
                                 {"primary": "mita"}),

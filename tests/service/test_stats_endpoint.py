@@ -8,13 +8,12 @@ import time
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mita.data.listops import encode, generate_long
 from mita.hooks import STAGE_ORDER
 from service.metrics import DURATION_BUCKETS_S
 
-from ..helpers import DENSE_STAGES, EXAMPLES, set_gateway, wait_for
+from ..helpers import DENSE_STAGES, EXAMPLES, metric_families, set_gateway, wait_for
 
 # sharing: it mostly waits (Prometheus' scrapes) and checks counts and answers, not timings
 pytestmark = pytest.mark.sharing
@@ -29,9 +28,8 @@ FAMILIES = ("ray_mita_serve_requests_total", "ray_mita_serve_shadow_comparisons_
 def metric_snapshot(service) -> dict[str, dict[tuple, float]]:
     """{family: {sorted labels: value}} summed over replicas, as ``test_service.samples``;
     Ray's endpoint serves ~1 MB, so only the service's own lines are parsed, once."""
-    text = "\n".join(x for x in service.metrics_text().splitlines() if "mita_serve_" in x)
     out: dict[str, dict[tuple, float]] = {f: {} for f in FAMILIES}
-    for fam in text_string_to_metric_families(text):
+    for fam in metric_families(service.metrics_text(), "mita_serve_"):
         for s in fam.samples:
             if s.name in out:
                 labels = tuple(sorted((k, v) for k, v in s.labels.items() if k in LABELS))
