@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     # handlers, not sigwait: a shell's `&` starts us with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    # A `ray stop` under us: our own line (running.gone), not Serve's long-poll traceback
+    running.quiet_dead_controller_polls()
     try:
         url = launch.start(config, a.metrics_port, a.metrics_interval_ms, node_ip=a.node_ip,
                            dashboard_host=a.dashboard_host, dashboard_port=a.dashboard_port,

@@ -4,6 +4,7 @@ gone)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -89,3 +90,22 @@ def _serve_apps() -> dict[str, str] | Exception:
                 for name, app in serve.status().applications.items()}
     except Exception as e:  # the controller killed (serve shutdown): RayActorError …
         return e
+
+
+class DeadControllerPolls(logging.Filter):
+    """Drops the traceback asyncio logs when a Serve handle's long poll in this driver fails
+    ("Exception in callback LongPollClient._poll_next()"): it fails only when Serve's
+    controller is unreachable, i.e. Ray or Serve was stopped from outside (``ray stop``: "Can't
+    find actor ... It might be dead"), which ``gone`` says in one line. Any other record
+    passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "LongPollClient._poll_next" in record.getMessage())
+
+
+def quiet_dead_controller_polls() -> None:
+    """Install ``DeadControllerPolls`` on the ``asyncio`` logger (where asyncio's default
+    exception handler logs), once."""
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, DeadControllerPolls) for f in log.filters):
+        log.addFilter(DeadControllerPolls())
