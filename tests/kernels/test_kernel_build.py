@@ -127,12 +127,13 @@ class _Load:
         starts each compile in a process group of its own, so a kill of the load's group
         missed them (a killed build's cc1plus compiled on to the end, 23 CPU s, in a
         clean-clone run)."""
-        for p in _in_session(self.proc.pid):
+        left = _in_session(self.proc.pid)
+        for p in left:
             try:
                 p.kill()
             except psutil.Error:
                 pass
-        psutil.wait_procs(_in_session(self.proc.pid), timeout=10)
+        psutil.wait_procs(left, timeout=10)
 
 
 def _in_session(sid: int) -> list[psutil.Process]:
